@@ -1,0 +1,206 @@
+"""`NormSpec`: the single description of a normalization layer.
+
+Every adapter (torch, Keras, Flax) and every conformance check reads its semantics from a
+`NormSpec`; `normkit.reference` computes what it means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+Kind: TypeAlias = Literal["rms", "partial_rms", "layer"]
+EpsPlacement: TypeAlias = Literal["inside", "outside"]
+Cast: TypeAlias = Literal["after_scale", "before_scale"]
+
+KINDS: tuple[Kind, ...] = ("rms", "partial_rms", "layer")
+EPS_PLACEMENTS: tuple[EpsPlacement, ...] = ("inside", "outside")
+CASTS: tuple[Cast, ...] = ("after_scale", "before_scale")
+
+DEFAULT_EPS = 1e-6
+
+
+def _invalid(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"NormSpec.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    r"""What a normalization layer computes, independent of any framework.
+
+    For each row ``x`` (the ``n`` elements of the input over ``axis``, in row-major order)::
+
+        rms:          s = mean(x ** 2)                 y_hat = x * r(s)
+        partial_rms:  s = mean(x[:k] ** 2)             y_hat = x * r(s)    k = max(1, floor(n * p))
+        layer:        s = mean((x - mean(x)) ** 2)     y_hat = (x - mean(x)) * r(s)
+
+        r(s) = 1 / sqrt(s + eps)        eps_placement="inside"
+        r(s) = 1 / (sqrt(s) + eps)      eps_placement="outside"
+
+        y = y_hat * (scale_offset + w) + b
+
+    ``w`` (present when ``scale``) and ``b`` (present when ``bias``) have the shape of the input
+    over ``axis``, taken in increasing axis order. The initial ``w`` is ``1 - scale_offset`` (ones,
+    or zeros with the Gemma offset 1), so a fresh layer has an effective scale of 1; ``b`` starts
+    at zero.
+
+    Dtype policy: for float16 and bfloat16 inputs the statistic and ``y_hat`` are computed in
+    float32. With ``cast="after_scale"`` the scale and bias are applied in float32 and the result
+    is rounded to the input dtype once; with ``cast="before_scale"`` (the Llama order) ``y_hat`` is
+    rounded to the input dtype first, and the affine result is rounded again. The output dtype is
+    always the input dtype, whatever the parameters' dtype.
+
+    Args:
+      kind: ``"rms"`` (RMSNorm), ``"partial_rms"`` (pRMSNorm) or ``"layer"`` (LayerNorm).
+        Default ``"rms"``.
+      eps: the positive constant that keeps ``r`` finite. Default ``1e-6`` for every kind and
+        backend (torch's own LayerNorm uses 1e-5, Keras' LayerNormalization 1e-3: pass them
+        explicitly to match).
+      eps_placement: ``"inside"`` the square root (torch, Keras, Flax, Hugging Face) or
+        ``"outside"`` it, added to the RMS or standard deviation (the original RMSNorm code).
+        Default ``"inside"``.
+      p: the partial fraction of ``partial_rms``, ``0 < p <= 1``; required for that kind and
+        invalid for the others. Default ``None``.
+      axis: the normalized axes, an int or a tuple of ints; negative values count from the end.
+        Default ``-1``. Stored as a tuple.
+      scale: whether the layer has the learned scale ``w``. Default ``True``.
+      scale_offset: the constant added to ``w`` before multiplying; ``1.0`` is the Gemma
+        (zero-centered) convention. Default ``0.0``. Requires ``scale=True`` when non-zero.
+      bias: whether the layer has the learned bias ``b``. Default ``None``, which resolves to
+        ``False`` for the RMS kinds and ``True`` for ``"layer"``.
+      cast: the cast order for half-precision inputs, ``"after_scale"`` (default) or
+        ``"before_scale"``. It has no effect on float32 or float64 inputs.
+    """
+
+    kind: Kind = "rms"
+    eps: float = DEFAULT_EPS
+    eps_placement: EpsPlacement = "inside"
+    p: float | None = None
+    axis: int | tuple[int, ...] = -1
+    scale: bool = True
+    scale_offset: float = 0.0
+    bias: bool | None = None
+    cast: Cast = "after_scale"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise _invalid("kind", self.kind, f"expected one of {KINDS}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise _invalid("eps", self.eps, "expected a positive finite float")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise _invalid("eps", self.eps, "expected a positive finite float")
+        if self.eps_placement not in EPS_PLACEMENTS:
+            raise _invalid("eps_placement", self.eps_placement, f"expected one of {EPS_PLACEMENTS}")
+        if self.kind == "partial_rms":
+            if self.p is None:
+                raise _invalid("p", self.p, "kind='partial_rms' needs a fraction 0 < p <= 1")
+            if isinstance(self.p, bool) or not isinstance(self.p, (int, float)):
+                raise _invalid("p", self.p, "expected a float with 0 < p <= 1")
+            if not (0 < self.p <= 1):
+                raise _invalid("p", self.p, "expected 0 < p <= 1")
+        elif self.p is not None:
+            raise _invalid("p", self.p, f"p applies only to kind='partial_rms', not {self.kind!r}")
+        object.__setattr__(self, "axis", _normalize_axis(self.axis))
+        if not isinstance(self.scale, bool):
+            raise _invalid("scale", self.scale, "expected True or False")
+        if isinstance(self.scale_offset, bool) or not isinstance(self.scale_offset, (int, float)):
+            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
+        if not math.isfinite(self.scale_offset):
+            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
+        if self.scale_offset != 0 and not self.scale:
+            raise _invalid("scale_offset", self.scale_offset, "a non-zero offset needs scale=True")
+        if self.bias is None:
+            object.__setattr__(self, "bias", self.kind == "layer")
+        elif not isinstance(self.bias, bool):
+            raise _invalid("bias", self.bias, "expected True, False or None")
+        if self.cast not in CASTS:
+            raise _invalid("cast", self.cast, f"expected one of {CASTS}")
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "scale_offset", float(self.scale_offset))
+        if self.p is not None:
+            object.__setattr__(self, "p", float(self.p))
+
+    @property
+    def scale_init(self) -> float:
+        """The initial value of ``w``: ``1 - scale_offset``, so that the effective scale is 1."""
+        return 1.0 - self.scale_offset
+
+    def resolve_axes(self, ndim: int) -> tuple[int, ...]:
+        """The normalized axes of an input of rank ``ndim``: non-negative, increasing."""
+        resolved = []
+        for a in self.axis:
+            if not -ndim <= a < ndim:
+                raise ValueError(
+                    f"NormSpec.axis={self.axis!r}: axis {a} is out of range for an input of "
+                    f"rank {ndim} (allowed: {-ndim} .. {ndim - 1})"
+                )
+            resolved.append(a % ndim)
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(
+                f"NormSpec.axis={self.axis!r} names the same axis twice for an input of rank {ndim}"
+            )
+        return tuple(sorted(resolved))
+
+    def param_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of ``w`` and ``b`` for an input of ``input_shape``."""
+        return tuple(input_shape[a] for a in self.resolve_axes(len(input_shape)))
+
+    def stat_size(self, n: int) -> int:
+        """How many leading elements of a row of ``n`` the statistic reads.
+
+        ``n`` for ``"rms"`` and ``"layer"``; ``max(1, floor(n * p))`` for ``"partial_rms"``, with
+        ``n * p`` evaluated in float64 as the original pRMSNorm code's ``int(d * p)`` does (so
+        ``p=0.29, n=100`` gives 28, not 29).
+        """
+        if n < 1:
+            raise ValueError(f"a normalized row must have at least one element, got n={n}")
+        if self.kind != "partial_rms":
+            return n
+        assert self.p is not None
+        return max(1, math.floor(n * self.p))
+
+    def replace(self, **changes: object) -> NormSpec:
+        """A copy with ``changes`` applied and validated (``bias=None`` re-resolves the default)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-compatible dict; ``NormSpec.from_dict`` inverts it."""
+        d = dataclasses.asdict(self)
+        d["axis"] = list(self.axis)  # type: ignore[arg-type]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> NormSpec:
+        """Build a spec from ``to_dict``'s output; unknown keys raise ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a NormSpec dict must be a dict, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown NormSpec fields {unknown}; allowed: {sorted(names)}")
+        fields = dict(data)
+        if isinstance(fields.get("axis"), list):
+            fields["axis"] = tuple(fields["axis"])  # type: ignore[arg-type]
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def _normalize_axis(axis: object) -> tuple[int, ...]:
+    if isinstance(axis, bool):
+        raise _invalid("axis", axis, "expected an int or a non-empty tuple of ints")
+    if isinstance(axis, numbers.Integral):
+        return (int(axis),)
+    if not isinstance(axis, Iterable) or isinstance(axis, (str, bytes)):
+        raise _invalid("axis", axis, "expected an int or a non-empty tuple of ints")
+    axes = tuple(axis)
+    if not axes:
+        raise _invalid("axis", axis, "expected at least one axis")
+    if not all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes):
+        raise _invalid("axis", axis, "expected ints")
+    axes = tuple(int(a) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise _invalid("axis", axis, "expected distinct axes")
+    return axes
