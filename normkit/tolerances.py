@@ -133,11 +133,12 @@ def measure(
     e = exp.astype(np.float64)
     finite = np.isfinite(e)
     same_nonfinite = (np.isnan(a) & np.isnan(e)) | (~np.isnan(e) & ~finite & (a == e))
-    mismatch = int(np.count_nonzero(~finite & ~same_nonfinite) + np.count_nonzero(finite & ~np.isfinite(a)))
+    mismatch = int(np.count_nonzero(~finite & ~same_nonfinite))
+    mismatch += int(np.count_nonzero(finite & ~np.isfinite(a)))
     both = finite & np.isfinite(a)
-    diff = np.where(both, np.abs(a - e), 0.0)
     ref_scale = float(np.max(np.abs(e), where=finite, initial=0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
+        diff = np.where(both, np.abs(a - e), 0.0)
         rel = np.where(both & (e != 0), diff / np.abs(e), 0.0)
     floor = ULP_FLOOR * ref_scale
     ulps = diff / dtypes.ulp(np.where(both, np.maximum(np.abs(e), floor), 1.0), measured)
@@ -149,7 +150,9 @@ def measure(
     else:
         error = max_abs / ref_scale if ref_scale > 0 else max_abs
         worst = diff
-    worst_index = tuple(int(i) for i in np.unravel_index(int(np.argmax(worst)), worst.shape)) if worst.size else None
+    worst_index = None
+    if worst.size:
+        worst_index = tuple(int(i) for i in np.unravel_index(int(np.argmax(worst)), worst.shape))
     return Measurement(
         dtype=measured.name,
         max_abs=max_abs,
