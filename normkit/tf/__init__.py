@@ -1,0 +1,21 @@
+"""Keras 3 layers that follow a `normkit.NormSpec`: `RMSNorm`, `PartialRMSNorm`, `LayerNorm`.
+
+They are written with ``keras.ops`` only, so they run on every Keras backend (TensorFlow, JAX,
+PyTorch; chosen by ``KERAS_BACKEND`` before Keras is imported).
+"""
+
+try:
+    import keras
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "normkit.tf needs Keras 3 and TensorFlow: pip install 'normkit[tf]'"
+    ) from err
+
+if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"normkit.tf needs Keras 3, found Keras {keras.__version__}: pip install 'normkit[tf]'"
+    )
+
+from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]

@@ -1,0 +1,274 @@
+"""Keras 3 layers that compute a `NormSpec`, written with ``keras.ops`` for every Keras backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
+
+_HALF = ("float16", "bfloat16")
+
+
+class _Norm(keras.layers.Layer):
+    """The shared machinery: weights, dtype policy, shape checks and the spec's arithmetic.
+
+    Dtypes: the statistic and the normalized value are computed in float32 (float64 for a
+    float64 input). Under a policy whose compute dtype is float16 or bfloat16 (``mixed_float16``,
+    ``mixed_bfloat16``), floating inputs are first cast to the compute dtype, so the output is the
+    compute dtype. Under a float32 or float64 policy nothing is cast: the output has the input's
+    dtype, as the spec says (a bfloat16 input gives a bfloat16 output). Variables have the
+    policy's variable dtype and are never autocast.
+    """
+
+    def __init__(self, spec: NormSpec, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._spec = spec
+        self.autocast = False
+        self.supports_masking = True
+        self._param_shape: tuple[int, ...] | None = None
+
+    @property
+    def spec(self) -> NormSpec:
+        """The `NormSpec` this layer computes."""
+        return self._spec
+
+    def _axes(self, shape: tuple[int | None, ...]) -> tuple[int, ...]:
+        try:
+            return self._spec.resolve_axes(len(shape))
+        except ValueError as err:
+            raise ValueError(f"{self.name}: input of shape {shape}: {err}") from None
+
+    def _output_dtype(self, dtype: Any) -> str:
+        dtype = keras.backend.standardize_dtype(dtype)
+        if not keras.backend.is_float_dtype(dtype):
+            raise TypeError(
+                f"{self.name}: the input has dtype {dtype}; {type(self).__name__} needs a "
+                "floating input (float16, bfloat16, float32 or float64)"
+            )
+        return self.compute_dtype if self.compute_dtype in _HALF else dtype
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        shape = tuple(input_shape)
+        axes = self._axes(shape)
+        param_shape = tuple(shape[a] for a in axes)
+        if any(d is None for d in param_shape):
+            raise ValueError(
+                f"{self.name}: the normalized axes {axes} of input shape {shape} must have known "
+                "sizes to create the weights"
+            )
+        self._param_shape = param_shape
+        self.scale = None
+        self.bias = None
+        if self._spec.scale:
+            self.scale = self.add_weight(
+                name="scale",
+                shape=param_shape,
+                initializer=keras.initializers.Constant(self._spec.scale_init),
+                autocast=False,
+            )
+        if self._spec.bias:
+            self.bias = self.add_weight(
+                name="bias", shape=param_shape, initializer="zeros", autocast=False
+            )
+
+    def _broadcast_shape(self, shape: tuple[int | None, ...]) -> tuple[tuple[int, ...], list[int]]:
+        """The normalized axes of ``shape``, checked against the built sizes, and the shape that
+        broadcasts a parameter over the input (1 on the other axes)."""
+        axes = self._axes(shape)
+        assert self._param_shape is not None
+        for a, size in zip(axes, self._param_shape, strict=True):
+            if shape[a] is not None and shape[a] != size:
+                raise ValueError(
+                    f"{self.name}: axis {a} of the input (shape {shape}) has size {shape[a]}, but "
+                    f"the layer was built for size {size} there (normalized sizes "
+                    f"{self._param_shape} over axis {self._spec.axis})"
+                )
+        target = [1] * len(shape)
+        for a, size in zip(axes, self._param_shape, strict=True):
+            target[a] = size
+        return axes, target
+
+    def call(self, inputs: Any) -> Any:
+        spec = self._spec
+        dtype = self._output_dtype(inputs.dtype)
+        axes, target = self._broadcast_shape(tuple(inputs.shape))
+        work = "float64" if dtype == "float64" else "float32"
+        x = ops.cast(inputs, work)
+        if spec.kind == "layer":
+            x = x - ops.mean(x, axis=axes, keepdims=True)
+        n = int(np.prod(target))
+        k = spec.stat_size(n)
+        if k < n:
+            first_k = (np.arange(n) < k).reshape(target)
+            s = ops.sum(ops.square(x) * ops.cast(first_k, work), axis=axes, keepdims=True) / k
+        else:
+            s = ops.mean(ops.square(x), axis=axes, keepdims=True)
+        if spec.eps_placement == "inside":
+            r = ops.rsqrt(s + spec.eps)
+        else:
+            # sqrt has an infinite derivative at 0; where s == 0 every x in the statistic is 0,
+            # and the reference takes the term as 0, which the inner where gives.
+            positive = s > 0
+            root = ops.where(positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), 0.0)
+            r = 1.0 / (root + spec.eps)
+        y = x * r
+        if spec.cast == "before_scale" and dtype in _HALF:
+            y = ops.cast(ops.cast(y, dtype), work)
+        if self.scale is not None:
+            g = ops.reshape(ops.cast(self.scale, work), target)
+            y = y * (g + spec.scale_offset if spec.scale_offset else g)
+        if self.bias is not None:
+            y = y + ops.reshape(ops.cast(self.bias, work), target)
+        return ops.cast(y, dtype)
+
+    def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
+        dtype = self._output_dtype(inputs.dtype)
+        self._axes(tuple(inputs.shape))
+        return keras.KerasTensor(inputs.shape, dtype=dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **_spec_kwargs(self._spec)}
+
+
+def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
+    """The constructor arguments (JSON-compatible) of the layer that computes ``spec``."""
+    kwargs: dict[str, Any] = {
+        "axis": spec.axis[0] if len(spec.axis) == 1 else list(spec.axis),
+        "epsilon": spec.eps,
+        "eps_placement": spec.eps_placement,
+        "scale": spec.scale,
+        "scale_offset": spec.scale_offset,
+        "bias": spec.bias,
+        "cast": spec.cast,
+    }
+    if spec.kind == "partial_rms":
+        kwargs["p"] = spec.p
+    return kwargs
+
+
+_ARGS_DOC = """
+    Args:
+      axis: the normalized axes, an int or a list of ints (negative count from the end).
+        Default ``-1``. Their sizes are fixed by the first call.
+      epsilon: the positive ``eps``. Default ``1e-6``.
+      eps_placement: ``"inside"`` (``r = 1 / sqrt(s + eps)``, default) or ``"outside"``
+        (``r = 1 / (sqrt(s) + eps)``).
+      scale: whether the layer has the weight ``w`` ("scale", of the input's shape over
+        ``axis``). Default ``True``.
+      scale_offset: added to ``w`` before multiplying (``1.0``: Gemma); ``w`` starts at
+        ``1 - scale_offset``. Default ``0.0``.
+      bias: whether the layer has the weight ``b`` ("bias", zeros).
+      cast: for float16/bfloat16, ``"after_scale"`` (one rounding of the result, default) or
+        ``"before_scale"`` (``y_hat`` rounded to the input dtype before the affine step).
+      **kwargs: `keras.layers.Layer` arguments (``name``, ``dtype`` policy, ``trainable``).
+"""
+
+
+@keras.saving.register_keras_serializable(package="normkit")
+class RMSNorm(_Norm):
+    __doc__ = (
+        """RMSNorm: ``y = x * r(mean(x**2)) * (scale_offset + w) + b`` over ``axis``.
+
+    Statistics in float32; the output dtype follows the input (see `normkit.tf` docs for the
+    mixed-precision policies). Default: no bias.
+    """
+        + _ARGS_DOC
+    )
+
+    def __init__(
+        self,
+        axis: int | list[int] | tuple[int, ...] = -1,
+        epsilon: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        scale: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = False,
+        cast: Cast = "after_scale",
+        **kwargs: Any,
+    ) -> None:
+        spec = NormSpec(
+            kind="rms", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
+            scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(spec, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="normkit")
+class PartialRMSNorm(_Norm):
+    __doc__ = (
+        """Partial RMSNorm: ``y = x * r(mean(x[:k]**2)) * (scale_offset + w) + b``.
+
+    ``x[:k]`` are the first ``k = max(1, floor(n * p))`` of the ``n`` normalized elements of a row,
+    in row-major order over ``axis``; normalization and weights apply to all ``n``.
+
+    Args:
+      p: the fraction, ``0 < p <= 1``.
+    """
+        + _ARGS_DOC.replace("    Args:\n", "")
+    )
+
+    def __init__(
+        self,
+        p: float,
+        axis: int | list[int] | tuple[int, ...] = -1,
+        epsilon: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        scale: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = False,
+        cast: Cast = "after_scale",
+        **kwargs: Any,
+    ) -> None:
+        spec = NormSpec(
+            kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
+            scale=scale, scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(spec, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="normkit")
+class LayerNorm(_Norm):
+    __doc__ = (
+        """LayerNorm: ``c = x - mean(x)``, ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
+
+    Two-pass statistics in float32. Default: with bias. Keras' own LayerNormalization defaults to
+    ``epsilon=1e-3``; pass it explicitly to match.
+    """
+        + _ARGS_DOC
+    )
+
+    def __init__(
+        self,
+        axis: int | list[int] | tuple[int, ...] = -1,
+        epsilon: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        scale: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = True,
+        cast: Cast = "after_scale",
+        **kwargs: Any,
+    ) -> None:
+        spec = NormSpec(
+            kind="layer", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
+            scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(spec, **kwargs)
+
+
+_LAYERS: dict[str, type[_Norm]] = {"rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm}
+
+
+def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm:
+    """The layer that computes ``spec``; ``kwargs`` go to `keras.layers.Layer` (name, dtype)."""
+    if not isinstance(spec, NormSpec):
+        raise TypeError(f"from_spec needs a normkit.NormSpec, got {type(spec).__name__}")
+    return _LAYERS[spec.kind](**_spec_kwargs(spec), **kwargs)  # type: ignore[return-value]
