@@ -1,0 +1,107 @@
+"""Which framework backends are installed, their versions and devices, found without importing them.
+
+Installation and versions come from package metadata; devices need the framework itself, so each
+is asked in a subprocess of its own (a slow or broken framework cannot take normkit down with it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A normkit backend: its subpackage, the install extra, and the packages it needs."""
+
+    name: str
+    module: str
+    extra: str
+    packages: tuple[str, ...]
+    device_probe: str = field(repr=False)
+
+    def missing(self) -> list[str]:
+        """The needed packages that are not installed."""
+        return [p for p in self.packages if importlib.util.find_spec(p) is None]
+
+    def versions(self) -> dict[str, str | None]:
+        """Each needed package's installed version, or None."""
+        found: dict[str, str | None] = {}
+        for package in self.packages:
+            try:
+                found[package] = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                found[package] = None
+        return found
+
+    def devices(self, timeout_s: float = 120.0) -> list[str]:
+        """The devices the framework sees, asked in a subprocess; raises RuntimeError on failure."""
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", self.device_probe],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{self.name}: listing devices took over {timeout_s:.0f} s") from exc
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{self.name}: listing devices failed: {last}")
+        return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend(
+        "torch",
+        "normkit.torch",
+        "torch",
+        ("torch",),
+        "import json, torch\n"
+        "d = ['cpu'] + [f'cuda:{i}' for i in range(torch.cuda.device_count())]\n"
+        "mps = getattr(torch.backends, 'mps', None)\n"
+        "d += ['mps'] if mps is not None and mps.is_available() else []\n"
+        "print(json.dumps(d))",
+    ),
+    Backend(
+        "tf",
+        "normkit.tf",
+        "tf",
+        ("tensorflow", "keras"),
+        "import os, json\n"
+        "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')\n"
+        "import tensorflow as tf\n"
+        "print(json.dumps([d.name.replace('/physical_device:', '').lower()"
+        " for d in tf.config.list_physical_devices()]))",
+    ),
+    Backend(
+        "jax",
+        "normkit.jax",
+        "jax",
+        ("jax", "flax"),
+        "import json, jax\nprint(json.dumps([f'{d.platform}:{d.id}' for d in jax.devices()]))",
+    ),
+)
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``; ValueError naming the known ones otherwise."""
+    for backend in BACKENDS:
+        if backend.name == name:
+            return backend
+    raise ValueError(f"unknown backend {name!r}; known: {[b.name for b in BACKENDS]}")
+
+
+def require(name: str) -> None:
+    """Raise ImportError, naming the extra to install, if backend ``name`` is missing packages."""
+    backend = get(name)
+    missing = backend.missing()
+    if missing:
+        raise ImportError(
+            f"{backend.module} needs {', '.join(missing)}, which is not installed: "
+            f"pip install 'normkit[{backend.extra}]'"
+        )

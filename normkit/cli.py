@@ -1,0 +1,129 @@
+"""The ``normkit`` command line (also ``python -m normkit``).
+
+Each subcommand is a module-level pair: a function that adds its arguments and one that runs it.
+Heavy imports happen inside the run functions, so ``normkit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import normkit
+from normkit import backends, dtypes
+from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
+
+
+def _add_info(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-devices", action="store_true", help="skip asking each backend for its devices")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    rows = []
+    for backend in backends.BACKENDS:
+        versions = backend.versions()
+        installed = not backend.missing()
+        row: dict[str, object] = {
+            "backend": backend.name,
+            "module": backend.module,
+            "installed": installed,
+            "versions": versions,
+            "install": f"pip install 'normkit[{backend.extra}]'",
+        }
+        if installed and not args.no_devices:
+            try:
+                row["devices"] = backend.devices()
+            except RuntimeError as exc:
+                row["devices_error"] = str(exc)
+        rows.append(row)
+    report = {
+        "normkit": normkit.__version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "backends": rows,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"normkit {normkit.__version__} (Python {report['python']}, numpy {np.__version__})")
+    for row in rows:
+        versions = ", ".join(f"{p} {v or '-'}" for p, v in row["versions"].items())  # type: ignore[union-attr]
+        if not row["installed"]:
+            print(f"  {row['module']:<13} not installed ({versions}); {row['install']}")
+            continue
+        seen = row.get("devices", row.get("devices_error", "devices not listed"))
+        devices = ", ".join(seen) if isinstance(seen, list) else seen
+        print(f"  {row['module']:<13} {versions}; devices: {devices}")
+    return 0
+
+
+def _add_reference(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("values", nargs="+", type=float, help="one row of input values")
+    parser.add_argument("--kind", choices=KINDS, default="rms")
+    parser.add_argument("--eps", type=float, default=NormSpec.eps)
+    parser.add_argument("--eps-placement", choices=EPS_PLACEMENTS, default="inside")
+    parser.add_argument("--p", type=float, default=None, help="partial fraction (partial_rms)")
+    parser.add_argument("--scale-offset", type=float, default=0.0)
+    parser.add_argument("--cast", choices=CASTS, default="after_scale")
+    parser.add_argument("--dtype", choices=list(dtypes.DTYPE_NAMES), default="float64")
+    parser.add_argument("--scale", type=float, nargs="+", help="w, one value per input value")
+    parser.add_argument("--bias", type=float, nargs="+", help="b, one value per input value")
+
+
+def _run_reference(args: argparse.Namespace) -> int:
+    from normkit import reference
+
+    spec = NormSpec(
+        args.kind,
+        eps=args.eps,
+        eps_placement=args.eps_placement,
+        p=args.p,
+        scale_offset=args.scale_offset,
+        bias=True if args.bias else None,
+        cast=args.cast,
+    )
+    x = np.asarray(args.values, dtype=np.float64).astype(dtypes.DTYPE_NAMES[args.dtype])
+    y = reference.normalize(x, spec, args.scale, args.bias)
+    dx, _, _ = reference.normalize_vjp(x, np.ones_like(x), spec, args.scale, args.bias)
+    print(spec)
+    print(f"x       = {x.astype(np.float64).tolist()}  ({args.dtype})")
+    print(f"y       = {y.astype(np.float64).tolist()}  ({y.dtype.name})")
+    print(f"d sum(y)/dx = {dx.tolist()}")
+    return 0
+
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+COMMANDS: list[Command] = [
+    ("info", _add_info, _run_info),
+    ("reference", _add_reference, _run_reference),
+]
+HELP = {
+    "info": "normkit's version and, per backend, whether it is installed, its version and devices",
+    "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="normkit", description=normkit.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"normkit {normkit.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, add_arguments, run in COMMANDS:
+        command = sub.add_parser(name, help=HELP[name], description=HELP[name])
+        add_arguments(command)
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (ValueError, TypeError) as exc:
+        print(f"normkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
