@@ -87,3 +87,13 @@ def test_reference_command_prints_the_cast_emulation(capsys):
 def test_cli_reports_invalid_spec_as_an_error(capsys):
     assert cli.main(["reference", "1", "2", "--p", "0.5"]) == 2
     assert "normkit reference: error: NormSpec.p=0.5 is invalid" in capsys.readouterr().err
+
+
+def test_readme_example_runs_and_passes():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("PASS [float32]")

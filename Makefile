@@ -1,0 +1,28 @@
+# Two entry points, each setting up its own environment on a fresh machine:
+#   make conformance   the main job: normkit's conformance report on the installed backends
+#   make test          the test suite (what CI runs)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 is pinned for development and CI only (a CPU wheel on these machines);
+# the library itself accepts torch >= 2.4.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install test conformance
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet -e '.[all,test]'
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest
+
+conformance: install
+	$(BIN)/normkit info
+	$(BIN)/normkit reference 1 7 --dtype bfloat16 --scale 1.0078125 1.0078125 --cast before_scale
+	$(BIN)/normkit reference 1 7 --dtype bfloat16 --scale 1.0078125 1.0078125 --cast after_scale
