@@ -1,0 +1,307 @@
+"""`NormSpec` as pure JAX functions with an analytic `jax.custom_vjp`.
+
+The backward pass saves only the input and the statistic ``s`` per row (float32, or float64
+for float64 inputs), besides references to the parameters; it is usable under ``jit``, ``grad``, ``vmap``, ``remat`` and
+``scan``, and inside ``shard_map`` with ``axis_name``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+
+__all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm"]
+
+_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the custom_vjp needs besides the arrays; hashable, so it is a static argument."""
+
+    spec: NormSpec
+    axes: tuple[int, ...]
+    axis_name: str | None
+
+
+def normalize(
+    x: jax.Array,
+    spec: NormSpec,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    dtype: jnp.dtype | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    r"""``spec`` applied to ``x`` (see `NormSpec` for the math and the dtype policy).
+
+    Per row ``x`` over ``spec.axis``: ``y = y_hat * (scale_offset + scale) + bias`` with
+    ``y_hat = x r(s)`` (RMS kinds) or ``(x - mean(x)) r(s)`` (LayerNorm, variance computed in two
+    passes). Statistics are computed in float32 (float64 for float64 inputs).
+
+    Args:
+      x: a floating-point array (float16, bfloat16, float32 or float64).
+      spec: the norm.
+      scale: ``w``, of shape ``spec.param_shape(x.shape)``, any float dtype; None means its
+        initial value (effective scale 1).
+      bias: ``b``, of the same shape; None means zero.
+      dtype: the dtype to compute in and return; ``x`` is cast to it first. None: ``x.dtype``.
+        The output never takes the parameters' dtype.
+      axis_name: the mesh axis (``shard_map``/``pmap``) the normalized axes are sharded over;
+        the statistics are then reduced across it, so each shard gets the unsharded result.
+        With ``kind="partial_rms"`` the statistic reads the first ``k = spec.stat_size(N)``
+        elements of the global row of ``N = n * axis_size`` elements (shards in mesh order);
+        this needs a single normalized axis.
+
+    Returns:
+      An array of ``x``'s shape and of dtype ``dtype`` (default ``x.dtype``).
+
+    Raises:
+      TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``) is not floating-point.
+      ValueError: an axis is out of range, a parameter has the wrong shape or is given although
+        the spec lacks it, or partial RMS is sharded over several normalized axes.
+    """
+    x = jnp.asarray(x)
+    out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"x has dtype {x.dtype}; normkit norms need a floating-point input "
+            "(float16, bfloat16, float32 or float64)"
+        )
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"dtype={out_dtype} is not a floating-point dtype")
+    x = x.astype(out_dtype)
+    axes = spec.resolve_axes(x.ndim)
+    if spec.kind == "partial_rms" and axis_name is not None and len(axes) != 1:
+        raise ValueError(
+            f"partial RMS with axis_name={axis_name!r} needs a single normalized axis, got "
+            f"axes {axes}: the global order of the first k elements is undefined otherwise"
+        )
+    expected = spec.param_shape(x.shape)
+    for name, value, present in (("scale", scale, spec.scale), ("bias", bias, spec.bias)):
+        if value is None:
+            continue
+        if not present:
+            raise ValueError(f"{name} was given but the spec has {name}=False")
+        if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(f"{name} has dtype {jnp.result_type(value)}; expected a float dtype")
+        if jnp.shape(value) != expected:
+            raise ValueError(
+                f"{name} has shape {jnp.shape(value)}, but x of shape {x.shape} normalized over "
+                f"axes {axes} needs {expected}: wrong feature size for this layer"
+            )
+    for a in axes:
+        if x.shape[a] == 0:
+            raise ValueError(f"x has shape {x.shape}: the normalized axis {a} is empty")
+    return _norm(_Plan(spec, axes, axis_name), x, scale, bias)
+
+
+def rms_norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    eps: float = DEFAULT_EPS,
+    eps_placement: EpsPlacement = "inside",
+    axis: int | tuple[int, ...] = -1,
+    scale_offset: float = 0.0,
+    cast: Cast = "after_scale",
+    dtype: jnp.dtype | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from these arguments.
+
+    The `NormSpec` fields have their NormSpec meaning and defaults (the spec has a bias when
+    ``bias`` is given); ``scale``, ``bias``, ``dtype`` and ``axis_name`` are `normalize`'s.
+    """
+    spec = NormSpec(
+        kind="rms", eps=eps, eps_placement=eps_placement, axis=axis,
+        scale_offset=scale_offset, bias=bias is not None, cast=cast,
+    )
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+
+
+def partial_rms_norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    p: float,
+    eps: float = DEFAULT_EPS,
+    eps_placement: EpsPlacement = "inside",
+    axis: int | tuple[int, ...] = -1,
+    scale_offset: float = 0.0,
+    cast: Cast = "after_scale",
+    dtype: jnp.dtype | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """Partial RMSNorm (statistic over the first ``spec.stat_size(n)`` elements of a row).
+
+    `normalize` with ``NormSpec(kind="partial_rms", p=p, ...)``; arguments as in `rms_norm`.
+    """
+    spec = NormSpec(
+        kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement, axis=axis,
+        scale_offset=scale_offset, bias=bias is not None, cast=cast,
+    )
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+
+
+def layer_norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    eps: float = DEFAULT_EPS,
+    eps_placement: EpsPlacement = "inside",
+    axis: int | tuple[int, ...] = -1,
+    scale_offset: float = 0.0,
+    cast: Cast = "after_scale",
+    dtype: jnp.dtype | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """LayerNorm: `normalize` with ``NormSpec(kind="layer", ...)``; arguments as in `rms_norm`."""
+    spec = NormSpec(
+        kind="layer", eps=eps, eps_placement=eps_placement, axis=axis,
+        scale_offset=scale_offset, bias=bias is not None, cast=cast,
+    )
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+
+
+# --- the custom_vjp ---------------------------------------------------------------------------
+
+
+def _stat_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _psum(value: jax.Array, plan: _Plan) -> jax.Array:
+    return value if plan.axis_name is None else lax.psum(value, plan.axis_name)
+
+
+def _row_size(x: jax.Array, plan: _Plan) -> int:
+    """n: the number of elements in a (global) row."""
+    n = int(np.prod([x.shape[a] for a in plan.axes]))
+    return n if plan.axis_name is None else n * lax.axis_size(plan.axis_name)
+
+
+def _row_mean(value: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan) / n
+
+
+def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
+    """The elements the partial statistic reads (broadcastable to x), and their count k."""
+    k = plan.spec.stat_size(n)
+    shape = [x.shape[a] if a in plan.axes else 1 for a in range(x.ndim)]
+    local = lax.broadcasted_iota(jnp.int32, shape, plan.axes[0])
+    for a in plan.axes[1:]:
+        local = local * x.shape[a] + lax.broadcasted_iota(jnp.int32, shape, a)
+    if plan.axis_name is not None:
+        local = local + lax.axis_index(plan.axis_name) * x.shape[plan.axes[0]]
+    return local < k, k
+
+
+def _centered(xf: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    return xf - _row_mean(xf, plan, n) if plan.spec.kind == "layer" else xf
+
+
+def _statistic(c: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    """s per row (keepdims): the mean of c**2 over the row, or over its first k elements."""
+    if plan.spec.kind != "partial_rms":
+        return _row_mean(c * c, plan, n)
+    mask, k = _partial_mask(c, plan, n)
+    return _row_mean(jnp.where(mask, c * c, 0), plan, k)
+
+
+def _r(s: jax.Array, spec: NormSpec) -> jax.Array:
+    if spec.eps_placement == "inside":
+        return lax.rsqrt(s + spec.eps)
+    return 1 / (jnp.sqrt(s) + spec.eps)
+
+
+def _dr_ds(s: jax.Array, r: jax.Array, spec: NormSpec) -> jax.Array:
+    if spec.eps_placement == "inside":
+        return -0.5 * r * r * r
+    positive = s > 0
+    return jnp.where(positive, -0.5 * r * r / jnp.sqrt(jnp.where(positive, s, 1)), 0)
+
+
+def _broadcast_param(value: jax.Array, x: jax.Array, plan: _Plan, dtype: jnp.dtype) -> jax.Array:
+    shape = [x.shape[a] if a in plan.axes else 1 for a in range(x.ndim)]
+    return jnp.reshape(value, shape).astype(dtype)
+
+
+def _gain(x: jax.Array, scale: jax.Array | None, plan: _Plan, dtype: jnp.dtype) -> jax.Array | None:
+    """``scale_offset + w`` broadcastable to x, or None for an effective scale of 1."""
+    if scale is None:
+        return None
+    g = _broadcast_param(scale, x, plan, dtype)
+    return g + plan.spec.scale_offset if plan.spec.scale_offset else g
+
+
+def _forward(
+    plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    compute = _stat_dtype(x.dtype)
+    n = _row_size(x, plan)
+    c = _centered(x.astype(compute), plan, n)
+    s = _statistic(c, plan, n)
+    y = c * _r(s, plan.spec)
+    if x.dtype in _HALF and plan.spec.cast == "before_scale":
+        y = y.astype(x.dtype).astype(compute)
+    g = _gain(x, scale, plan, compute)
+    if g is not None:
+        y = y * g
+    if bias is not None:
+        y = y + _broadcast_param(bias, x, plan, compute)
+    return y.astype(x.dtype), s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _norm(plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
+    return _forward(plan, x, scale, bias)[0]
+
+
+def _norm_fwd(
+    plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]]:
+    y, s = _forward(plan, x, scale, bias)
+    return y, (x, s, scale, bias)
+
+
+def _norm_bwd(
+    plan: _Plan,
+    residuals: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+    dy: jax.Array,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    x, s, scale, bias = residuals
+    spec = plan.spec
+    compute = s.dtype
+    n = _row_size(x, plan)
+    c = _centered(x.astype(compute), plan, n)
+    r = _r(s, spec)
+    dyf = dy.astype(compute)
+    g = _gain(x, scale, plan, compute)
+    d = dyf if g is None else dyf * g
+    sum_dc = _psum(jnp.sum(d * c, axis=plan.axes, keepdims=True), plan)
+    coef = _dr_ds(s, r, spec) * sum_dc
+    if spec.kind == "layer":
+        dx = r * (d - _row_mean(d, plan, n)) + (2.0 / n) * coef * c
+    elif spec.kind == "partial_rms":
+        mask, k = _partial_mask(x, plan, n)
+        dx = r * d + jnp.where(mask, (2.0 / k) * coef * c, 0)
+    else:
+        dx = r * d + (2.0 / n) * coef * c
+    batch = tuple(a for a in range(x.ndim) if a not in plan.axes)
+    dscale = None if scale is None else jnp.sum(dyf * c * r, axis=batch).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
+    return dx.astype(x.dtype), dscale, dbias
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
