@@ -1,0 +1,120 @@
+"""The conformance hook: run a normkit.jax layer on numpy inputs, forward and backward.
+
+float64 cases run with JAX's 64-bit mode enabled only for the duration of `evaluate` (the
+scoped ``jax.enable_x64`` context), so they are computed and returned in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import normkit.jax as nkjax
+from normkit.jax import functional
+from normkit.spec import NormSpec
+
+__all__ = ["devices", "evaluate", "APIS"]
+
+Api = Literal["linen", "nnx", "functional"]
+APIS: tuple[Api, ...] = ("linen", "nnx", "functional")
+
+
+def devices() -> list[str]:
+    """The devices JAX sees: ``"cpu"``, then ``"<platform>:<id>"`` for each accelerator."""
+    names = ["cpu"]
+    for platform in ("gpu", "tpu"):
+        with contextlib.suppress(RuntimeError):
+            names += [f"{platform}:{i}" for i in range(len(jax.devices(platform)))]
+    return names
+
+
+def _device(name: str) -> jax.Device:
+    known = devices()
+    if name not in known:
+        raise ValueError(f"device={name!r} is not one JAX sees; devices() = {known}")
+    platform, _, index = name.partition(":")
+    return jax.devices(platform)[int(index or 0)]
+
+
+def evaluate(
+    spec: NormSpec,
+    x: np.ndarray,
+    dy: np.ndarray,
+    scale: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    *,
+    device: str = "cpu",
+    api: Api = "linen",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``spec``'s layer applied to ``x`` on ``device`` under ``jax.jit``, and its VJP with ``dy``.
+
+    Args:
+      spec: the norm.
+      x: the input, float16, bfloat16, float32 or float64.
+      dy: the output cotangent, of ``x``'s shape and dtype.
+      scale: ``w`` in the parameter dtype; None: the layer's initial value (float32).
+      bias: ``b``; None: zeros (float32).
+      device: one of `devices`.
+      api: ``"linen"`` (`normkit.jax.from_spec`), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or
+        ``"functional"`` (`normkit.jax.functional.normalize`).
+
+    Returns:
+      ``(y, dx, dscale, dbias)`` as numpy arrays in the dtypes JAX produced; ``dscale`` and
+      ``dbias`` are None when the spec has no such parameter.
+    """
+    if api not in APIS:
+        raise ValueError(f"api={api!r} is invalid: expected one of {APIS}")
+    x, dy = np.asarray(x), np.asarray(dy)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(
+            f"dy has shape {dy.shape} and dtype {dy.dtype}; expected x's, {x.shape} and {x.dtype}"
+        )
+    target = _device(device)
+    shape = spec.param_shape(x.shape)
+    params: dict[str, np.ndarray] = {}
+    for name, value, present, init in (
+        ("scale", scale, spec.scale, spec.scale_init),
+        ("bias", bias, spec.bias, 0.0),
+    ):
+        if value is not None and not present:
+            raise ValueError(f"{name} was given but the spec has {name}=False")
+        if present:
+            params[name] = np.full(shape, init, np.float32) if value is None else np.asarray(value)
+    x64 = jax.enable_x64(True) if x.dtype == np.float64 else contextlib.nullcontext()
+    with x64:
+        apply = _apply_fn(spec, shape, params, api)
+
+        @jax.jit
+        def run(x: jax.Array, params: Any, dy: jax.Array) -> tuple[jax.Array, Any, Any]:
+            y, vjp = jax.vjp(apply, x, params)
+            dx, dparams = vjp(dy)
+            return y, dx, dparams
+
+        y, dx, dparams = run(*jax.device_put((x, params, dy), target))
+        grads = {name: np.asarray(value) for name, value in dparams.items()}
+        return np.asarray(y), np.asarray(dx), grads.get("scale"), grads.get("bias")
+
+
+def _apply_fn(
+    spec: NormSpec, shape: tuple[int, ...], params: dict[str, np.ndarray], api: Api
+) -> Callable[[jax.Array, dict[str, jax.Array]], jax.Array]:
+    """``(x, params) -> y`` for ``api``, with ``params`` a dict of ``scale``/``bias`` arrays."""
+    param_dtype = next(iter(params.values())).dtype if params else jnp.float32
+    if api == "functional":
+        return lambda x, p: functional.normalize(x, spec, p.get("scale"), p.get("bias"))
+    if api == "linen":
+        module = nkjax.from_spec(spec, param_dtype=param_dtype)
+        return lambda x, p: module.apply({"params": p}, x)
+    graphdef = nnx.graphdef(nkjax.nnx.from_spec(spec, shape, param_dtype=param_dtype))
+
+    def apply_nnx(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        state = nnx.State({name: nnx.Param(value) for name, value in p.items()})
+        return nnx.merge(graphdef, state)(x)
+
+    return apply_nnx
