@@ -119,13 +119,24 @@ class _Norm(keras.layers.Layer):
             r = 1.0 / (root + spec.eps)
         y = x * r
         if spec.cast == "before_scale" and dtype in _HALF:
-            y = ops.cast(ops.cast(y, dtype), work)
+            # y_hat is rounded to the input dtype before the affine step, but the gradient is
+            # that of the exact function, as in the reference (differentiating the casts would
+            # round the cotangent and use the rounded y_hat for the weights' gradient).
+            rounded = self._affine(ops.cast(ops.cast(y, dtype), work), target, work)
+            y = self._affine(y, target, work)
+            y = y + ops.stop_gradient(rounded - y)
+        else:
+            y = self._affine(y, target, work)
+        return ops.cast(y, dtype)
+
+    def _affine(self, y: Any, target: list[int], work: str) -> Any:
+        """``y * (scale_offset + w) + b`` in the ``work`` dtype."""
         if self.scale is not None:
             g = ops.reshape(ops.cast(self.scale, work), target)
-            y = y * (g + spec.scale_offset if spec.scale_offset else g)
+            y = y * (g + self._spec.scale_offset if self._spec.scale_offset else g)
         if self.bias is not None:
             y = y + ops.reshape(ops.cast(self.bias, work), target)
-        return ops.cast(y, dtype)
+        return y
 
     def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
         dtype = self._output_dtype(inputs.dtype)
