@@ -1,0 +1,208 @@
+"""``torch.nn.Module`` layers for the normkit norms, state_dict-compatible with torch's own."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.torch.functional import ShapeLike, as_shape, check_trailing, normalize
+
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
+
+
+class _Norm(nn.Module):
+    """A norm over the trailing ``normalized_shape``, with parameters ``weight`` and ``bias``."""
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        spec: NormSpec,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = as_shape(normalized_shape)
+        self._spec = spec
+        factory = {"device": device, "dtype": dtype}
+        for name, present in (("weight", spec.scale), ("bias", spec.bias)):
+            if present:
+                setattr(self, name, nn.Parameter(torch.empty(self.normalized_shape, **factory)))
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    @property
+    def spec(self) -> NormSpec:
+        """The `NormSpec` this module implements."""
+        return self._spec
+
+    def reset_parameters(self) -> None:
+        """``weight = spec.scale_init`` (1, or 0 with scale_offset 1), ``bias = 0``."""
+        if self.weight is not None:
+            nn.init.constant_(self.weight, self._spec.scale_init)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x`` over its trailing ``normalized_shape``, in ``x``'s dtype."""
+        if isinstance(x, torch.Tensor):
+            check_trailing(x, self.normalized_shape)
+        return normalize(x, self._spec, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        s = self._spec
+        text = f"{self.normalized_shape}, eps={s.eps:g}, eps_placement={s.eps_placement!r}"
+        if s.p is not None:
+            text += f", p={s.p:g}"
+        text += f", elementwise_affine={s.scale}, bias={s.bias}"
+        if s.scale_offset:
+            text += f", scale_offset={s.scale_offset:g}"
+        return text + f", cast={s.cast!r}"
+
+
+class RMSNorm(_Norm):
+    r"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (scale_offset + weight) + bias``.
+
+    The mean runs over the trailing ``normalized_shape``. A ``torch.nn.RMSNorm`` state_dict loads
+    into it (pass ``eps=torch.finfo(x.dtype).eps`` for torch's ``eps=None``).
+
+    Args:
+      normalized_shape: an int or a sequence of ints, the trailing dims normalized.
+      eps: added to the mean square (inside) or to the RMS (outside). Default 1e-6.
+      eps_placement: ``"inside"`` (default) or ``"outside"`` the square root.
+      elementwise_affine: whether there is a learned ``weight`` (initialized to
+        ``1 - scale_offset``). Default True.
+      scale_offset: constant added to ``weight``; 1.0 is Gemma's ``(1 + w)``. Default 0.0.
+      bias: whether there is a learned ``bias`` (initialized to 0). Default False.
+      cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
+        default) or ``"before_scale"`` (Llama: round the normalized value, then the affine).
+      device, dtype: of the parameters. The output dtype is always the input's.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        elementwise_affine: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = False,
+        cast: Cast = "after_scale",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        spec = NormSpec(
+            kind="rms", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
+            scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(normalized_shape, spec, device, dtype)
+
+
+class PartialRMSNorm(_Norm):
+    r"""Partial RMSNorm (pRMSNorm): RMSNorm whose statistic reads the first ``k`` elements only.
+
+    ``y = x / sqrt(mean(x[:k]^2) + eps) * (scale_offset + weight) + bias`` with
+    ``k = max(1, floor(n * p))`` of the ``n`` elements of ``normalized_shape`` (row-major);
+    the scaling applies to all ``n`` elements.
+
+    Args:
+      normalized_shape: an int or a sequence of ints, the trailing dims normalized.
+      p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
+      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype: as in
+        `RMSNorm`.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        p: float,
+        eps: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        elementwise_affine: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = False,
+        cast: Cast = "after_scale",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        spec = NormSpec(
+            kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
+            axis=_trailing(normalized_shape), scale=elementwise_affine,
+            scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(normalized_shape, spec, device, dtype)
+
+
+class LayerNorm(_Norm):
+    r"""LayerNorm: ``y = (x - mean(x)) / sqrt(var(x) + eps) * (scale_offset + weight) + bias``.
+
+    Population variance over the trailing ``normalized_shape``. A ``torch.nn.LayerNorm``
+    state_dict loads into it; torch's default eps is 1e-5, normkit's 1e-6: pass it to match.
+
+    Args:
+      normalized_shape: an int or a sequence of ints, the trailing dims normalized.
+      eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-6.
+      bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
+        torch's, it does not depend on ``elementwise_affine``.
+      eps_placement, elementwise_affine, scale_offset, cast, device, dtype: as in `RMSNorm`.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = DEFAULT_EPS,
+        *,
+        eps_placement: EpsPlacement = "inside",
+        elementwise_affine: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = True,
+        cast: Cast = "after_scale",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        spec = NormSpec(
+            kind="layer", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
+            scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+        )
+        super().__init__(normalized_shape, spec, device, dtype)
+
+
+def _trailing(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    return tuple(range(-len(as_shape(normalized_shape)), 0))
+
+
+def from_spec(
+    spec: NormSpec,
+    normalized_shape: ShapeLike,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> RMSNorm | PartialRMSNorm | LayerNorm:
+    """The module (`RMSNorm`, `PartialRMSNorm` or `LayerNorm`) implementing ``spec``.
+
+    Args:
+      spec: the norm; its ``axis`` must be the last ``len(normalized_shape)`` axes.
+      normalized_shape: the trailing dims normalized, the shape of ``weight`` and ``bias``.
+      device, dtype: of the parameters.
+    """
+    shape = as_shape(normalized_shape)
+    trailing = _trailing(shape)
+    if tuple(sorted(spec.axis)) != trailing:
+        raise ValueError(
+            f"NormSpec.axis={spec.axis!r} does not fit normalized_shape {shape}: a module "
+            f"normalizes the trailing axes {trailing} (use normkit.torch.functional.normalize "
+            "for other axes)"
+        )
+    options = {
+        "eps": spec.eps, "eps_placement": spec.eps_placement, "elementwise_affine": spec.scale,
+        "scale_offset": spec.scale_offset, "bias": spec.bias, "cast": spec.cast,
+        "device": device, "dtype": dtype,
+    }
+    if spec.kind == "partial_rms":
+        return PartialRMSNorm(shape, spec.p, **options)  # type: ignore[arg-type]
+    return (RMSNorm if spec.kind == "rms" else LayerNorm)(shape, **options)  # type: ignore[arg-type]
