@@ -1,0 +1,1 @@
+"""Conformance: every implementation of a norm checked against `normkit.reference`."""
