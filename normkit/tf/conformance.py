@@ -71,7 +71,7 @@ def evaluate(
     Args:
       spec: the norm.
       x: the input, float16, bfloat16, float32 or float64.
-      dy: the cotangent of the output, of ``x``'s shape.
+      dy: the cotangent of the output, of ``x``'s shape (cast to the output's dtype).
       scale, bias: the weights ``w`` and ``b`` (None: their initial values). Their dtype picks the
         variables': float64 gives the ``"float64"`` policy, anything else float32 variables
         (float16 and bfloat16 values are exact there), so ``dscale``/``dbias`` are float32.
@@ -132,6 +132,7 @@ def _vjp_tensorflow(layer: Any, x: Any, dy: Any, jit: bool) -> tuple[Any, Any, l
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = layer(x)
+        dy = tf.cast(dy, y.dtype)
         dx, *grads = tape.gradient(y, [x, *layer.trainable_variables], output_gradients=dy)
         return y, dx, grads
 
@@ -146,7 +147,7 @@ def _vjp_jax(layer: Any, x: Any, dy: Any, jit: bool) -> tuple[Any, Any, list[Any
 
     def vjp(trainable: list[Any], x: Any, dy: Any) -> tuple[Any, Any, list[Any]]:
         y, pullback = jax.vjp(lambda t, x: layer.stateless_call(t, frozen, x)[0], trainable, x)
-        grads, dx = pullback(dy)
+        grads, dx = pullback(dy.astype(y.dtype))
         return y, dx, grads
 
     return (jax.jit(vjp) if jit else vjp)(trainable, x, dy)
@@ -159,5 +160,5 @@ def _vjp_torch(layer: Any, x: Any, dy: Any) -> tuple[Any, Any, list[Any]]:
     trainable = [v.value.detach().clone().requires_grad_(True) for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
     y = layer.stateless_call(trainable, frozen, x)[0]
-    dx, *grads = torch.autograd.grad(y, [x, *trainable], dy)
+    dx, *grads = torch.autograd.grad(y, [x, *trainable], dy.to(y.dtype))
     return y.detach(), dx, grads

@@ -99,7 +99,7 @@ class _Norm(keras.layers.Layer):
         dtype = self._output_dtype(inputs.dtype)
         axes, target = self._broadcast_shape(tuple(inputs.shape))
         work = "float64" if dtype == "float64" else "float32"
-        x = ops.cast(inputs, work)
+        x = ops.cast(ops.cast(inputs, dtype), work)
         if spec.kind == "layer":
             x = x - ops.mean(x, axis=axes, keepdims=True)
         n = int(np.prod(target))

@@ -1,0 +1,251 @@
+"""Reference checks of normkit.tf that hold on every Keras backend.
+
+tests/test_tf_conformance.py imports them into the main (TensorFlow) run; tests/test_tf_keras.py
+runs this file again with KERAS_BACKEND=jax and =torch, each in its own process.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from normkit import NormSpec, reference, tolerances
+from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.tf.conformance import devices, evaluate, keras_backend
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+KIND_ARGS = {"rms": {}, "partial_rms": {"p": 0.3}, "layer": {}}
+# (shape, axis): the last axis, an inner axis, and two axes (non-trailing for rank 4).
+LAYOUTS = [((3, 10), -1), ((2, 5, 3), 1), ((2, 3, 4, 2), (1, 2))]
+WEIGHTS = [
+    {"scale": True, "scale_offset": 0.0},
+    {"scale": True, "scale_offset": 1.0},
+    {"scale": False},
+]
+
+
+def check(
+    spec: NormSpec,
+    shape: tuple[int, ...],
+    dtype: str,
+    *,
+    seed: int = 0,
+    random_weights: bool = True,
+    x: np.ndarray | None = None,
+    **variant: object,
+) -> None:
+    """evaluate() against the reference, forward and gradients, under normkit.tolerances."""
+    rng = np.random.default_rng(seed)
+    policy = variant.get("policy")
+    in_dtype = DTYPES[dtype]
+    if x is None:
+        x = rng.standard_normal(shape).astype(in_dtype)
+    # Under a half compute dtype the layer casts its input first; the reference sees that input.
+    compute = keras.DTypePolicy(policy).compute_dtype if policy else None
+    seen = x.astype(DTYPES[compute]) if compute in ("float16", "bfloat16") else x
+    dy = rng.standard_normal(shape).astype(seen.dtype)
+    param_shape = spec.param_shape(shape)
+    w = b = None
+    if random_weights and spec.scale:
+        w = (spec.scale_init + 0.5 * rng.standard_normal(param_shape)).astype(np.float32)
+    if random_weights and spec.bias:
+        b = rng.standard_normal(param_shape).astype(np.float32)
+    y, dx, dw, db = evaluate(spec, x, dy, w, b, **variant)
+    what = f"{spec} {dtype} {shape} {variant}"
+    assert y.dtype == seen.dtype, what
+    assert dx.dtype == x.dtype, what
+    tolerances.assert_close(
+        y, reference.normalize(seen, spec, w, b), quantity="forward", cast=spec.cast, what=what
+    )
+    rdx, rdw, rdb = reference.normalize_vjp(seen, dy, spec, w, b)
+    # dx is rounded to the dtype the layer computed from (the gradient of its input cast), then
+    # to x's: judge it in the coarser of the two.
+    coarser = min((x.dtype, seen.dtype), key=lambda d: ml_dtypes.finfo(d).nmant)
+    tolerances.assert_close(dx, rdx, coarser, quantity="grad", what=f"dx {what}")
+    assert (dw is None) == (rdw is None) and (db is None) == (rdb is None), what
+    if dw is not None:
+        tolerances.assert_close(dw, rdw, quantity="grad", what=f"dscale {what}")
+    if db is not None:
+        tolerances.assert_close(db, rdb, quantity="grad", what=f"dbias {what}")
+
+
+def _grid() -> list[tuple[str, str, str, str, dict[str, object], bool, tuple, object]]:
+    cases = []
+    for kind, dtype, placement, weights, bias, (shape, axis) in itertools.product(
+        KIND_ARGS, DTYPES, ("inside", "outside"), WEIGHTS, (False, True), LAYOUTS
+    ):
+        for cast in ("after_scale", "before_scale") if dtype in ("float16", "bfloat16") else ("after_scale",):
+            cases.append((kind, dtype, placement, cast, weights, bias, shape, axis))
+    return cases
+
+
+@pytest.mark.parametrize("kind,dtype,placement,cast,weights,bias,shape,axis", _grid())
+def test_every_option_matches_reference(kind, dtype, placement, cast, weights, bias, shape, axis):
+    spec = NormSpec(kind, eps_placement=placement, cast=cast, bias=bias, axis=axis, **weights, **KIND_ARGS[kind])
+    check(spec, shape, dtype)
+
+
+JIT_SPECS = [
+    NormSpec("rms", scale_offset=1.0, axis=(1, 2)),
+    NormSpec("partial_rms", p=0.25, eps_placement="outside", bias=True, cast="before_scale"),
+    NormSpec("layer", axis=1, cast="before_scale"),
+]
+
+
+@pytest.mark.skipif(keras_backend() == "torch", reason="the torch Keras backend has no jit")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("spec", JIT_SPECS, ids=lambda s: s.kind)
+def test_jit_matches_reference(spec, dtype):
+    """tf.function(jit_compile=True) on TensorFlow, jax.jit on JAX."""
+    check(spec, (2, 6, 4, 8), dtype, jit=True)
+
+
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_rows_match_reference(kind, dtype):
+    spec = NormSpec(kind, bias=True, **KIND_ARGS[kind])
+    check(spec, (16, 4096), dtype)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("spec", JIT_SPECS, ids=lambda s: s.kind)
+def test_mixed_policy_matches_reference_on_the_cast_input(spec, in_dtype, policy):
+    """x is cast to the compute dtype, statistics in float32, output in the compute dtype."""
+    check(spec, (3, 5, 4, 6), in_dtype, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_policy_keeps_float32_variables(policy):
+    layer = LayerNorm(dtype=policy)
+    y = layer(np.ones((2, 8), np.float32))
+    assert [v.dtype for v in layer.weights] == ["float32", "float32"]
+    assert keras.backend.standardize_dtype(y.dtype) == keras.DTypePolicy(policy).compute_dtype
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_float32_policy_keeps_the_input_dtype(dtype):
+    """The spec's rule, not Keras autocasting: a bfloat16 input gives a bfloat16 output."""
+    layer = RMSNorm()
+    assert layer.compute_dtype == "float32"
+    check(layer.spec, (4, 16), dtype)
+    y = layer(keras.ops.cast(np.ones((2, 16)), dtype))
+    assert keras.backend.standardize_dtype(y.dtype) == dtype
+
+
+@pytest.mark.parametrize(
+    "p,n,k", [(0.29, 100, 28), (0.0625, 64, 4), (0.001, 16, 1), (1.0, 12, 12), (0.5, 7, 3)]
+)
+def test_partial_statistic_reads_the_first_k(p, n, k):
+    spec = NormSpec("partial_rms", p=p)
+    assert spec.stat_size(n) == k
+    check(spec, (3, n), "float32")
+    # Only the first k elements may move the statistic: changing the rest scales nothing.
+    x = np.random.default_rng(1).standard_normal((1, n)).astype(np.float32)
+    x2 = x.copy()
+    x2[0, k:] *= 3.0
+    layer = PartialRMSNorm(p)
+    y, y2 = (keras.ops.convert_to_numpy(layer(v)) for v in (x, x2))
+    np.testing.assert_array_equal(y[0, :k], y2[0, :k])
+
+
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+def test_zero_rows_with_eps_outside_have_the_reference_gradient(kind):
+    """At s = 0 sqrt is not differentiable; the reference's limit is finite, so is ours."""
+    spec = NormSpec(kind, eps_placement="outside", eps=1e-3, **KIND_ARGS[kind])
+    x = np.random.default_rng(2).standard_normal((3, 10)).astype(np.float32)
+    x[1] = 0.0
+    x[2] = 0.5 if kind == "layer" else 0.0
+    check(spec, (3, 10), "float32", x=x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kind=st.sampled_from(list(KIND_ARGS)),
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple),
+    data=st.data(),
+    p=st.floats(0.01, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_axes_and_p(kind, shape, data, p, seed):
+    rank = len(shape)
+    axis = data.draw(
+        st.lists(st.integers(-rank, rank - 1), min_size=1, max_size=rank, unique_by=lambda a: a % rank)
+    )
+    spec = NormSpec(kind, p=p if kind == "partial_rms" else None, axis=tuple(axis), bias=True)
+    # Rows of a few elements are degenerate (n = 1 RMS is sign(x)): dx is then a difference of
+    # nearly equal terms, below float32's resolution of max|dx|.
+    assume(np.prod(spec.param_shape(shape)) >= 4)
+    check(spec, shape, "float32", seed=seed)
+
+
+def test_initial_weights_follow_the_spec():
+    for spec in (NormSpec(), NormSpec(scale_offset=1.0, bias=True), NormSpec("layer", axis=(0, 2))):
+        layer = from_spec(spec)
+        layer.build((3, 4, 5))
+        expected = [np.full(spec.param_shape((3, 4, 5)), spec.scale_init)]
+        if spec.bias:
+            expected.append(np.zeros(spec.param_shape((3, 4, 5))))
+        assert [w.name for w in layer.weights] == ["scale", "bias"][: len(expected)]
+        got = layer.get_weights()
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(g, e)
+        # The initial weights compute the spec with its default parameters.
+        check(spec, (3, 4, 5), "float32", random_weights=False)
+
+
+def test_devices_lists_cpu_first():
+    found = devices()
+    assert found[0] == "cpu"
+    assert all(d.startswith("gpu:") for d in found[1:])
+
+
+@pytest.mark.gpu
+def test_gpu_matches_reference():
+    if len(devices()) < 2:
+        pytest.skip(f"the {keras_backend()} backend sees no GPU")
+    for spec in JIT_SPECS:
+        for dtype in ("float32", "bfloat16"):
+            check(spec, (4, 8, 256), dtype, device="gpu:0")
+
+
+def test_integer_input_raises_type_error():
+    with pytest.raises(TypeError, match=r"has dtype int32; RMSNorm needs a floating input"):
+        RMSNorm()(np.ones((2, 4), np.int32))
+
+
+def test_axis_out_of_range_names_axis_and_rank():
+    with pytest.raises(ValueError, match=r"input of shape \(2, 4\).*axis 2 is out of range for an input of rank 2"):
+        LayerNorm(axis=2)(np.ones((2, 4), np.float32))
+
+
+def test_a_later_call_with_other_sizes_names_axis_and_sizes():
+    layer = RMSNorm(axis=(1, 2))
+    layer(np.ones((2, 3, 4), np.float32))
+    with pytest.raises(ValueError, match=r"axis 2 of the input \(shape \(2, 3, 5\)\) has size 5, but the layer was built for size 4"):
+        layer(np.ones((2, 3, 5), np.float32))
+
+
+def test_evaluate_rejects_bad_requests():
+    spec = NormSpec()
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"unknown variant options \['fast'\]"):
+        evaluate(spec, x, x, fast=True)
+    with pytest.raises(ValueError, match=r"device 'tpu:7' is not seen"):
+        evaluate(spec, x, x, device="tpu:7")
+    with pytest.raises(ValueError, match=r"bias was given but the spec has bias=False"):
+        evaluate(spec, x, x, bias=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"dy has shape \(4,\), expected the shape of x, \(2, 4\)"):
+        evaluate(spec, x, x[0])
