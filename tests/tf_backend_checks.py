@@ -170,7 +170,7 @@ def test_zero_rows_with_eps_outside_have_the_reference_gradient(kind):
     check(spec, (3, 10), "float32", x=x)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     kind=st.sampled_from(list(KIND_ARGS)),
     shape=st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple),
@@ -249,3 +249,24 @@ def test_evaluate_rejects_bad_requests():
         evaluate(spec, x, x, bias=np.zeros(4, np.float32))
     with pytest.raises(ValueError, match=r"dy has shape \(4,\), expected the shape of x, \(2, 4\)"):
         evaluate(spec, x, x[0])
+
+
+@pytest.mark.skipif(keras_backend() != "torch", reason="the torch backend's own limitation")
+def test_torch_backend_refuses_jit():
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"the torch Keras backend has no jit variant"):
+        evaluate(NormSpec(), x, x, jit=True)
+
+
+@pytest.mark.skipif(keras_backend() != "jax", reason="JAX's x64 switch")
+def test_jax_float64_needs_x64():
+    import jax
+
+    enabled = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        x = np.ones((2, 4), np.float64)
+        with pytest.raises(TypeError, match=r"x has dtype float64, which JAX computes only with JAX_ENABLE_X64=1"):
+            evaluate(NormSpec(), x, x)
+    finally:
+        jax.config.update("jax_enable_x64", enabled)

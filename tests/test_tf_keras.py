@@ -1,0 +1,198 @@
+"""normkit.tf as a Keras citizen: serialization, policies, fit, tf.function, other backends."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from normkit import NormSpec, reference, tolerances
+from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+on_tensorflow = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="needs the TensorFlow Keras backend"
+)
+
+SPECS = [
+    NormSpec("rms", scale_offset=1.0, axis=(1, 2), cast="before_scale"),
+    NormSpec("partial_rms", p=0.25, eps_placement="outside", bias=True),
+    NormSpec("layer", axis=1, eps=1e-3),
+]
+
+
+def _random_weights(layer: keras.layers.Layer, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    layer.set_weights([w + 0.3 * rng.standard_normal(w.shape).astype(w.dtype) for w in layer.get_weights()])
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_reference_checks_pass_on_other_keras_backends(backend):
+    """tests/tf_backend_checks.py in a fresh process with KERAS_BACKEND set."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/tf_backend_checks.py", "-q", "-p", "no:cacheprovider",
+         "-W", "ignore::DeprecationWarning"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) > 0, summary
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
+def test_from_spec_builds_the_right_layer(spec):
+    layer = from_spec(spec, name="norm")
+    assert type(layer) is {"rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm}[spec.kind]
+    assert layer.spec == spec
+    assert layer.name == "norm"
+
+
+def test_from_spec_needs_a_spec():
+    with pytest.raises(TypeError, match=r"from_spec needs a normkit.NormSpec, got dict"):
+        from_spec({"kind": "rms"})
+
+
+def test_constructor_defaults_are_the_spec_defaults():
+    assert RMSNorm().spec == NormSpec("rms")
+    assert PartialRMSNorm(0.5).spec == NormSpec("partial_rms", p=0.5)
+    assert LayerNorm().spec == NormSpec("layer")
+    with pytest.raises(ValueError, match=r"NormSpec.p=1.5 is invalid"):
+        PartialRMSNorm(1.5)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
+def test_get_config_round_trip(spec):
+    layer = from_spec(spec, name="norm")
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    layer(x)
+    _random_weights(layer, 1)
+    config = layer.get_config()
+    json.dumps(config)
+    clone = type(layer).from_config(config)
+    assert clone.spec == spec
+    assert clone.get_config() == config
+    clone(x)
+    clone.set_weights(layer.get_weights())
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(clone(x)), keras.ops.convert_to_numpy(layer(x)))
+
+
+_LOAD_AND_RUN = """
+import json, sys
+import numpy as np
+import keras
+import normkit.tf
+model = keras.saving.load_model(sys.argv[1])
+np.save(sys.argv[3], keras.ops.convert_to_numpy(model(np.load(sys.argv[2]))))
+print(json.dumps([[l.spec.to_dict(), [w.name for w in l.weights]] for l in model.layers[1:]]))
+"""
+
+
+@on_tensorflow
+def test_keras_file_loads_in_a_fresh_process_with_identical_outputs(tmp_path):
+    inputs = keras.Input((3, 8))
+    layers = [from_spec(spec) for spec in SPECS]
+    y = inputs
+    for layer in layers:
+        y = layer(y)
+    model = keras.Model(inputs, y)
+    for seed, layer in enumerate(layers):
+        _random_weights(layer, seed)
+    x = np.random.default_rng(5).standard_normal((4, 3, 8)).astype(np.float32)
+    expected = keras.ops.convert_to_numpy(model(x))
+    model.save(tmp_path / "model.keras")
+    np.save(tmp_path / "x.npy", x)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "model.keras"), str(tmp_path / "x.npy"),
+         str(tmp_path / "y.npy")],
+        cwd=ROOT, env={**os.environ, "KERAS_BACKEND": "tensorflow"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [NormSpec.from_dict(d) for d, _ in loaded] == SPECS
+    assert [names for _, names in loaded] == [["scale"], ["scale", "bias"], ["scale", "bias"]]
+
+
+@on_tensorflow
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
+def test_model_fit_takes_the_reference_gradient_step(spec):
+    """One SGD step (lr 1) in model.fit, XLA-compiled, moves the weights by the reference grad."""
+    batch, shape = 4, (3, 8)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    dy = rng.standard_normal((batch, *shape)).astype(np.float32)
+    layer = from_spec(spec)
+    model = keras.Sequential([keras.Input(shape), layer])
+    _random_weights(layer, 4)
+    before = layer.get_weights()
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=1.0),
+        loss=lambda t, y: keras.ops.sum(t * y, axis=(1, 2)),  # mean over the batch: d/dy = dy / batch
+        jit_compile=True,
+    )
+    model.fit(x, dy, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    bias = before[1] if spec.bias else None
+    _, dscale, dbias = reference.normalize_vjp(x, dy / batch, spec, before[0], bias)
+    after = layer.get_weights()
+    tolerances.assert_close(before[0] - after[0], dscale, quantity="grad", what="scale step")
+    if spec.bias:
+        tolerances.assert_close(before[1] - after[1], dbias, quantity="grad", what="bias step")
+
+
+@pytest.mark.parametrize("policy,in_dtype,out_dtype", [
+    ("float32", "bfloat16", "bfloat16"),
+    ("float32", "float64", "float64"),
+    ("mixed_bfloat16", "float32", "bfloat16"),
+    ("mixed_float16", "bfloat16", "float16"),
+])
+def test_symbolic_output_dtype_follows_the_policy(policy, in_dtype, out_dtype):
+    y = RMSNorm(dtype=policy)(keras.Input((4,), dtype=in_dtype))
+    assert y.dtype == out_dtype
+    assert y.shape == (None, 4)
+
+
+def test_symbolic_integer_input_raises_type_error():
+    with pytest.raises(TypeError, match=r"has dtype int32; LayerNorm needs a floating input"):
+        LayerNorm()(keras.Input((4,), dtype="int32"))
+
+
+def test_unknown_normalized_size_raises_value_error():
+    with pytest.raises(ValueError, match=r"the normalized axes \(1,\) of input shape \(None, None\) must have known sizes"):
+        RMSNorm().build((None, None))
+
+
+def test_mask_passes_through():
+    mask = np.array([[True, False]])
+    assert RMSNorm().compute_mask(np.ones((1, 2, 4), np.float32), mask) is mask
+
+
+def test_spec_is_read_only():
+    with pytest.raises(AttributeError):
+        RMSNorm().spec = NormSpec()
+
+
+def test_missing_keras_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "normkit.tf" or m.startswith("normkit.tf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "keras", None)
+    with pytest.raises(ImportError, match=re.escape("normkit.tf needs Keras 3 and TensorFlow: pip install 'normkit[tf]'")):
+        importlib.import_module("normkit.tf")
+
+
+def test_keras_2_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "normkit.tf" or m.startswith("normkit.tf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(keras, "__version__", "2.15.0")
+    with pytest.raises(ImportError, match=re.escape("normkit.tf needs Keras 3, found Keras 2.15.0")):
+        importlib.import_module("normkit.tf")
