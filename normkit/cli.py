@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -97,13 +98,56 @@ def _run_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+def _add_conformance(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a small matrix (about a minute on CPU)")
+    parser.add_argument("--backend", type=_csv, help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
+    parser.add_argument("--kind", type=_csv, help=f"comma-separated kinds of {list(KINDS)}")
+    parser.add_argument("--dtype", type=_csv, help="comma-separated dtypes: float32, float16, bfloat16")
+    parser.add_argument("--device", type=_csv, help="comma-separated devices, e.g. cpu or cuda:0 (default: all seen)")
+    parser.add_argument("--peers", action="store_true", help="check the frameworks' built-in layers instead of normkit's")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
+    parser.add_argument("--no-pairwise", action="store_true", help="skip comparing implementations with each other")
+    parser.add_argument("--json", metavar="PATH", help="write every case with its figures")
+    parser.add_argument("--markdown", metavar="PATH", help="write the report as Markdown")
+
+
+def _run_conformance(args: argparse.Namespace) -> int:
+    from normkit import conformance
+    from normkit.conformance import report as reports
+
+    result = conformance.run(
+        backends=args.backend,
+        kinds=tuple(args.kind) if args.kind else KINDS,
+        dtypes=tuple(args.dtype) if args.dtype else None,
+        devices=args.device,
+        quick=args.quick,
+        peers=args.peers,
+        jobs=args.jobs,
+        pairwise=not args.no_pairwise,
+    )
+    print(reports.text(result))
+    title = "Built-in layers against the NormSpec they appear to implement" if args.peers else "normkit conformance"
+    if args.json:
+        Path(args.json).write_text(reports.to_json(result))
+    if args.markdown:
+        Path(args.markdown).write_text(reports.markdown(result, title))
+    # Peers depart from their specs by design; the report documents how. normkit's own must not.
+    return 1 if result.failed and not args.peers else 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 COMMANDS: list[Command] = [
+    ("conformance", _add_conformance, _run_conformance),
     ("info", _add_info, _run_info),
     ("reference", _add_reference, _run_reference),
 ]
 HELP = {
+    "conformance": "check every installed implementation against the reference, forward and backward",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
 }

@@ -1,1 +1,63 @@
-"""Conformance: every implementation of a norm checked against `normkit.reference`."""
+"""Conformance: every implementation of a norm checked against `normkit.reference`.
+
+`run` checks normkit's adapters (or, with ``peers=True``, the frameworks' built-in layers) on a
+matrix of cases, forward and backward, each target in a worker process of its own, and
+compares the targets with each other. Importing this module imports no framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from normkit.conformance.cases import CASE_DTYPES, Case, matrix
+from normkit.conformance.runner import Report
+from normkit.conformance.targets import TARGETS, Target, select
+from normkit.spec import KINDS
+
+__all__ = ["run", "Case", "Report", "Target", "TARGETS", "matrix"]
+
+
+def run(
+    *,
+    backends: Sequence[str] | None = None,
+    kinds: Sequence[str] = KINDS,
+    dtypes: Sequence[str] | None = None,
+    devices: Sequence[str] | None = None,
+    quick: bool = False,
+    peers: bool = False,
+    jobs: int = 2,
+    pairwise: bool = True,
+    progress: bool = True,
+) -> Report:
+    """Run the conformance matrix and return its report.
+
+    Args:
+      backends: target names or prefixes (``"torch"``, ``"tf"``, ``"tf[jax,jit]"``, ``"jax.nnx"``);
+        all when None. A target whose framework is not installed is skipped with the reason.
+      kinds: the norm kinds to cover.
+      dtypes: the input dtypes (float32, float16, bfloat16); all when None.
+      devices: device names (``"cpu"``, ``"cuda:0"``, ...); every device each backend sees when None.
+      quick: a small matrix that still touches every option.
+      peers: check the frameworks' built-in layers against the NormSpec each appears to implement.
+      jobs: worker processes at once.
+      pairwise: compare every two targets' outputs on the cases both ran.
+      progress: draw a progress bar on stderr.
+    """
+    from normkit.conformance import runner
+
+    case_dtypes = tuple(dtypes) if dtypes else CASE_DTYPES
+    if peers:
+        from normkit.conformance import peers as peer_targets
+
+        chosen = select(list(backends) if backends else None, peer_targets.PEERS)
+        return runner.run(
+            chosen,
+            lambda t: peer_targets.cases(t, quick=quick, case_dtypes=case_dtypes),
+            devices=devices,
+            jobs=jobs,
+            pairwise=False,
+            progress=progress,
+        )
+    cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=case_dtypes)
+    chosen = select(list(backends) if backends else None)
+    return runner.run(chosen, lambda t: cases, devices=devices, jobs=jobs, pairwise=pairwise, progress=progress)

@@ -1,0 +1,137 @@
+"""The conformance cases: specs x dtypes x shapes, with inputs drawn deterministically from a seed.
+
+A case is small and JSON-serializable, so a worker process can rebuild exactly the same inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from normkit import dtypes
+from normkit.spec import KINDS, NormSpec
+
+CASE_DTYPES = ("float32", "float16", "bfloat16")
+PARTIAL_P = 0.25
+
+
+@dataclass(frozen=True)
+class Case:
+    """One check: ``spec`` applied to an input of ``shape`` and ``dtype`` with float32 params."""
+
+    spec: NormSpec
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        """A stable identifier, also the seed of the inputs."""
+        text = json.dumps([self.spec.to_dict(), list(self.shape), self.dtype], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        s = self.spec
+        parts = [s.kind, f"eps={s.eps:g}", s.eps_placement]
+        if s.p is not None:
+            parts.append(f"p={s.p:g}")
+        if s.scale_offset:
+            parts.append(f"offset={s.scale_offset:g}")
+        if s.bias:
+            parts.append("bias")
+        if dtypes.is_half(dtypes.DTYPE_NAMES[self.dtype]):
+            parts.append(s.cast)
+        if s.axis != (-1,):
+            parts.append(f"axis={s.axis}")
+        return f"{' '.join(parts)} {self.dtype}{list(self.shape)}"
+
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """``(x, dy, scale, bias)``: zero-mean, unit-scale x and dy in the case dtype; float32 params.
+
+        The scale is drawn around its effective value 1 (``w = scale_init + 0.1 N(0, 1)``), the
+        bias around 0, so every option changes the output measurably.
+        """
+        rng = np.random.default_rng(int(self.id, 16))
+        dtype = dtypes.DTYPE_NAMES[self.dtype]
+        x = dtypes.round_to(rng.standard_normal(self.shape), dtype)
+        dy = dtypes.round_to(rng.standard_normal(self.shape), dtype)
+        pshape = self.spec.param_shape(self.shape)
+        scale = bias = None
+        if self.spec.scale:
+            scale = (self.spec.scale_init + 0.1 * rng.standard_normal(pshape)).astype(np.float32)
+        if self.spec.bias:
+            bias = (0.1 * rng.standard_normal(pshape)).astype(np.float32)
+        return x, dy, scale, bias
+
+    def to_dict(self) -> dict[str, object]:
+        return {"spec": self.spec.to_dict(), "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Case:
+        return cls(NormSpec.from_dict(data["spec"]), tuple(data["shape"]), str(data["dtype"]))  # type: ignore[arg-type]
+
+
+FULL_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    # (shape, normalized axes)
+    ((3, 1), (-1,)),  # n = 1
+    ((5, 7), (-1,)),  # odd
+    ((4, 3, 5), (-2, -1)),  # multi-axis, n = 15
+    ((16, 256), (-1,)),
+    ((2, 16384), (-1,)),  # n = 16384
+)
+QUICK_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((5, 7), (-1,)),
+    ((4, 2, 512), (-2, -1)),  # multi-axis, n = 1024
+)
+
+
+def specs(kinds: tuple[str, ...] = KINDS, *, quick: bool = False) -> list[NormSpec]:
+    """Every combination of kind, eps placement, offset and bias.
+
+    ``quick`` keeps two per kind that still exercise every option: (inside, offset 0, no bias)
+    and (outside, offset 1, bias).
+    """
+    found = []
+    options = itertools.product(kinds, ("inside", "outside"), (0.0, 1.0), (False, True))
+    for kind, placement, offset, bias in options:
+        if quick and not ((placement == "outside") == (offset == 1.0) == bias):
+            continue
+        eps = 1e-6 if placement == "inside" else 1e-5
+        found.append(
+            NormSpec(
+                kind,  # type: ignore[arg-type]
+                eps=eps,
+                eps_placement=placement,  # type: ignore[arg-type]
+                p=PARTIAL_P if kind == "partial_rms" else None,
+                scale_offset=offset,
+                bias=bias,
+            )
+        )
+    return found
+
+
+def matrix(
+    *,
+    quick: bool = False,
+    kinds: tuple[str, ...] = KINDS,
+    case_dtypes: tuple[str, ...] = CASE_DTYPES,
+) -> list[Case]:
+    """The case matrix: `specs` x dtypes (both cast orders for half dtypes) x shapes."""
+    unknown = sorted(set(case_dtypes) - set(CASE_DTYPES))
+    if unknown:
+        raise ValueError(f"unknown dtypes {unknown}; conformance covers {list(CASE_DTYPES)}")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown kinds {unknown}; allowed: {list(KINDS)}")
+    cases = []
+    for spec in specs(kinds, quick=quick):
+        for dtype in case_dtypes:
+            casts = ("after_scale", "before_scale") if dtype != "float32" else ("after_scale",)
+            shapes = QUICK_SHAPES if quick else FULL_SHAPES
+            for cast, (shape, axis) in itertools.product(casts, shapes):
+                cases.append(Case(spec.replace(cast=cast, axis=axis), shape, dtype))
+    return cases

@@ -1,0 +1,211 @@
+"""Run the conformance matrix over every target, one worker process each, and compare pairwise."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from normkit import tolerances
+from normkit.conformance.cases import Case
+from normkit.conformance.targets import Target
+from normkit.conformance.worker import QUANTITIES, Result
+
+PAIRWISE_FACTOR = 2.0  # two implementations each within a bound of the reference agree within twice it
+
+
+@dataclass
+class Pairwise:
+    """How two targets' outputs agree over the cases both ran: worst error as a fraction of
+    ``PAIRWISE_FACTOR`` times the tolerance, and how many cases exceed it."""
+
+    a: str
+    b: str
+    cases: int = 0
+    disagreements: int = 0
+    worst: float = 0.0
+    example: str = ""
+
+
+@dataclass
+class Report:
+    """Everything one conformance run found."""
+
+    results: list[Result]
+    skipped_targets: dict[str, str]
+    devices: dict[str, list[str]]
+    pairwise: list[Pairwise] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if r.status == "FAIL"]
+
+
+class Progress:
+    """A one-line progress bar on a terminal; occasional plain lines elsewhere (CI logs)."""
+
+    def __init__(self, total: int, stream: IO[str] = sys.stderr, width: int = 30) -> None:
+        self.total, self.done, self.stream, self.width = total, 0, stream, width
+        self.tty = stream.isatty()
+        self.last_line = -1
+
+    def advance(self, label: str, by: int = 1) -> None:
+        self.done += by
+        total = max(self.total, self.done)
+        filled = self.width * self.done // total
+        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{total} {label}"
+        if self.tty:
+            self.stream.write(f"\r{text[:100]:<100}")
+        elif self.done * 10 // total != self.last_line:
+            self.last_line = self.done * 10 // total
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _launch(target: Target, cases: list[Case], devices: Sequence[str] | None, outdir: str | None) -> subprocess.Popen[str]:
+    env = {**os.environ, **target.env}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "normkit.conformance.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    job = {
+        "target": target.name,
+        "hook": target.hook,
+        "variant": target.variant,
+        "cases": [c.to_dict() for c in cases],
+        "devices": list(devices) if devices else None,
+        "outdir": outdir,
+    }
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    return proc
+
+
+def run(
+    targets: Sequence[Target],
+    cases_for: Any,
+    *,
+    devices: Sequence[str] | None = None,
+    jobs: int = 2,
+    pairwise: bool = True,
+    progress: bool = True,
+) -> Report:
+    """Run every target on its cases (``cases_for(target) -> list[Case]``) in worker processes.
+
+    Args:
+      targets: the implementations; one not installed is skipped with the reason.
+      cases_for: the cases of each target.
+      devices: only these device names (e.g. ``["cpu"]``); a name a backend lacks is a SKIP.
+      jobs: how many workers run at once.
+      pairwise: also compare every two targets' outputs on the cases both ran.
+      progress: draw a progress bar on stderr.
+    """
+    start = time.perf_counter()
+    skipped = {t.name: reason for t in targets if (reason := t.missing())}
+    runnable = [t for t in targets if t.name not in skipped]
+    planned = {t.name: cases_for(t) for t in runnable}
+    bar = Progress(sum(len(c) * max(1, len(devices or ())) for c in planned.values())) if progress else None
+    events: queue.Queue[tuple[str, dict[str, Any] | None, str]] = queue.Queue()
+    slots = threading.Semaphore(jobs)
+    results: list[Result] = []
+    seen_devices: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
+
+        def work(target: Target) -> None:
+            with slots:
+                proc = _launch(target, planned[target.name], devices, outdir if pairwise else None)
+                assert proc.stdout is not None and proc.stderr is not None
+                for line in proc.stdout:
+                    events.put((target.name, json.loads(line), ""))
+                err = proc.stderr.read()
+                proc.wait()
+                events.put((target.name, None, err if proc.returncode else ""))
+
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in runnable]
+        for thread in threads:
+            thread.start()
+        finished = 0
+        reported: dict[str, set[tuple[str, str]]] = {t.name: set() for t in runnable}
+        while finished < len(runnable):
+            name, event, error = events.get()
+            if event is None:
+                finished += 1
+                if error:
+                    results.extend(_crashed(name, planned[name], seen_devices.get(name, ["cpu"]), reported[name], error))
+                continue
+            if "devices" in event:
+                seen_devices[name] = event["devices"]
+                if bar is not None and not devices:
+                    bar.total += len(planned[name]) * (len(event["devices"]) - 1)
+            elif "fatal" in event:
+                continue  # the process exits non-zero next; its stderr carries the traceback
+            else:
+                result = Result.from_dict(event)
+                reported[name].add((result.case.id, result.device))
+                results.append(result)
+                if bar is not None:
+                    bar.advance(f"{name} {result.device}")
+        if bar is not None:
+            bar.close()
+        pairs = _pairwise(results, Path(outdir)) if pairwise else []
+    return Report(results, skipped, seen_devices, pairs, time.perf_counter() - start)
+
+
+def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:
+    reason = "worker crashed: " + (error.strip().splitlines() or ["no output"])[-1]
+    return [
+        Result(target, device, case, "FAIL", reason)
+        for case in cases
+        for device in devices
+        if (case.id, device) not in reported
+    ]
+
+
+def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
+    by_case: dict[str, list[Result]] = {}
+    for r in results:
+        if r.status != "SKIP" and (outdir / f"{r.target}@{r.device}@{r.case.id}.npz").exists():
+            by_case.setdefault(r.case.id, []).append(r)
+    pairs: dict[tuple[str, str], Pairwise] = {}
+    for group in by_case.values():
+        loaded = {f"{r.target}@{r.device}": np.load(outdir / f"{r.target}@{r.device}@{r.case.id}.npz") for r in group}
+        case = group[0].case
+        for (na, a), (nb, b) in itertools.combinations(sorted(loaded.items()), 2):
+            pair = pairs.setdefault((na, nb), Pairwise(na, nb))
+            pair.cases += 1
+            worst = 0.0
+            for q in QUANTITIES:
+                if q not in a.files or q not in b.files or a[q].shape != b[q].shape:
+                    continue
+                dtype = case.dtype if q in ("y", "dx") else "float32"
+                m = tolerances.measure(a[q].astype(np.float64), b[q].astype(np.float64), dtype=dtype,
+                                       quantity="forward" if q == "y" else "grad", cast=case.spec.cast)
+                worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
+            if worst > 1:
+                pair.disagreements += 1
+                pair.example = pair.example or case.label
+            pair.worst = max(pair.worst, worst)
+    return list(pairs.values())
