@@ -98,6 +98,8 @@ class _Norm(keras.layers.Layer):
         spec = self._spec
         dtype = self._output_dtype(inputs.dtype)
         axes, target = self._broadcast_shape(tuple(inputs.shape))
+        # Parameters broadcast as they are over trailing axes; elsewhere they are reshaped.
+        param_target = None if axes[0] == len(target) - len(axes) else target
         work = "float64" if dtype == "float64" else "float32"
         x = ops.cast(ops.cast(inputs, dtype), work)
         if spec.kind == "layer":
@@ -122,20 +124,26 @@ class _Norm(keras.layers.Layer):
             # y_hat is rounded to the input dtype before the affine step, but the gradient is
             # that of the exact function, as in the reference (differentiating the casts would
             # round the cotangent and use the rounded y_hat for the weights' gradient).
-            rounded = self._affine(ops.cast(ops.cast(y, dtype), work), target, work)
-            y = self._affine(y, target, work)
+            rounded = self._affine(ops.cast(ops.cast(y, dtype), work), param_target, work)
+            y = self._affine(y, param_target, work)
             y = y + ops.stop_gradient(rounded - y)
         else:
-            y = self._affine(y, target, work)
+            y = self._affine(y, param_target, work)
         return ops.cast(y, dtype)
 
-    def _affine(self, y: Any, target: list[int], work: str) -> Any:
-        """``y * (scale_offset + w) + b`` in the ``work`` dtype."""
+    def _affine(self, y: Any, target: list[int] | None, work: str) -> Any:
+        """``y * (scale_offset + w) + b`` in the ``work`` dtype; the weights reshaped to
+        ``target`` unless it is None."""
+
+        def param(v: Any) -> Any:
+            v = ops.cast(v, work)
+            return v if target is None else ops.reshape(v, target)
+
         if self.scale is not None:
-            g = ops.reshape(ops.cast(self.scale, work), target)
+            g = param(self.scale)
             y = y * (g + self._spec.scale_offset if self._spec.scale_offset else g)
         if self.bias is not None:
-            y = y + ops.reshape(ops.cast(self.bias, work), target)
+            y = y + param(self.bias)
         return y
 
     def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
