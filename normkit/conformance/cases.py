@@ -21,16 +21,17 @@ PARTIAL_P = 0.25
 
 @dataclass(frozen=True)
 class Case:
-    """One check: ``spec`` applied to an input of ``shape`` and ``dtype`` with float32 params."""
+    """One check: ``spec`` applied to an input of ``shape`` and ``dtype``, params in ``param_dtype``."""
 
     spec: NormSpec
     shape: tuple[int, ...]
     dtype: str
+    param_dtype: str = "float32"
 
     @property
     def id(self) -> str:
         """A stable identifier, also the seed of the inputs."""
-        text = json.dumps([self.spec.to_dict(), list(self.shape), self.dtype], sort_keys=True)
+        text = json.dumps([self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property
@@ -47,10 +48,11 @@ class Case:
             parts.append(s.cast)
         if s.axis != (-1,):
             parts.append(f"axis={s.axis}")
-        return f"{' '.join(parts)} {self.dtype}{list(self.shape)}"
+        params = "" if self.param_dtype == "float32" else f" params {self.param_dtype}"
+        return f"{' '.join(parts)} {self.dtype}{list(self.shape)}{params}"
 
     def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """``(x, dy, scale, bias)``: zero-mean, unit-scale x and dy in the case dtype; float32 params.
+        """``(x, dy, scale, bias)``: zero-mean, unit-scale x and dy in the case dtype, params in theirs.
 
         The scale is drawn around its effective value 1 (``w = scale_init + 0.1 N(0, 1)``), the
         bias around 0, so every option changes the output measurably.
@@ -60,19 +62,21 @@ class Case:
         x = dtypes.round_to(rng.standard_normal(self.shape), dtype)
         dy = dtypes.round_to(rng.standard_normal(self.shape), dtype)
         pshape = self.spec.param_shape(self.shape)
+        param_dtype = dtypes.DTYPE_NAMES[self.param_dtype]
         scale = bias = None
         if self.spec.scale:
-            scale = (self.spec.scale_init + 0.1 * rng.standard_normal(pshape)).astype(np.float32)
+            scale = dtypes.round_to(self.spec.scale_init + 0.1 * rng.standard_normal(pshape), param_dtype)
         if self.spec.bias:
-            bias = (0.1 * rng.standard_normal(pshape)).astype(np.float32)
+            bias = dtypes.round_to(0.1 * rng.standard_normal(pshape), param_dtype)
         return x, dy, scale, bias
 
     def to_dict(self) -> dict[str, object]:
-        return {"spec": self.spec.to_dict(), "shape": list(self.shape), "dtype": self.dtype}
+        return {"spec": self.spec.to_dict(), "shape": list(self.shape), "dtype": self.dtype, "param_dtype": self.param_dtype}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Case:
-        return cls(NormSpec.from_dict(data["spec"]), tuple(data["shape"]), str(data["dtype"]))  # type: ignore[arg-type]
+        spec = NormSpec.from_dict(data["spec"])  # type: ignore[arg-type]
+        return cls(spec, tuple(data["shape"]), str(data["dtype"]), str(data.get("param_dtype", "float32")))  # type: ignore[arg-type]
 
 
 FULL_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (

@@ -200,7 +200,7 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
             for q in QUANTITIES:
                 if q not in a.files or q not in b.files or a[q].shape != b[q].shape:
                     continue
-                dtype = case.dtype if q in ("y", "dx") else "float32"
+                dtype = case.dtype if q in ("y", "dx") else case.param_dtype
                 m = tolerances.measure(a[q].astype(np.float64), b[q].astype(np.float64), dtype=dtype,
                                        quantity="forward" if q == "y" else "grad", cast=case.spec.cast)
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))

@@ -20,7 +20,7 @@ class Target:
     Attributes:
       name: shown in reports, e.g. ``"jax.nnx"`` or ``"tf[jax]"``.
       requires: the packages that must be installed.
-      extra: the normkit extra that installs them.
+      install: the command that installs them.
       hook: the module with ``devices`` and ``evaluate``.
       variant: keyword arguments for ``evaluate``.
       env: environment variables for the worker process.
@@ -30,7 +30,7 @@ class Target:
 
     name: str
     requires: tuple[str, ...]
-    extra: str
+    install: str
     hook: str
     variant: dict[str, object] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -41,7 +41,7 @@ class Target:
         """Why this target cannot run here (its framework is not installed), or None."""
         missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
         if missing:
-            return f"{', '.join(missing)} not installed (pip install 'normkit[{self.extra}]')"
+            return f"{', '.join(missing)} not installed ({self.install})"
         return None
 
 
@@ -50,7 +50,7 @@ def _keras(backend: str, **variant: object) -> Target:
     return Target(
         f"tf[{backend}{suffix}]",
         ("keras", backend),
-        "tf" if backend == "tensorflow" else f"tf,{backend}",
+        f"pip install 'normkit[{'tf' if backend == 'tensorflow' else 'tf,' + backend}]'",
         "normkit.tf.conformance",
         dict(variant),
         {"KERAS_BACKEND": backend},
@@ -59,13 +59,13 @@ def _keras(backend: str, **variant: object) -> Target:
 
 
 TARGETS: tuple[Target, ...] = (
-    Target("torch", ("torch",), "torch", "normkit.torch.conformance", note="normkit.torch modules (eager)"),
+    Target("torch", ("torch",), "pip install 'normkit[torch]'", "normkit.torch.conformance", note="normkit.torch modules (eager)"),
     _keras("tensorflow"),
     _keras("tensorflow", jit=True),
     _keras("jax", jit=True),
     _keras("torch"),
     *(
-        Target(f"jax.{api}", ("jax", "flax"), "jax", "normkit.jax.conformance", {"api": api}, note=f"normkit.jax {api}, jitted")
+        Target(f"jax.{api}", ("jax", "flax"), "pip install 'normkit[jax]'", "normkit.jax.conformance", {"api": api}, note=f"normkit.jax {api}, jitted")
         for api in ("linen", "nnx", "functional")
     ),
 )
