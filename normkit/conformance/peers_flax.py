@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax
 import numpy as np
 from flax import nnx
 
-from normkit import dtypes
+from normkit.conformance.bridges import JaxBridge, Outputs
 from normkit.spec import NormSpec
 
-__all__ = ["devices", "evaluate"]
-
-
-def devices() -> list[str]:
-    """``"cpu"``, then ``"<platform>:<id>"`` for each accelerator JAX sees."""
-    return ["cpu"] + [f"{d.platform}:{d.id}" for d in jax.devices() if d.platform != "cpu"]
-
-
-def _apply(layer: str, n: int) -> Callable[[jax.Array, dict[str, jax.Array]], jax.Array]:
-    kind = layer.rsplit(".", 1)[-1]
-    if layer.startswith("flax.linen."):
-        module = getattr(nn, kind)()
-        return lambda x, p: module.apply({"params": p}, x)
-    if layer.startswith("flax.nnx."):
-        graphdef, _ = nnx.split(getattr(nnx, kind)(n, rngs=nnx.Rngs(0)))
-        return lambda x, p: nnx.merge(graphdef, nnx.State({k: nnx.Param(v) for k, v in p.items()}))(x)
-    raise ValueError(f"unknown Flax peer {layer!r}")
-
-
-def _numpy(a: Any) -> np.ndarray:
-    return np.asarray(a).astype(dtypes.as_float_dtype(a.dtype))
+BRIDGE = JaxBridge()
+devices = BRIDGE.devices
 
 
 def evaluate(
@@ -45,17 +24,23 @@ def evaluate(
     *,
     device: str = "cpu",
     layer: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``(y, dx, dscale, dbias)`` of the built-in ``layer``, jitted, float32 params (Flax's default)."""
-    platform, _, index = device.partition(":")
-    target = jax.devices(platform)[int(index or 0)]
-    params = {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None}
-    apply = _apply(layer, x.shape[-1])
+) -> Outputs:
+    """``(y, dx, dscale, dbias)`` of the built-in ``layer`` with float32 params (Flax's default)."""
+    framework, _, kind = layer.removeprefix("flax.").partition(".")
+    if framework == "linen":
+        module = getattr(nn, kind)()
 
-    @jax.jit
-    def run(x: jax.Array, p: dict[str, jax.Array], dy: jax.Array) -> Any:
-        y, pullback = jax.vjp(apply, x, p)
-        return y, *pullback(dy.astype(y.dtype))
+        def fn(x: Any, scale: Any, bias: Any) -> Any:
+            params = {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None}
+            return module.apply({"params": params}, x)
 
-    y, dx, grads = run(*jax.device_put((x, params, dy), target))
-    return _numpy(y), _numpy(dx), *(_numpy(grads[k]) if k in grads else None for k in ("scale", "bias"))  # type: ignore[return-value]
+    elif framework == "nnx":
+        graphdef, _ = nnx.split(getattr(nnx, kind)(x.shape[-1], rngs=nnx.Rngs(0)))
+
+        def fn(x: Any, scale: Any, bias: Any) -> Any:
+            params = {k: nnx.Param(v) for k, v in (("scale", scale), ("bias", bias)) if v is not None}
+            return nnx.merge(graphdef, nnx.State(params))(x)
+
+    else:
+        raise ValueError(f"unknown Flax peer {layer!r}")
+    return BRIDGE.vjp(fn, x, dy, scale, bias, device)

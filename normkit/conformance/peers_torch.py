@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from normkit.conformance.bridges import Outputs, TorchBridge
 from normkit.spec import NormSpec
-from normkit.torch.conformance import devices, to_numpy, to_torch
 
-__all__ = ["devices", "evaluate"]
+BRIDGE = TorchBridge()
+devices = BRIDGE.devices
 
 
 def _module(layer: str, n: int) -> torch.nn.Module:
@@ -36,15 +37,12 @@ def evaluate(
     *,
     device: str = "cpu",
     layer: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+) -> Outputs:
     """``(y, dx, dweight, dbias)`` of the built-in ``layer`` over the last axis of ``x``."""
-    module = _module(layer, x.shape[-1])
-    params = {"weight": scale, "bias": bias}
-    for name, value in params.items():
-        if value is not None:
-            setattr(module, name, torch.nn.Parameter(to_torch(value, device)))
-    xt = to_torch(x, device).requires_grad_(True)
-    y = module(xt)
-    y.backward(to_torch(dy, device).to(y.dtype))
-    grads = [getattr(module, name).grad if value is not None else None for name, value in params.items()]
-    return to_numpy(y), to_numpy(xt.grad), *(None if g is None else to_numpy(g) for g in grads)  # type: ignore[return-value]
+    module = _module(layer, x.shape[-1]).to(device)
+
+    def fn(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        params = {k: v for k, v in (("weight", weight), ("bias", bias)) if v is not None}
+        return torch.func.functional_call(module, params, (x,))
+
+    return BRIDGE.vjp(fn, x, dy, scale, bias, device)
