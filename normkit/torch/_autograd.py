@@ -41,6 +41,10 @@ def _block_rows(n: int) -> int:
     return max(1, _BLOCK_ELEMENTS // n)
 
 
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
 def _rstd(s: torch.Tensor, eps: float, outside: bool) -> torch.Tensor:
     """``r(s)``: ``1/sqrt(s + eps)`` (inside) or ``1/(sqrt(s) + eps)`` (outside)."""
     return torch.reciprocal(torch.sqrt(s) + eps) if outside else torch.rsqrt(s + eps)
@@ -62,8 +66,8 @@ def _statistic(
     if kind == "layer":
         var, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
         return xf - mean, var
-    norm = torch.linalg.vector_norm(x[:, :k], dim=-1, keepdim=True, dtype=acc)
-    return xf, norm * norm / k
+    head = xf[:, :k]
+    return xf, torch.linalg.vecdot(head, head).unsqueeze(-1) / k
 
 
 def _forward(
@@ -132,15 +136,31 @@ def _backward(
     dy: torch.Tensor,
     kind: str,
     k: int,
+    eps: float,
     outside: bool,
     need_g: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dg, db)`` in the acc dtype (dx in x's dtype), as in `normalize_vjp`."""
+    """``(dx, dg, db)`` as in `normalize_vjp`: dx in x's dtype, dg and db in the acc dtype.
+
+    Rows in which the output has no direction left to vary (n = 1; n <= 2 for layer) have a
+    gradient of the order of eps that float32 loses to cancellation: they are recomputed in
+    float64 (where the device has it), from ``x`` alone.
+    """
+    n = x.shape[-1]
+    degenerate = n <= (2 if kind == "layer" else 1)
+    if degenerate and r.dtype != torch.float64 and x.device.type != "mps":
+        _, s = _statistic(x, kind, k, torch.float64)
+        wide_g = None if g is None else g.double()
+        dx, dg, db = _backward(
+            x.double(), _rstd(s, eps, outside).squeeze(-1), wide_g, dy.double(), kind, k, eps,
+            outside, need_g, need_b,
+        )
+        narrow = r.dtype
+        return dx.to(x.dtype), _cast(dg, narrow), _cast(db, narrow)
     acc = r.dtype
     if _blocked(x) and kind != "layer":
         return _backward_blocked(x, r, g, dy, k, outside, need_g, need_b)
-    n = x.shape[-1]
     centered, s = _statistic(x, kind, k, acc)
     r = r.unsqueeze(-1)
     dyf = dy.to(acc)
@@ -233,10 +253,10 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        x, g, b, kind, k, _, outside, _ = inputs
+        x, g, b, kind, k, eps, outside, _ = inputs
         ctx.save_for_backward(x, output[1], g)
         ctx.mark_non_differentiable(output[1])
-        ctx.kind, ctx.k, ctx.outside, ctx.has_b = kind, k, outside, b is not None
+        ctx.kind, ctx.k, ctx.eps, ctx.outside, ctx.has_b = kind, k, eps, outside, b is not None
 
     @staticmethod
     def backward(
@@ -245,6 +265,7 @@ class NormFunction(torch.autograd.Function):
         x, r, g = ctx.saved_tensors
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
         dx, dg, db = _backward(
-            x, r, g, dy, ctx.kind, ctx.k, ctx.outside, need_g and g is not None, need_b and ctx.has_b
+            x, r, g, dy, ctx.kind, ctx.k, ctx.eps, ctx.outside, need_g and g is not None,
+            need_b and ctx.has_b,
         )
         return (dx if need_x else None), dg, db, None, None, None, None, None

@@ -121,11 +121,14 @@ def _normalize_trailing(
         g = g + spec.scale_offset
     b = None if bias is None else bias.to(acc)
     inside = spec.eps_placement == "inside"
-    same_cast = x.dtype not in _HALF or spec.cast == "after_scale"
-    if spec.kind == "layer" and inside and same_cast and (x.dtype not in _HALF or x.device.type == "cpu"):
-        return F.layer_norm(x, shape, g, b, spec.eps)
-    if spec.kind == "rms" and inside and b is None and x.device.type == "cuda" and x.dtype not in _HALF:
-        return F.rms_norm(x, shape, g, spec.eps)
+    # torch's fused kernels, where they compute the spec. Not for half inputs: on CPU,
+    # F.layer_norm's weight and bias gradients for them are far from float32-accurate.
+    # Nor for rows of n <= 2, whose layer-norm gradient needs `NormFunction`'s float64 backward.
+    if inside and x.dtype not in _HALF:
+        if spec.kind == "layer" and n > 2:
+            return F.layer_norm(x, shape, g, b, spec.eps)
+        if spec.kind == "rms" and b is None and x.device.type == "cuda":
+            return F.rms_norm(x, shape, g, spec.eps)
     rows = x.reshape(x.numel() // n, n)
     y, _ = NormFunction.apply(
         rows,

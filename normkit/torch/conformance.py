@@ -1,0 +1,115 @@
+"""The conformance hook: run normkit.torch on numpy inputs, forward and backward.
+
+The cross-framework conformance runner calls `devices` and `evaluate`; the torch tests use them
+too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from normkit.spec import NormSpec
+from normkit.torch.functional import normalize
+from normkit.torch.modules import from_spec
+
+__all__ = ["devices", "evaluate", "to_torch", "to_numpy"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def devices() -> list[str]:
+    """The devices torch sees: ``"cpu"``, then ``"cuda:i"`` for each GPU, then ``"mps"``."""
+    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def to_torch(a: np.ndarray, device: str = "cpu") -> torch.Tensor:
+    """A numpy array (ml_dtypes bfloat16 included) as a torch tensor on ``device``."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == _BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(a).to(device)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A torch tensor as a numpy array (bfloat16 as ml_dtypes.bfloat16), copied to the host."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(_BF16)
+    return t.numpy()
+
+
+def evaluate(
+    spec: NormSpec,
+    x: np.ndarray,
+    dy: np.ndarray,
+    scale: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    *,
+    device: str = "cpu",
+    **variant: object,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``(y, dx, dscale, dbias)`` of normkit.torch for ``spec`` on ``device``.
+
+    Args:
+      spec: the norm; any axes.
+      x, dy: the input and the cotangent of the output, float16, bfloat16, float32 or float64.
+      scale, bias: the parameters in their dtype, or None for the layer's initial value
+        (parameters in float32 then).
+      device: one of `devices`.
+      variant: ``api="module"`` (`from_spec`, the default when ``spec.axis`` is the trailing
+        axes of ``x``) or ``api="functional"`` (`normalize`, the default otherwise);
+        ``compiled=True`` runs it under ``torch.compile(fullgraph=True)``.
+
+    Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
+    """
+    unknown = sorted(set(variant) - {"api", "compiled"})
+    if unknown:
+        raise ValueError(f"unknown variant options {unknown}; allowed: ['api', 'compiled']")
+    axes = spec.resolve_axes(x.ndim)
+    trailing = axes == tuple(range(x.ndim - len(axes), x.ndim))
+    api = variant.get("api", "module" if trailing else "functional")
+    if api not in ("module", "functional") or (api == "module" and not trailing):
+        raise ValueError(
+            f"api={api!r} is invalid for axis {spec.axis} of a rank-{x.ndim} input: expected "
+            "'functional', or 'module' when the axes are the trailing ones"
+        )
+    param_dtype = to_torch(np.zeros(0, next((p.dtype for p in (scale, bias) if p is not None), np.float32))).dtype
+    shape = spec.param_shape(x.shape)
+    params: dict[str, torch.nn.Parameter | None] = {}
+    for name, present, value in (("weight", spec.scale, scale), ("bias", spec.bias, bias)):
+        if not present:
+            if value is not None:
+                raise ValueError(f"{name} was given but the spec has {name}=False")
+            params[name] = None
+        elif value is None:
+            init = spec.scale_init if name == "weight" else 0.0
+            params[name] = torch.nn.Parameter(torch.full(shape, init, dtype=param_dtype, device=device))
+        else:
+            params[name] = torch.nn.Parameter(to_torch(value, device).clone())
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    if api == "module":
+        module = from_spec(spec.replace(axis=tuple(range(-len(axes), 0))), shape, device, param_dtype)
+        for name, param in params.items():
+            if param is not None:
+                setattr(module, name, param)
+        fn = module
+    else:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return normalize(t, spec, params["weight"], params["bias"])
+
+    if variant.get("compiled", False):
+        fn = torch.compile(fn, fullgraph=True)
+    xt = to_torch(x, device).requires_grad_(True)
+    y = fn(xt)
+    y.backward(to_torch(dy, device))
+    assert xt.grad is not None
+    dscale, dbias = (None if p is None else to_numpy(p.grad) for p in params.values())  # type: ignore[arg-type]
+    return to_numpy(y), to_numpy(xt.grad), dscale, dbias
