@@ -134,7 +134,8 @@ def _run_conformance(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(reports.to_json(result))
     if args.markdown:
-        Path(args.markdown).write_text(reports.markdown(result, title))
+        render = reports.peers_markdown if args.peers else reports.markdown
+        Path(args.markdown).write_text(render(result, title))
     # Peers depart from their specs by design; the report documents how. normkit's own must not.
     return 1 if result.failed and not args.peers else 0
 

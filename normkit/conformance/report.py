@@ -88,6 +88,82 @@ def text(report: Report, failures: int = 10) -> str:
     return "\n".join(out)
 
 
+def departures(report: Report) -> dict[str, list[str]]:
+    """Per target, where its results depart from its spec, summarized from the failures.
+
+    One line per finding: output dtype promotion, then the worst forward and gradient errors in
+    float32 (a departure in the math) and in half precision (in the dtype handling).
+    """
+    promoted: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    worst: dict[str, dict[tuple[str, str], tuple[float, str]]] = defaultdict(dict)
+    errors: dict[str, set[str]] = defaultdict(set)
+    for r in report.failed:
+        for problem in r.reason.split("; "):
+            if " has dtype " in problem:
+                quantity, _, rest = problem.partition(" has dtype ")
+                got, _, want = rest.partition(", expected ")
+                promoted[r.target][f"{quantity} is {got}"].add(want)
+            elif problem.startswith(("raised", "worker crashed")):
+                errors[r.target].add(problem)
+        precision = "half precision" if r.case.dtype != "float32" else "float32"
+        for quantity, m in r.measurements.items():
+            if m["error"] > m["bound"]["value"]:
+                key = (precision, "forward output" if quantity == "y" else quantity)
+                unit = "ulp" if m["bound"]["unit"] == "ulp" else "of max|ref|"
+                figure = (m["error"], f"{m['error']:.3g} {unit} (bound {m['bound']['value']:g})")
+                worst[r.target][key] = max(worst[r.target].get(key, figure), figure)
+    found: dict[str, list[str]] = {}
+    for target in sorted(set(promoted) | set(worst) | set(errors)):
+        lines = [f"{what} for {', '.join(sorted(inputs))} input (output dtype promotion)" for what, inputs in promoted[target].items()]
+        for precision in ("float32", "half precision"):
+            parts = [f"{q} {text}" for (p, q), (_, text) in sorted(worst[target].items()) if p == precision]
+            if parts:
+                lines.append(f"{precision}: " + ", ".join(parts))
+        found[target] = lines + sorted(errors[target])
+    return found
+
+
+def peers_markdown(report: Report, title: str) -> str:
+    """The peers table: each built-in layer, the spec it appears to implement, results per dtype
+    and where it departs."""
+    by_dtype: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in report.results:
+        if r.status != "SKIP":
+            by_dtype[(r.target, r.case.dtype)][r.status == "FAIL"] += 1
+    dtypes_seen = sorted({d for _, d in by_dtype}, key=["float32", "float16", "bfloat16"].index)
+    notes = departures(report)
+    header = ["built-in layer", "appears to implement", *dtypes_seen, "departs from it"]
+    rows = []
+    for target in report.targets:
+        spec = target.claims
+        claimed = "-" if spec is None else _spec_text(spec)
+        if target.name in report.skipped_targets:
+            rows.append([target.name, claimed, *("-" for _ in dtypes_seen), f"not run: {report.skipped_targets[target.name]}"])
+            continue
+        cells = []
+        for d in dtypes_seen:
+            passed, failed = by_dtype.get((target.name, d), [0, 0])
+            cells.append(f"{passed}/{passed + failed}" if passed + failed else "-")
+        skipped = sorted({r.reason for r in report.results if r.target == target.name and r.status == "SKIP"})
+        found = notes.get(target.name, []) + [f"not run: {s}" for s in skipped]
+        rows.append([target.name, claimed, *cells, "<br>".join(found) or "none found"])
+    intro = (
+        "Each built-in layer runs as people use it (torch and Hugging Face modules with parameters in the "
+        "input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is "
+        "checked, forward and backward, against the NormSpec it appears to implement. Cells: cases passed / run."
+    )
+    return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
+
+
+def _spec_text(spec: object) -> str:
+    from normkit.spec import NormSpec
+
+    assert isinstance(spec, NormSpec)
+    default = NormSpec(spec.kind, p=spec.p)
+    changed = [f"{k}={v!r}" for k, v in spec.to_dict().items() if k != "kind" and getattr(default, k) != getattr(spec, k)]
+    return f"`NormSpec({spec.kind!r}{''.join(', ' + c for c in changed)})`"
+
+
 def markdown(report: Report, title: str = "normkit conformance") -> str:
     """The report as Markdown: summary, pairwise agreement, failures."""
     header, rows = _summary(report)

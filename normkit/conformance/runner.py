@@ -46,6 +46,7 @@ class Report:
     results: list[Result]
     skipped_targets: dict[str, str]
     devices: dict[str, list[str]]
+    targets: list[Target] = field(default_factory=list)
     pairwise: list[Pairwise] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -171,7 +172,7 @@ def run(
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
-    return Report(results, skipped, seen_devices, pairs, time.perf_counter() - start)
+    return Report(results, skipped, seen_devices, list(targets), pairs, time.perf_counter() - start)
 
 
 def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:

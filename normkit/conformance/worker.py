@@ -64,12 +64,15 @@ class Result:
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
-def compare(spec: NormSpec, inputs: Arrays, outputs: Arrays) -> tuple[list[str], dict[str, tolerances.Measurement]]:
+def compare(
+    spec: NormSpec, inputs: Arrays, outputs: Arrays, quantities: tuple[str, ...] = QUANTITIES
+) -> tuple[list[str], dict[str, tolerances.Measurement]]:
     """Compare an implementation's ``(y, dx, dscale, dbias)`` with the reference's.
 
-    ``inputs`` is ``(x, dy, scale, bias)``. Returns the problems found (empty when it conforms:
-    every quantity within `normkit.tolerances`, in the expected dtype: ``y`` and ``dx`` in x's,
-    each parameter gradient in its parameter's) and the measurements.
+    ``inputs`` is ``(x, dy, scale, bias)``; only ``quantities`` are checked. Returns the problems
+    found (empty when it conforms: every quantity within `normkit.tolerances`, in the expected
+    dtype: ``y`` and ``dx`` in x's, each parameter gradient in its parameter's) and the
+    measurements.
     """
     x, dy, scale, bias = inputs
     expected = (reference.normalize(x, spec, scale, bias), *reference.normalize_vjp(x, dy, spec, scale, bias))
@@ -77,6 +80,8 @@ def compare(spec: NormSpec, inputs: Arrays, outputs: Arrays) -> tuple[list[str],
     problems = []
     measurements = {}
     for name, got, want, want_dtype in zip(QUANTITIES, outputs, expected, expected_dtypes):
+        if name not in quantities:
+            continue
         if want is None or got is None:
             if (want is None) != (got is None):
                 problems.append(f"{name} is {'missing' if got is None else 'unexpected'}")
