@@ -17,6 +17,9 @@ import pytest
 from normkit import NormSpec, reference, tolerances
 from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
+# Keras' TensorFlow backend converts tensors with np.array(x), which numpy 2 flags; harmless.
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy:DeprecationWarning")
+
 ROOT = Path(__file__).resolve().parent.parent
 on_tensorflow = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="needs the TensorFlow Keras backend"
@@ -165,6 +168,13 @@ def test_symbolic_output_dtype_follows_the_policy(policy, in_dtype, out_dtype):
 def test_symbolic_integer_input_raises_type_error():
     with pytest.raises(TypeError, match=r"has dtype int32; LayerNorm needs a floating input"):
         LayerNorm()(keras.Input((4,), dtype="int32"))
+
+
+def test_symbolic_call_with_other_sizes_raises_value_error():
+    layer = LayerNorm(axis=1)
+    layer(keras.Input((4, 3)))
+    with pytest.raises(ValueError, match=r"axis 1 of the input \(shape \(None, 5, 3\)\) has size 5, but the layer was built for size 4"):
+        layer(keras.Input((5, 3)))
 
 
 def test_unknown_normalized_size_raises_value_error():

@@ -19,6 +19,9 @@ from normkit import NormSpec, reference, tolerances
 from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 from normkit.tf.conformance import devices, evaluate, keras_backend
 
+# Keras' TensorFlow backend converts tensors with np.array(x), which numpy 2 flags; harmless.
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy:DeprecationWarning")
+
 DTYPES = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),

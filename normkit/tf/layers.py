@@ -104,9 +104,10 @@ class _Norm(keras.layers.Layer):
         x = ops.cast(ops.cast(inputs, dtype), work)
         if spec.kind == "layer":
             x = x - ops.mean(x, axis=axes, keepdims=True)
-        n = int(np.prod(target))
+        n = int(np.prod(self._param_shape))
         k = spec.stat_size(n)
         if k < n:
+            # The first k of the n normalized elements in row-major order, as a 0/1 mask.
             first_k = (np.arange(n) < k).reshape(target)
             s = ops.sum(ops.square(x) * ops.cast(first_k, work), axis=axes, keepdims=True) / k
         else:
@@ -148,8 +149,12 @@ class _Norm(keras.layers.Layer):
 
     def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
         dtype = self._output_dtype(inputs.dtype)
-        self._axes(tuple(inputs.shape))
-        return keras.KerasTensor(inputs.shape, dtype=dtype)
+        shape = tuple(inputs.shape)
+        if self.built:
+            self._broadcast_shape(shape)
+        else:
+            self._axes(shape)
+        return keras.KerasTensor(shape, dtype=dtype)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **_spec_kwargs(self._spec)}
