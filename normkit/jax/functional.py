@@ -1,8 +1,8 @@
 """`NormSpec` as pure JAX functions with an analytic `jax.custom_vjp`.
 
 The backward pass saves only the input and the statistic ``s`` per row (float32, or float64
-for float64 inputs), besides references to the parameters; it is usable under ``jit``, ``grad``, ``vmap``, ``remat`` and
-``scan``, and inside ``shard_map`` with ``axis_name``.
+for float64 inputs), besides references to the parameters. The functions work under ``jit``,
+``grad``, ``vmap``, ``remat`` and ``scan``, and inside ``shard_map`` with ``axis_name``.
 """
 
 from __future__ import annotations
