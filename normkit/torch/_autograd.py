@@ -41,6 +41,21 @@ def _block_rows(n: int) -> int:
     return max(1, _BLOCK_ELEMENTS // n)
 
 
+@torch.library.custom_op("normkit::round_through", mutates_args=())
+def round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` and converted back, as an op compilers cannot drop.
+
+    Inductor removes a ``.to(half).to(float32)`` round trip it fuses (it keeps float32
+    precision), which would skip the ``before_scale`` rounding; an opaque op keeps it.
+    """
+    return x.to(dtype).to(x.dtype)
+
+
+@round_through.register_fake
+def _round_through_fake(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
@@ -88,7 +103,7 @@ def _forward(
     r = _rstd(s, eps, outside)
     y = centered * r
     if x.dtype != acc and cast == "before_scale":
-        y = y.to(x.dtype).to(acc)
+        y = round_through(y, x.dtype) if torch.compiler.is_compiling() else y.to(x.dtype).to(acc)
     if g is not None and b is not None:
         y = torch.addcmul(b, y, g)
     elif g is not None:
@@ -162,7 +177,8 @@ def _backward(
     if _blocked(x) and kind != "layer":
         return _backward_blocked(x, r, g, dy, k, outside, need_g, need_b)
     centered, s = _statistic(x, kind, k, acc)
-    r = r.unsqueeze(-1)
+    # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
+    r = _rstd(s, eps, outside) if torch.is_grad_enabled() else r.unsqueeze(-1)
     dyf = dy.to(acc)
     d = dyf * g if g is not None else dyf
     coef = _dr_ds(r, s, outside) * torch.sum(d * centered, dim=-1, keepdim=True)

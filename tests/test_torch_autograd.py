@@ -1,0 +1,128 @@
+"""normkit.torch gradients: gradcheck, memory saved for backward, torch.func and torch.compile."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import normkit.torch as nt  # noqa: E402
+from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit.torch import conformance  # noqa: E402
+from normkit.torch import functional as F  # noqa: E402
+from normkit.torch.bench import saved_bytes  # noqa: E402
+from normkit.torch.conformance import to_numpy  # noqa: E402
+
+KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.3), dict(kind="layer")]
+GRADCHECK_SPECS = [
+    NormSpec(**kind, eps_placement=placement, scale_offset=offset, bias=True)
+    for kind, placement, offset in itertools.product(KINDS, ("inside", "outside"), (0.0, 1.0))
+] + [NormSpec(**kind, scale=False, bias=False) for kind in KINDS]
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("spec", GRADCHECK_SPECS, ids=str)
+def test_gradcheck_float64(spec: NormSpec) -> None:
+    x = _randn(3, 2, 10).requires_grad_(True)
+    params = [
+        (_randn(10, seed=s) * 0.5 + spec.scale_init).requires_grad_(True) if present else None
+        for s, present in ((1, spec.scale), (2, spec.bias))
+    ]
+    inputs = (x, *(p for p in params if p is not None))
+
+    def fn(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
+        it = iter(ps)
+        return F.normalize(x, spec, *(next(it) if p is not None else None for p in params))
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_leading_axes_and_blocked_path() -> None:
+    spec = NormSpec(kind="partial_rms", p=0.5, axis=(0, 2), eps_placement="outside")
+    x = _randn(4, 3, 5).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: F.normalize(t, spec), (x,))
+    rows = _randn(300, 1000)[:, :3].contiguous().requires_grad_(True)  # several cache blocks
+    assert torch.autograd.gradcheck(lambda t: F.rms_norm(t, 3), (rows,))
+
+
+@pytest.mark.parametrize(
+    "dtype, stat_bytes", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float16, 4), (torch.float64, 8)], ids=str
+)
+@pytest.mark.parametrize("cls, args", [(nt.RMSNorm, ()), (nt.PartialRMSNorm, (0.25,))], ids=["rms", "partial"])
+def test_backward_saves_only_the_input_and_one_statistic_per_row(cls, args, dtype: torch.dtype, stat_bytes: int) -> None:
+    """float32 statistics (float64 for float64 input, whose parameters are float64 here)."""
+    x = _randn(5, 7, 64, dtype=dtype)
+    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    module = cls(64, *args, bias=True, dtype=param_dtype)
+    assert saved_bytes(module, x) == x.nelement() * x.element_size() + 5 * 7 * stat_bytes
+
+
+def test_parameters_in_another_dtype_add_one_converted_copy() -> None:
+    x = _randn(5, 64, dtype=torch.float64)
+    assert saved_bytes(nt.RMSNorm(64), x) == x.nelement() * 8 + 5 * 8 + 64 * 8
+
+
+def test_torch_rmsnorm_saves_more() -> None:
+    """The baseline the benchmark compares with: torch.nn.RMSNorm keeps a normalized copy too."""
+    x = _randn(5, 64, dtype=torch.float32)
+    assert saved_bytes(torch.nn.RMSNorm(64), x) > saved_bytes(nt.RMSNorm(64), x)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
+def test_torch_func_grad_and_vmap(kind: dict) -> None:
+    spec = NormSpec(**kind, bias=True, eps_placement="outside")
+    x, dy = _randn(4, 6, 12, dtype=torch.float32), _randn(4, 6, 12, dtype=torch.float32, seed=1)
+    w, b = _randn(12, dtype=torch.float32, seed=2), _randn(12, dtype=torch.float32, seed=3)
+
+    def loss(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return (F.normalize(x, spec, w, b) * dy).sum()
+
+    dx, dw, db = torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b, dy)
+    expected = reference.normalize_vjp(to_numpy(x), to_numpy(dy), spec, to_numpy(w), to_numpy(b))
+    for got, want in zip((dx, dw, db), expected):
+        tolerances.assert_close(to_numpy(got), want, quantity="grad")
+
+    batched = torch.vmap(lambda xi: F.normalize(xi, spec, w, b))(x)
+    tolerances.assert_close(to_numpy(batched), reference.normalize(to_numpy(x), spec, to_numpy(w), to_numpy(b)))
+    per_sample = torch.vmap(torch.func.grad(loss), in_dims=(0, None, None, 0))(x, w, b, dy)
+    tolerances.assert_close(to_numpy(per_sample), expected[0], quantity="grad")
+
+
+def test_double_backward_through_the_analytic_backward() -> None:
+    x = _randn(3, 8).requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda t: F.rms_norm(t, 8, eps_placement="outside"), (x,))
+
+
+# torch.compile(fullgraph=True): a graph break raises. Compiling is slow on CPU: a few cases.
+
+
+@pytest.mark.parametrize(
+    "spec, dtype",
+    [
+        (NormSpec(bias=True, scale_offset=1.0), np.float32),
+        (NormSpec(kind="partial_rms", p=0.25, eps_placement="outside"), np.float32),
+        (NormSpec(kind="layer", cast="before_scale", bias=True), dtypes.bfloat16),
+    ],
+    ids=["rms", "partial_rms-outside", "layer-bf16-before_scale"],
+)
+def test_compile_fullgraph_matches_eager_and_reference(spec: NormSpec, dtype: np.dtype) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 64)).astype(dtype)
+    dy = rng.standard_normal((4, 3, 64)).astype(dtype)
+    scale = rng.standard_normal(64).astype(np.float32) + spec.scale_init
+    bias = rng.standard_normal(64).astype(np.float32) if spec.bias else None
+    torch._dynamo.reset()
+    compiled = conformance.evaluate(spec, x, dy, scale, bias, compiled=True)
+    eager = conformance.evaluate(spec, x, dy, scale, bias)
+    expected = reference.normalize_vjp(x, dy, spec, scale, bias)
+    tolerances.assert_close(compiled[0], reference.normalize(x, spec, scale, bias), cast=spec.cast)
+    tolerances.assert_close(compiled[0], eager[0].astype(np.float64), cast=spec.cast)
+    for got, want in zip(compiled[1:], expected):
+        if want is not None:
+            tolerances.assert_close(got, want, quantity="grad")
