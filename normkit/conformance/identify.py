@@ -1,4 +1,4 @@
-r"""Infer the `NormSpec` an unknown norm implementation follows, by probing it with chosen inputs.
+"""Infer the `NormSpec` an unknown norm implementation follows, by probing it with chosen inputs.
 
 `identify_forward` treats the implementation as a black box ``forward(x, scale, bias) -> y`` on
 rows of ``n`` elements. It works in numpy only; the framework bridges wrap a torch, Keras or Flax
@@ -25,8 +25,9 @@ float32 by default):
    elementwise function (no ``j`` affects the others) is rejected here.
 5. Kind, when ``k = n``: LayerNorm is exactly shift-invariant, ``f(x + 4) = f(x)`` (the rows are
    built so that ``x + 4`` is exact in the probe dtype); RMSNorm is far from it.
-6. eps: rows ``t · u`` for ``t`` from 1e-12 to 1e3 in eighth decades, in one call; ``u`` has
-   entries of size 0.5 to 1.5 (zero-mean ± pairs for LayerNorm). Per element, ``(y - B) / c`` is
+6. eps: rows ``t · u`` for ``t`` from 1e-12 (or the dtype's smallest useful size) to 1e3 in
+   eighth decades, in one call; ``u`` has entries of size 0.5 to 1.5 (zero-mean ± pairs for
+   LayerNorm). Per element, ``(y - B) / c`` is
    ``G · r(s)``; divided by its value at the largest ``t = T`` it gives ``a = r(s_t) / r(s_T)``,
    free of ``G``, and each placement solves exactly for eps from ``a``, ``s_t`` and ``s_T``::
 
@@ -53,12 +54,13 @@ float32 by default):
    sum) may round either way, and half-precision inputs and parameters make exact ties common.
 
 What cannot be determined is listed in `Identification.undetermined`, never guessed, and the
-spec takes the field's `NormSpec` default. Without parameters the layer's own are at their
-initial values (effective scale 1, bias 0): a scale fixed at 1 and no scale, offset 0 with
-``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias are the same function, and with
-``G = 1, B = 0`` both cast orders round ``ŷ`` once. An eps too small to change any probe (below
-about 1e-25 inside, 1e-14 outside, in float32) is reported as such. ``p`` is known only to the
-interval of fractions that give the same ``k`` for this ``n``.
+spec takes the field's `NormSpec` default. Without parameters the layer's own are used: no scale
+and a fixed scale, offset 0 with ``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias
+give the same function, and at the initial values (``G = 1, B = 0``) both cast orders round ``ŷ``
+once. (A trained layer's non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast
+order.) An eps too small to change any probe (below about 4e-26 inside, 2e-14 outside, in
+float32) is reported as such. ``p`` is known only to the interval of fractions that give the same
+``k`` for this ``n``.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ _SCALE_INVARIANCE = 0.1
 _RMS_SHIFT = 0.1  # relative change under a shift that rules LayerNorm out
 _CAST_AGREEMENT = 0.9
 _MIN_CAST_ELEMENTS = 16
-_TIE_DISTANCE = 2.0**-18  # relative distance to a rounding midpoint within which float32 may go either way
+_TIE_DISTANCE = (
+    2.0**-18
+)  # relative distance to a rounding midpoint within which float32 may go either way
 _HALF_PROBE_ELEMENTS = 4096
 
 
@@ -118,7 +122,9 @@ class Identification:
     def describe(self) -> str:
         """A multi-line, human-readable report."""
         lines = [repr(self.spec)]
-        lines.append("undetermined: " + (", ".join(self.undetermined) if self.undetermined else "none"))
+        lines.append(
+            "undetermined: " + (", ".join(self.undetermined) if self.undetermined else "none")
+        )
         lines.extend(f"- {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -136,11 +142,12 @@ def identify_forward(
       forward: the implementation, see `Forward`.
       n: the row length (the size of the normalized axes), at least 2.
       accepts_params: whether ``forward`` may be given ``w`` and ``b``. Without them the
-        implementation's own parameters must be at their initial values, and the scale, the
-        offset, a zero bias and the cast order cannot be determined.
+        implementation's own parameters are used, and the scale, the offset, a zero bias and
+        (at the initial ``w``) the cast order cannot be determined.
       dtypes: the input dtypes to probe. The structure and eps are probed in the most precise
-        one (float32 or float64 recommended: eps within 10% needs it); the cast order and the
-        output dtype in each half-precision one.
+        one (float32 or float64 recommended: in a half dtype eps comes out only to about 1-2%,
+        and float16 cannot show an eps below about 1e-7 outside the sqrt); the cast order and
+        the output dtype in each half-precision one.
 
     Raises:
       ValueError: ``n < 2``, no dtype, or ``forward`` is not one of the three kinds (the message
@@ -159,7 +166,7 @@ def identify_forward(
 
     prober = _Prober(forward, n, probe_dtype)
     measured = _probe_params(prober, rng, notes) if accepts_params else None
-    if measured is not None:
+    if measured is not None:  # from here on the probes see ŷ itself
         prober.scale = np.full(n, 1.0 - measured.offset, np.float32) if measured.scale else None
         prober.bias = np.zeros(n, np.float32) if measured.bias else None
     zero_output = prober.h(np.zeros((1, n), probe_dtype))[0]
@@ -168,12 +175,7 @@ def identify_forward(
     kind = _kind(prober, rng, k, zero_output, notes)
     p = _fraction(k, n) if kind == "partial_rms" else None
     if p is not None:
-        p_high = "2/n" if k == 1 else f"{(k + 1) / n:.6g}"
-        p_low = "(0" if k == 1 else f"[{k / n:.6g}"
-        notes.append(
-            f"partial statistic: only the first k = {k} of n = {n} elements affect the rest of the "
-            f"row: p = {p:.6g}; every p in {p_low}, {p_high}) gives the same k at this n"
-        )
+        notes.append(_fraction_note(k, n, p))
     fit = _measure_eps(prober, rng, kind, k, zero_output)
     notes.append(fit.note)
     if fit.eps is None:
@@ -185,54 +187,29 @@ def identify_forward(
     )
     gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
 
-    if measured is None:
-        undetermined += ["scale", "scale_offset"]
-        notes.append(
-            "scale and scale_offset: without parameters, no scale, a scale w = 1 with offset 0 and "
-            "w = 0 with offset 1 are the same function"
-        )
-        bias_present = _max_abs(zero_output) > 32 * prober.res
-        if bias_present:
-            notes.append(
-                f"bias: present, f(0) = b is non-zero (max |b| = {_max_abs(zero_output):.3g}), "
-                "so the layer's bias is not at its initial value 0"
-            )
-        else:
-            undetermined.append("bias")
-            notes.append("bias: f(0) = 0, so either no bias or one at its initial value 0")
-        affine = _Affine(scale=True, offset=0.0, bias=bias_present)
-    else:
-        affine = measured
+    affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
     casts = [
         _probe_half(prober, rng, half, structure, measured, gain, zero_output, notes)
         for half in resolved
         if is_half(half)
     ]
-    found = {c for c in casts if c is not None}
-    if len(found) == 1 and None not in casts:
-        cast: Cast | None = found.pop()
-    else:
-        cast = None
+    cast = casts[0] if casts and all(c == casts[0] for c in casts) else None
+    if cast is None:
         undetermined.append("cast")
         if not casts:
             notes.append("cast: no half-precision dtype was probed")
-        elif len(found) > 1:
+        elif len({c for c in casts if c is not None}) > 1:
             notes.append("cast: the half dtypes disagree on the cast order")
 
-    bias_undetermined = "bias" in undetermined
-    spec = NormSpec(
-        kind,
-        eps=structure.eps,
-        eps_placement=structure.eps_placement,
-        p=p,
+    spec = structure.replace(
         scale=affine.scale,
         scale_offset=affine.offset,
-        bias=None if bias_undetermined else affine.bias,
+        bias=None if "bias" in undetermined else affine.bias,
         cast=cast or "after_scale",
     )
     notes.append(f"{prober.calls} calls to the implementation")
-    order = [f for f in spec.to_dict() if f in undetermined]
-    return Identification(spec, tuple(order), tuple(notes))
+    in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
+    return Identification(spec, in_field_order, tuple(notes))
 
 
 class _Prober:
@@ -247,16 +224,18 @@ class _Prober:
         self.bias: np.ndarray | None = None
         self.calls = 0
 
-    def cast(self, values: npt.ArrayLike, dtype: np.dtype | None = None) -> np.ndarray:
+    def round(self, values: npt.ArrayLike, dtype: np.dtype | None = None) -> np.ndarray:
         """``values`` rounded to the probe dtype (or ``dtype``)."""
         return round_to(values, self.dtype if dtype is None else dtype)
 
     def call(self, x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
-        """The implementation's output for ``x``, as it returned it (shape and finiteness checked)."""
+        """The implementation's output for ``x`` as returned (shape and finiteness checked)."""
         self.calls += 1
         y = np.asarray(self.forward(x, scale, bias))
         if y.shape != x.shape:
-            raise ValueError(_NOT_A_NORM + f"it returned shape {y.shape} for an input of shape {x.shape}")
+            raise ValueError(
+                _NOT_A_NORM + f"it returned shape {y.shape} for an input of shape {x.shape}"
+            )
         as_float_dtype(y.dtype, "the implementation's output")
         bad = ~np.isfinite(y.astype(np.float64))
         if bad.any():
@@ -282,7 +261,7 @@ class _Affine:
 def _probe_params(prober: _Prober, rng: np.random.Generator, notes: list[str]) -> _Affine:
     """Scale, offset and bias from ``f(x; w=0, b=0)``, ``f(x; w=1, b=0)`` and ``f(x; w=1, b=β)``."""
     n = prober.n
-    x = prober.cast(rng.normal(size=(8, n)) + rng.normal(size=(8, 1)))
+    x = prober.round(rng.choice([-1.0, 1.0], (8, n)) * rng.uniform(0.5, 1.5, (8, n)))
     zeros, ones = np.zeros(n, np.float32), np.ones(n, np.float32)
     beta = _representable(rng, n, 1.0)
     at_zero = prober.call(x, zeros, zeros).astype(np.float64)
@@ -299,14 +278,15 @@ def _probe_params(prober: _Prober, rng: np.random.Generator, notes: list[str]) -
         if residual > tol:
             raise ValueError(
                 _NOT_A_NORM + "the scale passed is not applied as (scale_offset + w) · ŷ: "
-                f"f(x; w=0) departs from a multiple of f(x; w=1) - f(x; w=0) by {residual:.2g} of max|y|"
+                f"f(x; w=0) departs from a multiple of f(x; w=1) - f(x; w=0) by {residual:.2g} "
+                "of max|y|"
             )
         nearest = round(offset)
         if abs(offset - nearest) <= tol * max(1.0, abs(offset)):
             offset = float(nearest)
         notes.append(
-            f"scale: present; scale_offset {offset:.6g} (with w = 0 the output is {offset:.6g} · ŷ, "
-            "where ŷ = f(x; w=1) - f(x; w=0))"
+            f"scale: present; scale_offset {offset:.6g} (with w = 0 the output is "
+            f"{offset:.6g} · ŷ, where ŷ = f(x; w=1) - f(x; w=0))"
         )
         has_scale = True
     else:
@@ -321,16 +301,40 @@ def _probe_params(prober: _Prober, rng: np.random.Generator, notes: list[str]) -
         notes.append("bias: present (the b passed is added to the output)")
     else:
         raise ValueError(
-            _NOT_A_NORM + "the bias passed is neither added to the output nor ignored: it moves the "
+            _NOT_A_NORM
+            + "the bias passed is neither added to the output nor ignored: it moves the "
             f"output by up to {_max_abs(moved):.3g} for |b| <= {_max_abs(beta):.3g}"
         )
     return _Affine(has_scale, offset, has_bias)
 
 
-def _check_scale_invariance(prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray) -> None:
+def _affine_without_params(
+    prober: _Prober, zero_output: np.ndarray, notes: list[str], undetermined: list[str]
+) -> _Affine:
+    """What the layer's own parameters reveal: only a bias that is not zero, through ``f(0)``."""
+    undetermined += ["scale", "scale_offset"]
+    notes.append(
+        "scale and scale_offset: without parameters, no scale, a scale w = 1 with offset 0 and "
+        "w = 0 with offset 1 are the same function"
+    )
+    bias = _max_abs(zero_output) > 32 * prober.res  # the outputs are of size 1
+    if bias:
+        notes.append(
+            f"bias: present, f(0) = b is non-zero (max |b| = {_max_abs(zero_output):.3g}), so the "
+            "layer's bias is not at its initial value 0"
+        )
+    else:
+        undetermined.append("bias")
+        notes.append("bias: f(0) = 0, so either no bias or one at its initial value 0")
+    return _Affine(scale=True, offset=0.0, bias=bias)
+
+
+def _check_scale_invariance(
+    prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray
+) -> None:
     """A norm maps ``256 x`` and ``512 x`` to the same output (eps is negligible at that size)."""
-    x = prober.cast(rng.normal(size=(4, prober.n))).astype(np.float64)
-    y = prober.h(prober.cast(np.concatenate([256 * x, 512 * x]))) - zero_output
+    x = prober.round(rng.normal(size=(4, prober.n))).astype(np.float64)
+    y = prober.h(prober.round(np.concatenate([256 * x, 512 * x]))) - zero_output
     low, high = y[:4], y[4:]
     size = _max_abs(low)
     if size <= 32 * prober.res * _max_abs(zero_output) or size == 0:
@@ -338,7 +342,8 @@ def _check_scale_invariance(prober: _Prober, rng: np.random.Generator, zero_outp
     change = _max_abs(high - low) / size
     if change > _SCALE_INVARIANCE:
         raise ValueError(
-            _NOT_A_NORM + f"it is not scale-invariant: f(512 x) differs from f(256 x) by {change:.0%} "
+            _NOT_A_NORM
+            + f"it is not scale-invariant: f(512 x) differs from f(256 x) by {change:.0%} "
             "of max|f(256 x) - f(0)|, where a normalization (with eps below about 10) gives the "
             "same output"
         )
@@ -347,7 +352,7 @@ def _check_scale_invariance(prober: _Prober, rng: np.random.Generator, zero_outp
 def _statistic_support(prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray) -> int:
     """``k``: element ``j`` changes the other outputs of its row exactly when ``j < k``."""
     n = prober.n
-    base = prober.cast(rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 1.5, n))
+    base = prober.round(rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 1.5, n))
     base64 = base.astype(np.float64)
     base_out = prober.h(base[None])[0]
     size = _max_abs(base_out - zero_output)
@@ -357,7 +362,7 @@ def _statistic_support(prober: _Prober, rng: np.random.Generator, zero_output: n
         rows = np.repeat(base64[None], len(js), axis=0)
         positions = np.arange(len(js))
         rows[positions, js] = -np.sign(base64[js]) * big
-        change = np.abs(prober.h(prober.cast(rows)) - base_out)
+        change = np.abs(prober.h(prober.round(rows)) - base_out)
         change[positions, js] = 0.0
         return change.max(axis=1) > _INFLUENCE * size
 
@@ -368,7 +373,9 @@ def _statistic_support(prober: _Prober, rng: np.random.Generator, zero_output: n
     else:
         lo, hi = 0, n  # j = lo affects the others (checked below), j = hi does not (or hi = n)
         while hi - lo > 1:
-            candidates = np.unique(np.linspace(lo + 1, hi - 1, min(_SEARCH_WIDTH, hi - lo - 1)).astype(int))
+            candidates = np.unique(
+                np.linspace(lo + 1, hi - 1, min(_SEARCH_WIDTH, hi - lo - 1)).astype(int)
+            )
             hits = influences(candidates)
             lo = int(candidates[hits].max()) if hits.any() else lo
             later = candidates[~hits & (candidates > lo)]
@@ -386,20 +393,24 @@ def _statistic_support(prober: _Prober, rng: np.random.Generator, zero_output: n
         affecting = js[inside][:8].tolist()
         not_affecting = js[~inside][:8].tolist()
         raise ValueError(
-            _NOT_A_NORM + "the elements that affect the rest of the row are not a leading block, as "
-            f"the statistic of partial RMSNorm reads: j = {affecting} do, j = {not_affecting} do not"
+            _NOT_A_NORM
+            + "the elements that affect the rest of the row are not a leading block, as "
+            f"the statistic of partial RMSNorm reads: j = {affecting} do, "
+            f"j = {not_affecting} do not"
         )
     return k
 
 
-def _kind(prober: _Prober, rng: np.random.Generator, k: int, zero_output: np.ndarray, notes: list[str]) -> Kind:
+def _kind(
+    prober: _Prober, rng: np.random.Generator, k: int, zero_output: np.ndarray, notes: list[str]
+) -> Kind:
     """partial_rms if ``k < n``; else LayerNorm if ``f(x + 4) = f(x)``, RMSNorm if far from it."""
     n = prober.n
     if k < n:
         return "partial_rms"
     # x + 4 in [2.5, 7.5] and x = (x + 4) - 4 are both exact in the probe dtype (Sterbenz).
-    shifted = prober.cast(rng.uniform(2.5, 7.5, size=(4, n)))
-    x = prober.cast(shifted.astype(np.float64) - 4.0)
+    shifted = prober.round(rng.uniform(2.5, 7.5, size=(4, n)))
+    x = prober.round(shifted.astype(np.float64) - 4.0)
     y = prober.h(np.concatenate([x, shifted]))
     change = _max_abs(y[4:] - y[:4]) / _max_abs(y[:4] - zero_output)
     if change <= max(1e-3, 8 * prober.res):
@@ -415,7 +426,8 @@ def _kind(prober: _Prober, rng: np.random.Generator, k: int, zero_output: np.nda
         )
         return "rms"
     raise ValueError(
-        _NOT_A_NORM + f"it is only partly shift-invariant: f(x + 4) differs from f(x) by {change:.2g} of "
+        _NOT_A_NORM
+        + f"it is only partly shift-invariant: f(x + 4) differs from f(x) by {change:.2g} of "
         "max|y| (LayerNorm: rounding only; RMSNorm: tens of percent)"
     )
 
@@ -441,15 +453,14 @@ def _measure_eps(
         u[1 : 2 * pairs : 2] = -magnitudes[:pairs]
     else:
         u = rng.choice([-1.0, 1.0], n) * magnitudes
-    # Subnormal inputs are fine (s is computed from the rounded rows), down to 32 subnormal steps.
-    t_min = max(_T_MIN, 64 * float(ml_dtypes.finfo(prober.dtype).smallest_subnormal))
+    t_min = _smallest_size(prober.dtype)
     count = round(math.log10(_T_MAX / t_min) * _STEPS_PER_DECADE) + 1
     t = np.logspace(math.log10(t_min), math.log10(_T_MAX), count)
-    x = prober.cast(t[:, None] * u[None, :])
+    x = prober.round(t[:, None] * u[None, :])
     c = _centered(x.astype(np.float64), kind)
     s = np.mean(c[:, :k] ** 2, axis=1)
     y = prober.h(x) - zero_output
-    columns = c[-1] != 0
+    columns = (c[-1] != 0) & (y[-1] != 0)
     gain_r = y[:, columns] / c[:, columns]  # G · r(s_t), per element
     a = np.median(gain_r / gain_r[-1], axis=1)  # r(s_t) / r(s_T)
     rho = a * np.sqrt(s / s[-1])
@@ -521,18 +532,20 @@ def _verify(
     sizes = [1.0, 64.0]
     if fit.eps is not None:
         transition = math.sqrt(spec.eps) if spec.eps_placement == "inside" else spec.eps
-        sizes += [0.5 * transition, 2 * transition]
+        sizes += [max(0.5 * transition, _smallest_size(prober.dtype)), 2 * transition]
     rows_per_size = 4
     size = np.repeat(sizes, rows_per_size)[:, None]
     # eps's own uncertainty moves the rows near the transition by at most about that much
     tolerance = max(0.01, 8 * prober.res) + np.where(size[:, 0] < 1.0, 2 * fit.spread, 0.0)
     rows = size * (rng.normal(size=(len(size), n)) + rng.normal(size=(len(size), 1)))
-    x = prober.cast(rows)
+    x = prober.round(rows)
     y = prober.h(x) - zero_output
     y_hat = reference.normalize(x.astype(np.float64), spec)
     if fit_gain:
         weight = np.sum(y_hat**2, axis=0)
-        gain = np.where(weight > 0, np.sum(y * y_hat, axis=0) / np.where(weight > 0, weight, 1.0), 1.0)
+        gain = np.where(
+            weight > 0, np.sum(y * y_hat, axis=0) / np.where(weight > 0, weight, 1.0), 1.0
+        )
     else:
         gain = np.ones(n)
     expected = y_hat * gain
@@ -541,18 +554,22 @@ def _verify(
     described = _describe_structure(spec, fit.eps is not None)
     if error[worst] > tolerance[worst]:
         raise ValueError(
-            _NOT_A_NORM + f"the closest spec it matches on the probes ({described}) differs from its "
+            _NOT_A_NORM
+            + f"the closest spec it matches on the probes ({described}) differs from its "
             f"output by {error[worst]:.1%} of max|y| on a row of size {float(size[worst, 0]):.2g} "
             f"with mean {float(np.mean(x[worst].astype(np.float64))):.2g}"
         )
     notes.append(
         f"checked: {described} reproduces the output to {error[worst]:.2g} of max|y| on "
-        f"{len(rows)} fresh rows with non-zero means at sizes {', '.join(f'{v:.2g}' for v in sizes)}"
+        f"{len(rows)} fresh rows with non-zero means at sizes "
+        f"{', '.join(f'{v:.2g}' for v in sizes)}"
     )
     if fit_gain:
         deviation = _max_abs(gain - 1.0)
         if deviation <= tolerance.min():
-            notes.append(f"effective scale 1 on every element (to {deviation:.2g}): initial parameters")
+            notes.append(
+                f"effective scale 1 on every element (to {deviation:.2g}): initial parameters"
+            )
             gain = np.ones(n)
         else:
             notes.append(
@@ -579,14 +596,14 @@ def _probe_half(
     """
     n = prober.n
     rows = max(4, -(-_HALF_PROBE_ELEMENTS // n))
-    x = prober.cast(rng.choice([-1.0, 1.0], (rows, n)) * rng.uniform(0.5, 1.5, (rows, n)), dtype)
+    x = prober.round(rng.choice([-1.0, 1.0], (rows, n)) * rng.uniform(0.5, 1.5, (rows, n)), dtype)
     if affine is not None and (affine.scale or affine.bias):
         w = _representable(rng, n, 1.0) if affine.scale else None
         b = _representable(rng, n, 0.25) if affine.bias else None
         out = prober.call(x, w, b)
         g = affine.offset + w.astype(np.float64) if w is not None else np.ones(n)
         shift = b.astype(np.float64) if b is not None else np.zeros(n)
-        why_same = "the parameters drawn"
+        why_same = "on these inputs and parameters"
     else:
         out = prober.call(x, prober.scale, prober.bias)
         g, shift = gain, zero_output
@@ -610,7 +627,9 @@ def _probe_half(
         differ = predicted["after_scale"] != predicted["before_scale"]
     else:
         gap = np.abs(predicted["after_scale"] - predicted["before_scale"])
-        differ = gap > 4 * np.spacing(np.abs(predicted["after_scale"]).astype(out_dtype)).astype(np.float64)
+        differ = gap > 4 * np.spacing(np.abs(predicted["after_scale"]).astype(out_dtype)).astype(
+            np.float64
+        )
     differ &= ~near_tie
     y = out.astype(np.float64)
     promotion = "the input dtype" if out_dtype == dtype else "promotes"
@@ -620,13 +639,14 @@ def _probe_half(
     if np.count_nonzero(differ) < _MIN_CAST_ELEMENTS:
         finding = f"cast order undetermined: both orders give the same output ({why_same})"
     else:
-        closer = {
+        closer: dict[Cast, float] = {
             "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
             "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
         }
         shares = (
             f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
-            f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where they differ"
+            f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
+            "they differ"
         )
         winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
         if winners:
@@ -643,6 +663,14 @@ def _probe_half(
     return cast
 
 
+def _smallest_size(dtype: np.dtype) -> float:
+    """The smallest row size probed: 1e-12, or 64 subnormal steps of ``dtype``.
+
+    Subnormal inputs are fine, since every statistic is computed from the rounded rows.
+    """
+    return max(_T_MIN, 64 * float(ml_dtypes.finfo(dtype).smallest_subnormal))
+
+
 def _near_tie(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Where ``values`` lie within ``2^-18 |v|`` of a rounding midpoint of ``dtype``."""
     step = ulp(values, dtype)
@@ -655,18 +683,27 @@ def _centered(rows: np.ndarray, kind: Kind) -> np.ndarray:
 
 
 def _representable(rng: np.random.Generator, n: int, magnitude: float) -> np.ndarray:
-    """Signed values ``(1 + m/128) · 2^e · magnitude``, ``e`` in {-1, 0}: exact in bfloat16 and float16."""
+    """Signed ``(1 + m/128) · 2^e · magnitude``, ``e`` in {-1, 0}: exact in bfloat16 and float16."""
     mantissa = 1 + rng.integers(0, 128, n) / 128
     values = rng.choice([-1.0, 1.0], n) * mantissa * rng.choice([0.5, 1.0], n) * magnitude
     return values.astype(np.float32)
 
 
 def _fraction(k: int, n: int) -> float:
-    """The smallest float ``p`` with ``max(1, floor(n · p)) = k`` in float64: ``k / n``, nudged up."""
+    """The smallest ``p`` with ``max(1, floor(n · p)) = k`` in float64: ``k / n``, nudged up."""
     p = k / n
     while math.floor(n * p) < k:
         p = math.nextafter(p, 2.0)
     return p
+
+
+def _fraction_note(k: int, n: int, p: float) -> str:
+    low = "(0" if k == 1 else f"[{k / n:.6g}"
+    high = "2/n" if k == 1 else f"{(k + 1) / n:.6g}"
+    return (
+        f"partial statistic: only the first k = {k} of n = {n} elements affect the rest of the "
+        f"row: p = {p:.6g}; every p in {low}, {high}) gives the same k at this n"
+    )
 
 
 def _describe_structure(spec: NormSpec, eps_known: bool) -> str:
@@ -676,7 +713,7 @@ def _describe_structure(spec: NormSpec, eps_known: bool) -> str:
 
 
 def _significant(value: float, spread: float) -> float:
-    """``value`` to the significant digits (2 to 6) that a relative ``spread`` supports, plus one."""
+    """``value`` to the significant digits (2 to 6) a relative ``spread`` supports, plus one."""
     digits = min(6, max(2, math.ceil(-math.log10(max(spread, 1e-12))) + 1))
     return float(f"{value:.{digits}g}")
 
