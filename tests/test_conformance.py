@@ -1,0 +1,151 @@
+"""The conformance runner, report and CLI; `assert_conforms` on right and wrong implementations."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from normkit import NormSpec, cli, conformance
+from normkit.conformance import report, runner
+from normkit.conformance.cases import FULL_SHAPES, Case, matrix
+from normkit.conformance.targets import TARGETS, Target, select
+
+TESTS = str(Path(__file__).parent)
+
+
+def fake(name: str, mode: str) -> Target:
+    return Target(name, ("numpy",), "-", "conformance_fakes", {"mode": mode}, {"PYTHONPATH": TESTS})
+
+
+# ---- the matrix ------------------------------------------------------------------------------
+
+
+def test_full_matrix_covers_every_option():
+    cases = matrix()
+    specs = {c.spec for c in cases}
+    assert {s.kind for s in specs} == {"rms", "partial_rms", "layer"}
+    assert {s.eps_placement for s in specs} == {"inside", "outside"}
+    assert {s.scale_offset for s in specs} == {0.0, 1.0}
+    assert {s.bias for s in specs} == {False, True}
+    assert {c.dtype for c in cases} == {"float32", "float16", "bfloat16"}
+    assert {c.spec.cast for c in cases if c.dtype == "bfloat16"} == {"after_scale", "before_scale"}
+    sizes = {int(np.prod(c.spec.param_shape(c.shape))) for c in cases}
+    assert {1, 16384, 7} <= sizes
+    assert any(len(c.spec.axis) == 2 for c in cases)
+    # 3 kinds x 2 placements x 2 offsets x 2 biases x (1 + 2 + 2 dtype/cast pairs) x shapes
+    assert len(cases) == 3 * 2 * 2 * 2 * 5 * len(FULL_SHAPES)
+
+
+def test_quick_matrix_still_touches_every_option():
+    cases = matrix(quick=True)
+    assert len(cases) == 60
+    assert {(c.spec.eps_placement, c.spec.scale_offset, c.spec.bias) for c in cases} == {("inside", 0.0, False), ("outside", 1.0, True)}
+    assert {c.spec.cast for c in cases} == {"after_scale", "before_scale"}
+
+
+def test_case_inputs_are_deterministic_and_serializable():
+    case = matrix(quick=True)[7]
+    again = Case.from_dict(json.loads(json.dumps(case.to_dict())))
+    assert again == case and again.id == case.id
+    for a, b in zip(case.inputs(), again.inputs()):
+        np.testing.assert_array_equal(a, b)
+    x = case.inputs()[0].astype(np.float64)
+    assert abs(x.mean()) < 0.2 and 0.8 < x.std() < 1.2
+
+
+def test_matrix_rejects_unknown_filters():
+    with pytest.raises(ValueError, match=r"unknown dtypes \['int8'\]"):
+        matrix(case_dtypes=("int8",))
+    with pytest.raises(ValueError, match=r"unknown kinds \['batch'\]"):
+        matrix(kinds=("batch",))
+    with pytest.raises(ValueError, match=r"unknown backends \['mxnet'\]"):
+        select(["mxnet"])
+    assert [t.name for t in select(["tf"])] == [t.name for t in TARGETS if t.name.startswith("tf[")]
+
+
+# ---- the runner, on fake targets -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake_report():
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32", "bfloat16"))[:6]
+    targets = [fake("right", "exact"), fake("wrong", "eps_outside"), fake("raises", "raise"),
+               fake("skips", "skip"), fake("crashes", "crash"),
+               Target("absent", ("no_such_framework_xyz",), "pip install nothing", "x")]
+    return runner.run(targets, lambda t: cases, progress=False), len(cases)
+
+
+def test_runner_statuses(fake_report):
+    rep, n = fake_report
+    by = {t: [r.status for r in rep.results if r.target == t] for t in ("right", "wrong", "raises", "skips", "crashes")}
+    assert by["right"] == ["PASS"] * n
+    assert by["wrong"] == ["FAIL"] * n
+    assert by["raises"] == ["FAIL"] * n and "raised RuntimeError: kernel exploded" in next(r.reason for r in rep.results if r.target == "raises")
+    assert by["skips"] == ["SKIP"] * n
+    assert by["crashes"] == ["FAIL"] * n and all("worker crashed" in r.reason for r in rep.results if r.target == "crashes")
+    assert rep.skipped_targets == {"absent": "no_such_framework_xyz not installed (pip install nothing)"}
+
+
+def test_wrong_implementation_is_reported_with_figures(fake_report):
+    rep, _ = fake_report
+    wrong = [r for r in rep.results if r.target == "wrong"]
+    assert all(r.measurements["y"]["error"] > r.measurements["y"]["bound"]["value"] for r in wrong)
+    assert all("y: FAIL" in r.reason for r in wrong)
+    right = [r for r in rep.results if r.target == "right"]
+    for r in right:
+        assert set(r.measurements) == {"y", "dx", "dscale"} | ({"dbias"} if r.case.spec.bias else set())
+
+
+def test_pairwise_flags_the_disagreeing_pair(fake_report):
+    rep, n = fake_report
+    pair = next(p for p in rep.pairwise if {p.a, p.b} == {"right@cpu", "wrong@cpu"})
+    assert pair.cases == n and pair.disagreements == n and pair.worst > 1
+
+
+def test_json_and_markdown_hold_every_case(fake_report):
+    rep, _ = fake_report
+    data = json.loads(report.to_json(rep))
+    assert len(data["cases"]) == len(rep.results)
+    assert data["summary"]["FAIL"] == len(rep.failed)
+    case = next(c for c in data["cases"] if c["target"] == "right")
+    assert set(case["measurements"]["y"]) >= {"max_abs", "max_rel", "max_ulp", "error", "bound", "passed"}
+    md = report.markdown(rep)
+    assert "| right@cpu |" in md and "## Failures" in md
+    text = report.text(rep)
+    assert "right@cpu" in text and "failed:" in text and "skipped:" in text
+
+
+def test_cli_exit_code_follows_failures(monkeypatch, capsys, fake_report):
+    rep, _ = fake_report
+    monkeypatch.setattr(conformance, "run", lambda **kwargs: rep)
+    assert cli.main(["conformance"]) == 1
+    assert "wrong@cpu" in capsys.readouterr().out
+    assert cli.main(["conformance", "--peers"]) == 0  # peers' departures are findings
+
+
+# ---- the real thing --------------------------------------------------------------------------
+
+
+def test_quick_conformance_passes_on_every_backend(tmp_path):
+    out = tmp_path / "quick.json"
+    md = tmp_path / "quick.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "normkit", "conformance", "--quick", "--json", str(out), "--markdown", str(md)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "implementation" in done.stdout and "passed, 0 failed" in done.stdout
+    data = json.loads(out.read_text())
+    ran = {c["target"] for c in data["cases"]}
+    assert ran == {t.name for t in TARGETS}, data["skipped_targets"]
+    assert len(data["cases"]) == 60 * len(TARGETS)
+    for case in data["cases"]:
+        assert case["status"] == "PASS", case
+        assert {"y", "dx"} <= set(case["measurements"])
+        assert all(m["max_ulp"] >= 0 and m["max_rel"] >= 0 for m in case["measurements"].values())
+    assert len(data["pairwise"]) == len(TARGETS) * (len(TARGETS) - 1) // 2
+    assert all(p["disagreements"] == 0 for p in data["pairwise"])
+    assert "| torch@cpu |" in md.read_text()
