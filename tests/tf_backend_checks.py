@@ -250,6 +250,8 @@ def test_evaluate_rejects_bad_requests():
         evaluate(spec, x, x, device="tpu:7")
     with pytest.raises(ValueError, match=r"bias was given but the spec has bias=False"):
         evaluate(spec, x, x, bias=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"scale has shape \(3,\), expected \(4,\)"):
+        evaluate(spec, x, x, scale=np.ones(3, np.float32))
     with pytest.raises(ValueError, match=r"dy has shape \(4,\), expected the shape of x, \(2, 4\)"):
         evaluate(spec, x, x[0])
 

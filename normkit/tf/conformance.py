@@ -12,7 +12,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from normkit import dtypes
+from normkit import dtypes, reference
 from normkit.spec import NormSpec
 from normkit.tf.layers import from_spec
 
@@ -99,9 +99,7 @@ def evaluate(
         raise ValueError("the torch Keras backend has no jit variant (jit=True)")
     if np.shape(dy) != np.shape(x):
         raise ValueError(f"dy has shape {np.shape(dy)}, expected the shape of x, {np.shape(x)}")
-    for name, value, present in (("scale", scale, spec.scale), ("bias", bias, spec.bias)):
-        if value is not None and not present:
-            raise ValueError(f"{name} was given but the spec has {name}=False")
+    reference.check_params(np.shape(x), spec, scale, bias)
     params64 = any(v is not None and np.asarray(v).dtype == np.float64 for v in (scale, bias))
     policy = variant.get("policy") or ("float64" if params64 else "float32")
 
