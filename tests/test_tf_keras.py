@@ -206,3 +206,29 @@ def test_keras_2_names_the_extra(monkeypatch):
     monkeypatch.setattr(keras, "__version__", "2.15.0")
     with pytest.raises(ImportError, match=re.escape("normkit.tf needs Keras 3, found Keras 2.15.0")):
         importlib.import_module("normkit.tf")
+
+
+def test_devices_refuses_other_keras_backends(monkeypatch):
+    from normkit.tf import conformance
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
+    with pytest.raises(RuntimeError, match=r"supports the tensorflow, jax and torch Keras backends, not 'numpy'"):
+        conformance.devices()
+
+
+@on_tensorflow
+def test_bench_rows_pair_each_layer_with_its_keras_peer():
+    from normkit.tf import bench
+
+    rows = bench.run(quick=True)
+    assert len(rows) == 16  # 2 groups x 2 layers x (forward, forward+backward) x (eager, XLA)
+    by_key = {(r["implementation"], r["pass"], r["mode"]): r for r in rows}
+    for (name, pass_, mode), row in by_key.items():
+        assert row["dtype"] == "float32" and row["device"] == "cpu" and row["shape"] == (1024, 1024)
+        (peer_key,) = [k for k in row if k.startswith("ratio_to_")]
+        peer = by_key[(peer_key.removeprefix("ratio_to_"), pass_, mode)]
+        assert row[peer_key] == pytest.approx(row["median_s"] / peer["median_s"])
+        assert {name, peer["implementation"]} in (
+            {"normkit.tf.RMSNorm", "keras.layers.RMSNormalization"},
+            {"normkit.tf.LayerNorm", "keras.layers.LayerNormalization"},
+        )

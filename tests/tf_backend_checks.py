@@ -275,3 +275,11 @@ def test_jax_float64_needs_x64():
             evaluate(NormSpec(), x, x)
     finally:
         jax.config.update("jax_enable_x64", enabled)
+
+
+@pytest.mark.skipif(keras_backend() == "tensorflow", reason="the benchmark's own backend")
+def test_bench_needs_the_tensorflow_backend():
+    from normkit.tf import bench
+
+    with pytest.raises(RuntimeError, match=rf"measures the TensorFlow backend; KERAS_BACKEND is '{keras_backend()}'"):
+        bench.run(quick=True)
