@@ -34,7 +34,9 @@ def _peers() -> dict[str, dict[str, Callable[[], keras.layers.Layer]]]:
     }
 
 
-def _task(layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool) -> Callable[[], object]:
+def _task(
+    layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool
+) -> Callable[[], object]:
     import tensorflow as tf
 
     def forward(x: Any) -> Any:
@@ -61,7 +63,8 @@ def run(quick: bool = False) -> list[dict[str, object]]:
     """
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
-            f"normkit.tf.bench measures the TensorFlow backend; KERAS_BACKEND is {keras.backend.backend()!r}"
+            "normkit.tf.bench measures the TensorFlow backend; KERAS_BACKEND is "
+            f"{keras.backend.backend()!r}"
         )
     import tensorflow as tf
 
@@ -78,7 +81,9 @@ def run(quick: bool = False) -> list[dict[str, object]]:
                 layer.build(shape)
             for backward in (False, True):
                 for jit in (False, True):
-                    tasks = {name: _task(layer, x, dy, backward, jit) for name, layer in layers.items()}
+                    tasks = {
+                        name: _task(layer, x, dy, backward, jit) for name, layer in layers.items()
+                    }
                     timings = interleaved(tasks, warmup=2, repeats=repeats)
                     for name, timing in timings.items():
                         row: dict[str, object] = {
@@ -100,7 +105,11 @@ def run(quick: bool = False) -> list[dict[str, object]]:
 def _table(rows: list[dict[str, object]]) -> str:
     lines = [f"{'implementation':34} {'pass':17} {'mode':30} {'median ms':>10}  ratio to peer"]
     for row in rows:
-        ratios = ", ".join(f"{v:.2f} x {k[9:]}" for k, v in row.items() if k.startswith("ratio_to_"))
+        ratios = ", ".join(
+            f"{v:.2f} x {k.removeprefix('ratio_to_')}"
+            for k, v in row.items()
+            if k.startswith("ratio_to_")
+        )
         lines.append(
             f"{row['implementation']:34} {row['pass']:17} {row['mode']:30} "
             f"{1e3 * float(row['median_s']):10.1f}  {ratios}"  # type: ignore[arg-type]

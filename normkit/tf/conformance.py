@@ -42,18 +42,22 @@ def devices() -> list[str]:
 
         gpus = torch.cuda.device_count()
     else:
-        raise RuntimeError(f"normkit.tf supports the tensorflow, jax and torch Keras backends, not {backend!r}")
+        raise RuntimeError(
+            f"normkit.tf supports the tensorflow, jax and torch Keras backends, not {backend!r}"
+        )
     return ["cpu"] + [f"gpu:{i}" for i in range(gpus)]
 
 
 def _to_numpy(t: Any) -> np.ndarray:
-    return np.asarray(ops.convert_to_numpy(t)).astype(dtypes.as_float_dtype(keras.backend.standardize_dtype(t.dtype)))
+    dtype = dtypes.as_float_dtype(keras.backend.standardize_dtype(t.dtype))
+    return np.asarray(ops.convert_to_numpy(t)).astype(dtype)
 
 
 def _to_tensor(a: np.ndarray) -> Any:
     # torch cannot read a numpy bfloat16 array; float32 holds every half value exactly.
     dtype = dtypes.as_float_dtype(a.dtype, "x")
-    return ops.cast(ops.convert_to_tensor(a.astype(np.float32) if dtypes.is_half(dtype) else a), dtype.name)
+    exact = a.astype(np.float32) if dtypes.is_half(dtype) else a
+    return ops.cast(ops.convert_to_tensor(exact), dtype.name)
 
 
 def evaluate(
@@ -87,7 +91,9 @@ def evaluate(
     if unknown:
         raise ValueError(f"unknown variant options {unknown}; allowed: {list(_VARIANTS)}")
     if device not in devices():
-        raise ValueError(f"device {device!r} is not seen by the {keras_backend()} backend: {devices()}")
+        raise ValueError(
+            f"device {device!r} is not seen by the {keras_backend()} backend: {devices()}"
+        )
     jit = bool(variant.get("jit", False))
     backend = keras_backend()
     if backend == "jax" and np.asarray(x).dtype == np.float64:

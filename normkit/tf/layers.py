@@ -288,7 +288,11 @@ class LayerNorm(_Norm):
         super().__init__(spec, **kwargs)
 
 
-_LAYERS: dict[str, type[_Norm]] = {"rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm}
+_LAYERS: dict[str, type[_Norm]] = {
+    "rms": RMSNorm,
+    "partial_rms": PartialRMSNorm,
+    "layer": LayerNorm,
+}
 
 
 def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm:
