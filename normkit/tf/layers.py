@@ -176,34 +176,27 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     return kwargs
 
 
-_ARGS_DOC = """
+@keras.saving.register_keras_serializable(package="normkit")
+class RMSNorm(_Norm):
+    """RMSNorm over ``axis``: ``y = x * r(mean(x**2)) * (scale_offset + w) + b``.
+
+    Statistics in float32; under a float32 policy the output has the input's dtype, under a
+    mixed policy the compute dtype (see docs/tf.md).
+
     Args:
       axis: the normalized axes, an int or a list of ints (negative count from the end).
         Default ``-1``. Their sizes are fixed by the first call.
-      epsilon: the positive ``eps``. Default ``1e-6``.
-      eps_placement: ``"inside"`` (``r = 1 / sqrt(s + eps)``, default) or ``"outside"``
-        (``r = 1 / (sqrt(s) + eps)``).
-      scale: whether the layer has the weight ``w`` ("scale", of the input's shape over
-        ``axis``). Default ``True``.
-      scale_offset: added to ``w`` before multiplying (``1.0``: Gemma); ``w`` starts at
-        ``1 - scale_offset``. Default ``0.0``.
-      bias: whether the layer has the weight ``b`` ("bias", zeros).
-      cast: for float16/bfloat16, ``"after_scale"`` (one rounding of the result, default) or
-        ``"before_scale"`` (``y_hat`` rounded to the input dtype before the affine step).
-      **kwargs: `keras.layers.Layer` arguments (``name``, ``dtype`` policy, ``trainable``).
-"""
-
-
-@keras.saving.register_keras_serializable(package="normkit")
-class RMSNorm(_Norm):
-    __doc__ = (
-        """RMSNorm: ``y = x * r(mean(x**2)) * (scale_offset + w) + b`` over ``axis``.
-
-    Statistics in float32; the output dtype follows the input (see `normkit.tf` docs for the
-    mixed-precision policies). Default: no bias.
+      epsilon: ``eps``, positive. Default ``1e-6``.
+      eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
+        ``r(s) = 1 / (sqrt(s) + eps)``.
+      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
+        initialized to ``1 - scale_offset``). Default ``True``.
+      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
+      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
+        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
     """
-        + _ARGS_DOC
-    )
 
     def __init__(
         self,
@@ -226,17 +219,29 @@ class RMSNorm(_Norm):
 
 @keras.saving.register_keras_serializable(package="normkit")
 class PartialRMSNorm(_Norm):
-    __doc__ = (
-        """Partial RMSNorm: ``y = x * r(mean(x[:k]**2)) * (scale_offset + w) + b``.
+    """Partial RMSNorm over ``axis``: ``y = x * r(mean(x[:k]**2)) * (scale_offset + w) + b``.
 
-    ``x[:k]`` are the first ``k = max(1, floor(n * p))`` of the ``n`` normalized elements of a row,
-    in row-major order over ``axis``; normalization and weights apply to all ``n``.
+    ``x[:k]`` are the first ``k = max(1, floor(n * p))`` of a row's ``n`` normalized elements, in
+    row-major order over ``axis``; ``y`` normalizes and scales all ``n``.
+
+    Statistics in float32; under a float32 policy the output has the input's dtype, under a
+    mixed policy the compute dtype (see docs/tf.md).
 
     Args:
-      p: the fraction, ``0 < p <= 1``.
+      p: the fraction read by the statistic, ``0 < p <= 1``.
+      axis: the normalized axes, an int or a list of ints (negative count from the end).
+        Default ``-1``. Their sizes are fixed by the first call.
+      epsilon: ``eps``, positive. Default ``1e-6``.
+      eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
+        ``r(s) = 1 / (sqrt(s) + eps)``.
+      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
+        initialized to ``1 - scale_offset``). Default ``True``.
+      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
+      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
+        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
     """
-        + _ARGS_DOC.replace("    Args:\n", "")
-    )
 
     def __init__(
         self,
@@ -260,14 +265,28 @@ class PartialRMSNorm(_Norm):
 
 @keras.saving.register_keras_serializable(package="normkit")
 class LayerNorm(_Norm):
-    __doc__ = (
-        """LayerNorm: ``c = x - mean(x)``, ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
+    """LayerNorm over ``axis``: ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
 
-    Two-pass statistics in float32. Default: with bias. Keras' own LayerNormalization defaults to
-    ``epsilon=1e-3``; pass it explicitly to match.
+    ``c = x - mean(x)``, computed first (two-pass statistics). Keras' LayerNormalization defaults
+    to ``epsilon=1e-3``: pass it to match.
+
+    Statistics in float32; under a float32 policy the output has the input's dtype, under a
+    mixed policy the compute dtype (see docs/tf.md).
+
+    Args:
+      axis: the normalized axes, an int or a list of ints (negative count from the end).
+        Default ``-1``. Their sizes are fixed by the first call.
+      epsilon: ``eps``, positive. Default ``1e-6``.
+      eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
+        ``r(s) = 1 / (sqrt(s) + eps)``.
+      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
+        initialized to ``1 - scale_offset``). Default ``True``.
+      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
+      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
+        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
     """
-        + _ARGS_DOC
-    )
 
     def __init__(
         self,
