@@ -7,14 +7,19 @@ compares the targets with each other. Importing this module imports no framework
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from normkit.conformance.cases import CASE_DTYPES, Case, matrix
+from normkit.conformance.identify import Identification, identify_forward
 from normkit.conformance.runner import Report
 from normkit.conformance.targets import TARGETS, Target, select
 from normkit.spec import KINDS
 
-__all__ = ["run", "Case", "Report", "Target", "TARGETS", "matrix"]
+__all__ = ["run", "identify", "Identification", "Case", "Report", "Target", "TARGETS", "matrix"]
 
 
 def run(
@@ -61,3 +66,42 @@ def run(
     cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=case_dtypes)
     chosen = select(list(backends) if backends else None)
     return runner.run(chosen, lambda t: cases, devices=devices, jobs=jobs, pairwise=pairwise, progress=progress)
+
+
+def identify(
+    fn: Callable[..., Any],
+    shape: Sequence[int],
+    *,
+    backend: str,
+    params: bool = False,
+    device: str = "cpu",
+    dtypes: Sequence[str] = ("float32", "bfloat16", "float16"),
+) -> Identification:
+    """Infer the NormSpec a framework function follows, by probing it (see `identify_forward`).
+
+    Args:
+      fn: a function of ``backend``: ``fn(x) -> y``, or ``fn(x, scale, bias) -> y`` with
+        ``params=True`` (then the scale, offset, bias and cast order can be determined too).
+      shape: the normalized shape: ``fn`` is called on inputs of shape ``(rows, *shape)`` and
+        normalizes over all of ``shape``.
+      backend: ``"torch"``, ``"jax"`` or ``"tf"``.
+      params: whether ``fn`` takes ``scale`` and ``bias`` (arrays of ``shape``).
+      device: a device the framework sees.
+      dtypes: the input dtypes to probe.
+
+    Returns the spec with what could not be determined (``undetermined``) and the findings
+    (``notes``). Raises ValueError if ``fn`` does not behave like any of the three kinds.
+    """
+    from normkit.conformance.bridges import get
+
+    bridge = get(backend)
+    shape = tuple(shape)
+    n = math.prod(shape)
+    call = fn if params else (lambda x, scale, bias: fn(x))
+
+    def forward(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
+        reshaped = [None if a is None else a.reshape(shape) for a in (scale, bias)]
+        y = bridge.forward(call, x.reshape((x.shape[0], *shape)), *reshaped, device)
+        return y.reshape(x.shape[0], n)
+
+    return identify_forward(forward, n, accepts_params=params, dtypes=dtypes)

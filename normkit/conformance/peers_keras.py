@@ -11,7 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from normkit import dtypes
-from normkit.conformance.bridges import Outputs, TensorFlowBridge
+from normkit.conformance import Identification
+from normkit.conformance import identify as identify_fn
+from normkit.conformance.bridges import FrameworkFn, Outputs, TensorFlowBridge
 from normkit.spec import NormSpec
 
 BRIDGE = TensorFlowBridge()
@@ -50,3 +52,26 @@ def evaluate(
         dx, *grads = tape.gradient(y, [xt, *norm.trainable_weights], output_gradients=tf.cast(dyt, y.dtype))
     found = iter(BRIDGE.numpy(g) for g in grads)
     return BRIDGE.numpy(y), BRIDGE.numpy(dx), next(found) if scale is not None else None, next(found) if bias is not None else None
+
+
+def peer_function(layer: str, n: int) -> FrameworkFn:
+    """``fn(x, scale, bias)``: the built-in ``layer`` called on ``x`` after its variables are set,
+    under ``mixed_<dtype>`` for half inputs (forward only)."""
+    layers: dict[str, keras.layers.Layer] = {}
+
+    def fn(x: tf.Tensor, scale: tf.Tensor | None, bias: tf.Tensor | None) -> tf.Tensor:
+        policy = f"mixed_{x.dtype.name}" if x.dtype.size == 2 else "float32"
+        if policy not in layers:
+            layers[policy] = _layer(layer, policy)
+            layers[policy].build((None, n))
+        norm = layers[policy]
+        for variable, value in zip(norm.trainable_variables, (v for v in (scale, bias) if v is not None)):
+            variable.assign(tf.cast(value, variable.dtype))
+        return norm(x)
+
+    return fn
+
+
+def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
+    """What the built-in ``layer`` computes, probed with float32 variables."""
+    return identify_fn(peer_function(layer, n), (n,), backend="tf", params=True, device=device)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from normkit.conformance.bridges import Outputs, TorchBridge
+from normkit.conformance.bridges import FrameworkFn, Outputs, TorchBridge
+from normkit.conformance import Identification
+from normkit.conformance import identify as identify_fn
 from normkit.spec import NormSpec
 
 BRIDGE = TorchBridge()
@@ -39,10 +41,22 @@ def evaluate(
     layer: str,
 ) -> Outputs:
     """``(y, dx, dweight, dbias)`` of the built-in ``layer`` over the last axis of ``x``."""
-    module = _module(layer, x.shape[-1]).to(device)
+    return BRIDGE.vjp(peer_function(layer, x.shape[-1], device), x, dy, scale, bias, device)
+
+
+def peer_function(layer: str, n: int, device: str = "cpu") -> FrameworkFn:
+    """``fn(x, weight, bias)``: the built-in ``layer`` of size ``n`` with those parameters."""
+    module = _module(layer, n).to(device)
+    names = {name for name, _ in module.named_parameters()}
 
     def fn(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        params = {k: v for k, v in (("weight", weight), ("bias", bias)) if v is not None}
-        return torch.func.functional_call(module, params, (x,))
+        given = (("weight", weight), ("bias", bias))
+        params = {k: v.to(x.dtype) for k, v in given if v is not None and k in names}
+        return torch.func.functional_call(module.to(x.dtype), params, (x,))
 
-    return BRIDGE.vjp(fn, x, dy, scale, bias, device)
+    return fn
+
+
+def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
+    """What the built-in ``layer`` computes, probed with parameters in the input's dtype."""
+    return identify_fn(peer_function(layer, n, device), (n,), backend="torch", params=True, device=device)

@@ -8,7 +8,7 @@ from typing import Any
 
 from normkit import __version__, tolerances
 from normkit.conformance.runner import PAIRWISE_FACTOR, Report
-from normkit.spec import KINDS
+from normkit.spec import KINDS, NormSpec
 
 
 def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -132,21 +132,22 @@ def peers_markdown(report: Report, title: str) -> str:
             by_dtype[(r.target, r.case.dtype)][r.status == "FAIL"] += 1
     dtypes_seen = sorted({d for _, d in by_dtype}, key=["float32", "float16", "bfloat16"].index)
     notes = departures(report)
-    header = ["built-in layer", "appears to implement", *dtypes_seen, "departs from it"]
+    header = ["built-in layer", "appears to implement", *dtypes_seen, "identified by probing", "departs from it"]
     rows = []
     for target in report.targets:
         spec = target.claims
         claimed = "-" if spec is None else _spec_text(spec)
         if target.name in report.skipped_targets:
-            rows.append([target.name, claimed, *("-" for _ in dtypes_seen), f"not run: {report.skipped_targets[target.name]}"])
+            rows.append([target.name, claimed, *("-" for _ in dtypes_seen), "-", f"not run: {report.skipped_targets[target.name]}"])
             continue
         cells = []
         for d in dtypes_seen:
             passed, failed = by_dtype.get((target.name, d), [0, 0])
             cells.append(f"{passed}/{passed + failed}" if passed + failed else "-")
         skipped = sorted({r.reason for r in report.results if r.target == target.name and r.status == "SKIP"})
-        found = notes.get(target.name, []) + [f"not run: {s}" for s in skipped]
-        rows.append([target.name, claimed, *cells, "<br>".join(found) or "none found"])
+        identified, differences = _identified(report.identified.get(target.name), target.claims)
+        found = differences + notes.get(target.name, []) + [f"not run: {s}" for s in skipped]
+        rows.append([target.name, claimed, *cells, identified, "<br>".join(found) or "none found"])
     intro = (
         "Each built-in layer runs as people use it (torch and Hugging Face modules with parameters in the "
         "input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is "
@@ -155,9 +156,29 @@ def peers_markdown(report: Report, title: str) -> str:
     return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
 
 
-def _spec_text(spec: object) -> str:
-    from normkit.spec import NormSpec
+def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[str, list[str]]:
+    """The identified spec as text, and the fields where it differs from the claimed one."""
+    if not found:
+        return "-", []
+    if "error" in found:
+        return "not one of the three kinds", [found["error"]]
+    spec = NormSpec.from_dict(found["spec"])
+    text = _spec_text(spec)
+    if found["undetermined"]:
+        text += f" (undetermined: {', '.join(found['undetermined'])})"
+    differences = []
+    if claims is not None:
+        for name, value in spec.to_dict().items():
+            claimed = claims.to_dict()[name]
+            if name in found["undetermined"] or value == claimed:
+                continue
+            if name == "eps" and abs(value - claimed) <= 0.1 * claimed:
+                continue  # identify measures eps to within 10%
+            differences.append(f"{name} is {value!r}, not {claimed!r}")
+    return text, differences
 
+
+def _spec_text(spec: object) -> str:
     assert isinstance(spec, NormSpec)
     default = NormSpec(spec.kind, p=spec.p)
     changed = [f"{k}={v!r}" for k, v in spec.to_dict().items() if k != "kind" and getattr(default, k) != getattr(spec, k)]
@@ -198,6 +219,7 @@ def to_json(report: Report) -> str:
             "summary": {s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")},
             "cases": [r.to_dict() for r in report.results],
             "pairwise": [vars(p) for p in report.pairwise],
+            "identified": report.identified,
         },
         indent=1,
     )

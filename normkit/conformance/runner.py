@@ -47,6 +47,7 @@ class Report:
     skipped_targets: dict[str, str]
     devices: dict[str, list[str]]
     targets: list[Target] = field(default_factory=list)
+    identified: dict[str, dict[str, Any]] = field(default_factory=dict)
     pairwise: list[Pairwise] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -98,6 +99,7 @@ def _launch(target: Target, cases: list[Case], devices: Sequence[str] | None, ou
         "cases": [c.to_dict() for c in cases],
         "devices": list(devices) if devices else None,
         "outdir": outdir,
+        "identify": target.claims is not None,
     }
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(job))
@@ -133,6 +135,7 @@ def run(
     slots = threading.Semaphore(jobs)
     results: list[Result] = []
     seen_devices: dict[str, list[str]] = {}
+    identified: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
 
         def work(target: Target) -> None:
@@ -161,6 +164,8 @@ def run(
                 seen_devices[name] = event["devices"]
                 if bar is not None and not devices:
                     bar.total += len(planned[name]) * (len(event["devices"]) - 1)
+            elif "identified" in event:
+                identified[name] = event["identified"]
             elif "fatal" in event:
                 continue  # the process exits non-zero next; its stderr carries the traceback
             else:
@@ -172,7 +177,7 @@ def run(
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
-    return Report(results, skipped, seen_devices, list(targets), pairs, time.perf_counter() - start)
+    return Report(results, skipped, seen_devices, list(targets), identified, pairs, time.perf_counter() - start)
 
 
 def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:

@@ -130,6 +130,16 @@ def run_job(job: dict[str, Any], emit: Any) -> None:
                 path = os.path.join(job["outdir"], f"{job['target']}@{device}@{case.id}.npz")
                 np.savez(path, **{n: _savable(o) for n, o in zip(QUANTITIES, outputs) if o is not None})
             emit(result.to_dict())
+    if job.get("identify"):
+        emit({"identified": _identify(hook, job["variant"])})
+
+
+def _identify(hook: Any, variant: dict[str, Any]) -> dict[str, Any]:
+    try:
+        found = hook.identify(**variant)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"spec": found.spec.to_dict(), "undetermined": list(found.undetermined), "notes": list(found.notes)}
 
 
 def _savable(a: np.ndarray) -> np.ndarray:
