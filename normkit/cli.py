@@ -140,15 +140,46 @@ def _run_conformance(args: argparse.Namespace) -> int:
     return 1 if result.failed and not args.peers else 0
 
 
+def _add_identify(parser: argparse.ArgumentParser) -> None:
+    from normkit.conformance.peers import PEERS
+
+    parser.add_argument("layer", choices=[p.name for p in PEERS], metavar="LAYER", help=f"one of: {', '.join(p.name for p in PEERS)}")
+    parser.add_argument("--n", type=int, default=64, help="the normalized size to probe (default 64)")
+    parser.add_argument("--device", default="cpu")
+
+
+def _run_identify(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+
+    from normkit.conformance.peers import PEERS
+
+    peer = next(p for p in PEERS if p.name == args.layer)
+    missing = peer.missing()
+    if missing:
+        print(f"normkit identify: {args.layer}: {missing}", file=sys.stderr)
+        return 2
+    os.environ.update(peer.env)
+    hook = importlib.import_module(peer.hook)
+    found = hook.identify(**peer.variant, n=args.n, device=args.device)
+    print(f"{args.layer} (size {args.n}) behaves as:")
+    print(found.describe())
+    if peer.claims is not None and found.spec != peer.claims:
+        print(f"it appears to implement {peer.claims}")
+    return 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 COMMANDS: list[Command] = [
     ("conformance", _add_conformance, _run_conformance),
+    ("identify", _add_identify, _run_identify),
     ("info", _add_info, _run_info),
     ("reference", _add_reference, _run_reference),
 ]
 HELP = {
     "conformance": "check every installed implementation against the reference, forward and backward",
+    "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
 }
