@@ -13,7 +13,7 @@ import numpy.typing as npt
 from normkit import dtypes
 from normkit.spec import NormSpec
 
-__all__ = ["normalize", "normalize_vjp", "check_params"]
+__all__ = ["normalize", "normalize_vjp", "scaled_magnitude", "check_params"]
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,12 @@ def normalize_vjp(
     dscale = np.sum(dy_rows * c * stat.r, axis=0).reshape(param_shape) if spec.scale else None
     dbias = np.sum(dy_rows, axis=0).reshape(param_shape) if spec.bias else None
     return layout.join(dx), dscale, dbias
+
+
+def scaled_magnitude(
+    x: npt.ArrayLike, spec: NormSpec, scale: npt.ArrayLike | None = None
+) -> np.ndarray:
+    """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that ``cast="before_scale"``
+    rounds at (see `normkit.tolerances`)."""
+    arr = _check_input(x, "x")
+    return np.abs(normalize(arr.astype(np.float64), spec.replace(bias=False), scale))

@@ -18,7 +18,10 @@ gradients are compared with the exact float64 gradient.
 Units in the last place are those of the measured dtype at the reference value, but never
 smaller than the ulp at ``ULP_FLOOR * max|ref|``: an element much smaller than the largest one
 is the difference of terms of the largest size, and float32 arithmetic resolves it only to
-their precision, not to its own.
+their precision, not to its own. With ``before_scale`` the rounding of ``y_hat`` happens before
+the scale and bias, so its ulps are those of ``y_hat * (scale_offset + w)``; where the bias
+cancels that term, ``y`` is far smaller than it. The forward check then takes ulps at the larger
+of ``|y|`` and ``|y_hat * (scale_offset + w)|`` (the ``magnitude`` argument of `measure`).
 
 NaN and infinity must appear exactly where the reference has them.
 """
@@ -117,10 +120,13 @@ def measure(
     dtype: npt.DTypeLike | None = None,
     quantity: Quantity = "forward",
     cast: Cast = "after_scale",
+    magnitude: npt.ArrayLike | None = None,
 ) -> Measurement:
     """Compare ``actual`` with the reference ``expected`` under the policy above.
 
     ``dtype`` is the dtype whose tolerance and ulps apply; by default ``actual``'s.
+    ``magnitude``, if given, is the size of the terms each element was computed from (of
+    ``expected``'s shape): ulps are taken at the larger of it and ``|expected|``.
     Raises ValueError if the shapes differ.
     """
     act = np.asarray(actual)
@@ -140,8 +146,10 @@ def measure(
     with np.errstate(divide="ignore", invalid="ignore"):
         diff = np.where(both, np.abs(a - e), 0.0)
         rel = np.where(both & (e != 0), diff / np.abs(e), 0.0)
-    floor = ULP_FLOOR * ref_scale
-    ulps = diff / dtypes.ulp(np.where(both, np.maximum(np.abs(e), floor), 1.0), measured)
+    at = np.maximum(np.abs(e), ULP_FLOOR * ref_scale)
+    if magnitude is not None:
+        at = np.maximum(at, np.abs(np.broadcast_to(np.asarray(magnitude, np.float64), e.shape)))
+    ulps = diff / dtypes.ulp(np.where(both, at, 1.0), measured)
     max_abs = float(diff.max(initial=0.0))
     max_ulp = float(ulps.max(initial=0.0))
     if limit.unit == "ulp":
@@ -173,9 +181,10 @@ def assert_close(
     quantity: Quantity = "forward",
     cast: Cast = "after_scale",
     what: str = "",
+    magnitude: npt.ArrayLike | None = None,
 ) -> Measurement:
     """`measure`, raising AssertionError with the figures when the bound is exceeded."""
-    m = measure(actual, expected, dtype, quantity, cast)
+    m = measure(actual, expected, dtype, quantity, cast, magnitude)
     if not m.passed:
         raise AssertionError(f"{what + ': ' if what else ''}{m.describe()}")
     return m

@@ -86,3 +86,20 @@ def test_measurement_to_dict_is_json_ready():
 
     d = tolerances.measure(np.ones(3, np.float32), np.ones(3, np.float32)).to_dict()
     assert json.loads(json.dumps(d))["passed"] is True
+
+
+def test_before_scale_ulps_are_taken_at_the_scaled_term():
+    from normkit import NormSpec, reference
+
+    # y_hat = 0.2 (x = [1, 7]); with w = 1 and a bias of -0.19 the output is about 0.01, but the
+    # before_scale rounding happened at 0.2: one float16 ulp there (2**-13) is 16 ulps at 0.01 (2**-17).
+    x = np.array([[1.0, 7.0]], dtype=f16)
+    spec = NormSpec(cast="before_scale", bias=True, eps=1e-12)
+    bias = np.array([-0.19, 0.0], np.float32)
+    expected = reference.normalize(x, spec, None, bias)
+    actual = expected.astype(np.float64) + np.array([[2.0**-13, 0.0]])
+    assert tolerances.measure(actual, expected, f16, cast=spec.cast).max_ulp == pytest.approx(16)
+    magnitude = reference.scaled_magnitude(x, spec)
+    np.testing.assert_allclose(magnitude, [[0.2, 1.4]], rtol=1e-12)
+    m = tolerances.measure(actual, expected, f16, cast=spec.cast, magnitude=magnitude)
+    assert m.max_ulp == pytest.approx(1.0) and m.passed

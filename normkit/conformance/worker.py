@@ -93,7 +93,10 @@ def compare(
             problems.append(f"{name} has shape {got.shape}, expected {want.shape}")
             continue
         quantity = "forward" if name == "y" else "grad"
-        m = tolerances.measure(got.astype(np.float64), want, dtype=want_dtype, quantity=quantity, cast=spec.cast)
+        magnitude = None
+        if name == "y" and spec.cast == "before_scale" and dtypes.is_half(x.dtype):
+            magnitude = reference.scaled_magnitude(x, spec, scale)
+        m = tolerances.measure(got.astype(np.float64), want, want_dtype, quantity, spec.cast, magnitude)
         measurements[name] = m
         if not m.passed:
             problems.append(f"{name}: {m.describe()}")
