@@ -178,3 +178,14 @@ def test_invalid_options_are_reported() -> None:
         nkjax.nnx.RMSNorm((8, 2))
     with pytest.raises(ValueError, match="shape=0 must give one positive size"):
         nkjax.nnx.LayerNorm(0)
+
+
+@pytest.mark.parametrize("blocked", ["jax", "flax"])
+def test_missing_framework_names_the_extra(blocked: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.modules[{blocked!r}] = None; import normkit; import normkit.jax"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ImportError: normkit.jax needs JAX and Flax: pip install 'normkit[jax]'" in done.stderr

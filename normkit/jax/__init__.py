@@ -5,7 +5,7 @@ functions with an analytic VJP (`normkit.jax.functional`), each computing a `Nor
 try:
     import flax  # noqa: F401
     import jax  # noqa: F401
-except ImportError as error:  # pragma: no cover - exercised only without the extra
+except ImportError as error:
     raise ImportError("normkit.jax needs JAX and Flax: pip install 'normkit[jax]'") from error
 
 from normkit.jax import functional, nnx
