@@ -1,5 +1,6 @@
 # Two entry points, each setting up its own environment on a fresh machine:
 #   make conformance   the main job: normkit's conformance report on the installed backends
+#                      (reports in out/conformance.json and out/conformance.md)
 #   make test          the test suite (what CI runs)
 PYTHON ?= python3
 VENV := .venv
@@ -24,5 +25,5 @@ test: install
 
 conformance: install
 	$(BIN)/normkit info
-	$(BIN)/normkit reference 1 7 --dtype bfloat16 --scale 1.0078125 1.0078125 --cast before_scale
-	$(BIN)/normkit reference 1 7 --dtype bfloat16 --scale 1.0078125 1.0078125 --cast after_scale
+	mkdir -p out
+	$(BIN)/normkit conformance --json out/conformance.json --markdown out/conformance.md

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -109,7 +109,7 @@ def _launch(target: Target, cases: list[Case], devices: Sequence[str] | None, ou
 
 def run(
     targets: Sequence[Target],
-    cases_for: Any,
+    cases_for: Callable[[Target], list[Case]],
     *,
     devices: Sequence[str] | None = None,
     jobs: int = 2,
