@@ -13,6 +13,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -51,9 +52,12 @@ def check(spec: NormSpec, shape: tuple[int, ...], sharded: int, mesh: Mesh, api:
     def apply(x, w, b, axis_name):
         if api == "functional":
             return functional.normalize(x, spec, w, b, axis_name=axis_name)
-        module = nkjax.from_spec(spec, axis_name=axis_name)
         params = {"scale": w} if b is None else {"scale": w, "bias": b}
-        return module.apply({"params": params}, x)
+        if api == "linen":
+            return nkjax.from_spec(spec, axis_name=axis_name).apply({"params": params}, x)
+        module = nkjax.nnx.from_spec(spec, w.shape, axis_name=axis_name)
+        state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
+        return nnx.merge(nnx.graphdef(module), state)(x)
 
     plain = jax.jit(lambda x, w, b: apply(x, w, b, None))
     sharded_fn = jax.jit(
@@ -93,7 +97,7 @@ def main() -> int:
     mesh = Mesh(np.array(devices), ("tp",))
     count = 0
     for spec, shape, sharded in CASES:
-        for api in ("functional", "linen"):
+        for api in ("functional", "linen", "nnx"):
             check(spec, shape, sharded, mesh, api)
             count += 1
             print(f"PASSED {api} {spec.kind} {spec.eps_placement} axis={spec.axis} shape={shape}")

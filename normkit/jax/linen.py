@@ -118,10 +118,12 @@ class LayerNorm(_Norm):
     use_bias: bool = True
 
 
-_CLASSES: dict[Kind, type[_Norm]] = {"rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm}
+_CLASSES: dict[Kind, type[RMSNorm | PartialRMSNorm | LayerNorm]] = {
+    "rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm,
+}
 
 
-def from_spec(spec: NormSpec, **kwargs: Any) -> _Norm:
+def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm:
     """The linen module that computes ``spec``.
 
     ``kwargs`` go to the module: ``dtype``, ``param_dtype``, ``axis_name``, ``name``, ``parent``.
