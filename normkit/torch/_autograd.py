@@ -4,10 +4,12 @@ Inputs are 2-D: rows of the ``n`` normalized elements. The forward saves only th
 statistic per row, ``r = r(s)`` (float32, or float64 for float64 input); the backward recomputes
 what it needs from them. The formulas are those of `normkit.reference.normalize_vjp`.
 
-In eager mode on CPU, float32 and float64 rows are processed in blocks of rows small enough to
-stay in cache, writing into preallocated outputs: the row statistic, the scaling and the affine
-step then cost one pass over memory. Under ``torch.compile`` or ``torch.func`` transforms, and on
-other devices, the same formulas run as whole-tensor functional ops (which compilers fuse).
+In plain eager mode (not recording a graph for double backward, not under ``torch.compile`` or a
+``torch.func`` transform), float32 and float64 RMS rows take a path that works in place: one temporary fewer in
+the forward, none beyond the gradient in the backward. Elsewhere the same formulas run as
+functional whole-tensor ops, which compilers fuse. Both are a handful of whole-tensor ops: row
+blocks sized for the cache were measured slower on a loaded 2-core machine, where every one of
+their many parallel regions waits for a descheduled thread.
 """
 
 from __future__ import annotations
@@ -17,28 +19,20 @@ from typing import Any
 
 import torch
 
-# Rows per block of the eager CPU path: about 1 MiB of float32 per block at n = 4096.
-_BLOCK_ELEMENTS = 1 << 18
-
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype statistics and normalization are computed in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _blocked(x: torch.Tensor) -> bool:
-    """Whether the eager, in-place, blocked CPU path applies to ``x``."""
+def _in_place(x: torch.Tensor) -> bool:
+    """Whether the in-place eager path applies to the rows ``x``."""
     return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
+        x.dtype in (torch.float32, torch.float64)
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
         and not torch.is_grad_enabled()
     )
-
-
-def _block_rows(n: int) -> int:
-    return max(1, _BLOCK_ELEMENTS // n)
 
 
 @torch.library.custom_op("normkit::round_through", mutates_args=())
@@ -97,8 +91,8 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, r)`` for rows ``x`` with effective scale ``g`` and bias ``b`` (both in acc dtype)."""
     acc = _acc_dtype(x.dtype)
-    if _blocked(x) and kind != "layer":
-        return _forward_blocked(x, g, b, k, eps, outside)
+    if _in_place(x) and kind != "layer":
+        return _forward_in_place(x, g, b, k, eps, outside)
     centered, s = _statistic(x, kind, k, acc)
     r = _rstd(s, eps, outside)
     y = centered * r
@@ -113,7 +107,7 @@ def _forward(
     return y.to(x.dtype), r.squeeze(-1)
 
 
-def _forward_blocked(
+def _forward_in_place(
     x: torch.Tensor,
     g: torch.Tensor | None,
     b: torch.Tensor | None,
@@ -121,26 +115,19 @@ def _forward_blocked(
     eps: float,
     outside: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_forward` for the RMS kinds on eager CPU float32/float64, one cache-sized block at a time."""
-    rows, n = x.shape
-    y = torch.empty_like(x)
-    r = torch.empty((rows, 1), dtype=x.dtype, device=x.device)
-    eps_t = torch.tensor(eps, dtype=x.dtype)
-    step = _block_rows(n)
-    for start in range(0, rows, step):
-        xb, yb, rb = x[start : start + step], y[start : start + step], r[start : start + step]
-        torch.linalg.vector_norm(xb[:, :k], dim=-1, keepdim=True, out=rb)
-        if outside:
-            rb.div_(math.sqrt(k)).add_(eps).reciprocal_()
-        else:
-            torch.addcmul(eps_t, rb, rb, value=1.0 / k, out=rb).rsqrt_()
-        torch.mul(xb, rb, out=yb)
-        if g is not None and b is not None:
-            torch.addcmul(b, yb, g, out=yb)
-        elif g is not None:
-            yb.mul_(g)
-        elif b is not None:
-            yb.add_(b)
+    """`_forward` for the RMS kinds on float32/float64 rows, the affine step in place."""
+    r = torch.linalg.vector_norm(x[:, :k], dim=-1, keepdim=True)
+    if outside:
+        r.div_(math.sqrt(k)).add_(eps).reciprocal_()
+    else:
+        r = torch.addcmul(torch.tensor(eps, dtype=r.dtype, device=r.device), r, r, value=1.0 / k).rsqrt_()
+    y = torch.mul(x, r)
+    if g is not None and b is not None:
+        torch.addcmul(b, y, g, out=y)
+    elif g is not None:
+        y.mul_(g)
+    elif b is not None:
+        y.add_(b)
     return y, r.squeeze(-1)
 
 
@@ -174,8 +161,8 @@ def _backward(
         narrow = r.dtype
         return dx.to(x.dtype), _cast(dg, narrow), _cast(db, narrow)
     acc = r.dtype
-    if _blocked(x) and kind != "layer":
-        return _backward_blocked(x, r, g, dy, k, outside, need_g, need_b)
+    if _in_place(x) and kind != "layer":
+        return _backward_in_place(x, r, g, dy, k, outside, need_g, need_b)
     centered, s = _statistic(x, kind, k, acc)
     # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
     r = _rstd(s, eps, outside) if torch.is_grad_enabled() else r.unsqueeze(-1)
@@ -194,7 +181,7 @@ def _backward(
     return dx.to(x.dtype), dg, db
 
 
-def _backward_blocked(
+def _backward_in_place(
     x: torch.Tensor,
     r: torch.Tensor,
     g: torch.Tensor | None,
@@ -204,41 +191,26 @@ def _backward_blocked(
     need_g: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`_backward` for the RMS kinds on eager CPU float32/float64, one cache-sized block at a time.
+    """`_backward` for the RMS kinds on float32/float64 rows, in one buffer.
 
-    Per block: ``p = dy * x``; ``sum_j d_j x_j = p @ g`` and ``dg += p^T r`` (matrix-vector
-    products); ``dx = r (dy * g) + (2/k) r'(s) (sum_j d_j x_j) x`` (on the first k columns).
+    ``p = dy * x`` gives ``sum_j d_j x_j = p @ g`` and ``dg = p^T r`` (matrix-vector
+    products); ``p`` is then overwritten with ``dx = r (dy * g) + (2/k) r'(s) (sum_j d_j x_j) x``
+    (the last term on the first k columns).
     """
-    rows, n = x.shape
-    dy = dy.contiguous()
-    dx = torch.empty_like(x)
-    dg = torch.zeros(n, dtype=x.dtype, device=x.device) if need_g else None
-    db = torch.zeros(n, dtype=x.dtype, device=x.device) if need_b else None
-    step = _block_rows(n)
-    prod = torch.empty((min(step, rows), n), dtype=x.dtype, device=x.device)
-    for start in range(0, rows, step):
-        xb, dyb, dxb = x[start : start + step], dy[start : start + step], dx[start : start + step]
-        rb = r[start : start + step]
-        pb = torch.mul(dyb, xb, out=prod[: xb.shape[0]])
-        dot = torch.mv(pb, g) if g is not None else pb.sum(dim=-1)
-        if dg is not None:
-            dg.addmv_(pb.t(), rb)
-        if db is not None:
-            db.add_(dyb.sum(dim=0))
-        if outside:
-            # r'(s) = -r^2 / (2 sqrt(s)), sqrt(s) = 1/r - eps recovered from the saved r would
-            # lose precision; recompute sqrt(s) from the block, which is in cache.
-            root = torch.linalg.vector_norm(xb[:, :k], dim=-1).div_(math.sqrt(k))
-            coef = torch.where(root > 0, -rb * rb / torch.where(root > 0, root, 1.0), 0.0) / k
-        else:
-            coef = rb * rb * rb * (-1.0 / k)
-        coef = coef.mul_(dot).unsqueeze(-1)
-        rcol = rb.unsqueeze(-1)
-        if g is not None:
-            torch.mul(dyb, g, out=dxb).mul_(rcol)
-        else:
-            torch.mul(dyb, rcol, out=dxb)
-        dxb[:, :k].addcmul_(xb[:, :k], coef)
+    p = torch.mul(dy, x)
+    dot = torch.mv(p, g) if g is not None else p.sum(dim=-1)
+    dg = torch.mv(p.t(), r) if need_g else None
+    db = dy.sum(dim=0) if need_b else None
+    if outside:
+        # r'(s) = -r^2 / (2 sqrt(s)); sqrt(s) is recomputed: 1/r - eps would lose precision.
+        root = torch.linalg.vector_norm(x[:, :k], dim=-1).div_(math.sqrt(k))
+        coef = torch.where(root > 0, -r * r / torch.where(root > 0, root, 1.0), 0.0) / k
+    else:
+        coef = r * r * r * (-1.0 / k)
+    coef = coef.mul_(dot).unsqueeze(-1)
+    dx = torch.mul(dy, g, out=p) if g is not None else p.copy_(dy)
+    dx.mul_(r.unsqueeze(-1))
+    dx[:, :k].addcmul_(x[:, :k], coef)
     return dx, dg, db
 
 
