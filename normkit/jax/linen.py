@@ -47,6 +47,7 @@ class _Norm(nn.Module):
         )
 
     def _param(self, name: str, shape: tuple[int, ...], value: float, x: jax.Array) -> jax.Array:
+        """Parameter ``name`` (initially ``value``), checked against x's size over ``axis``."""
         if self.has_variable("params", name):
             have = jnp.shape(self.get_variable("params", name))
             if have != shape:
