@@ -195,3 +195,21 @@ def test_bad_normalized_shape_and_axis() -> None:
         nt.from_spec(NormSpec(axis=0), 4)
     with pytest.raises(ValueError, match="axis 2 is out of range for an input of rank 2"):
         F.normalize(torch.zeros(2, 4), NormSpec(axis=2))
+
+
+def test_missing_torch_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None; import normkit.torch"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "ImportError: normkit.torch needs PyTorch: pip install 'normkit[torch]'" in result.stderr
+
+
+def test_importing_normkit_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, normkit; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

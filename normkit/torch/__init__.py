@@ -5,7 +5,7 @@
 
 try:
     import torch as _torch  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without torch
+except ImportError as exc:
     raise ImportError("normkit.torch needs PyTorch: pip install 'normkit[torch]'") from exc
 
 from normkit.torch import functional

@@ -120,7 +120,7 @@ def _forward_in_place(
     if outside:
         r.div_(math.sqrt(k)).add_(eps).reciprocal_()
     else:
-        r = torch.addcmul(torch.tensor(eps, dtype=r.dtype, device=r.device), r, r, value=1.0 / k).rsqrt_()
+        r.square_().div_(k).add_(eps).rsqrt_()
     y = torch.mul(x, r)
     if g is not None and b is not None:
         torch.addcmul(b, y, g, out=y)
