@@ -83,6 +83,9 @@ def text(report: Report, failures: int = 10) -> str:
             f"pairwise: {len(report.pairwise)} pairs of implementations, {disagreeing} case disagreements; "
             f"worst {worst.worst:.2f} of {PAIRWISE_FACTOR:g}x the tolerance ({worst.a} vs {worst.b})",
         ]
+    if report.target_seconds:
+        times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in report.target_seconds.items())
+        out += ["", f"worker time: {times}"]
     passed = sum(r.status == "PASS" for r in report.results)
     out += ["", f"{passed} passed, {len(failed)} failed, {sum(r.status == 'SKIP' for r in report.results)} skipped in {report.seconds:.0f} s"]
     return "\n".join(out)
@@ -215,6 +218,7 @@ def to_json(report: Report) -> str:
                 "ulp_floor": tolerances.ULP_FLOOR,
             },
             "devices": report.devices,
+            "target_seconds": report.target_seconds,
             "skipped_targets": report.skipped_targets,
             "summary": {s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")},
             "cases": [r.to_dict() for r in report.results],

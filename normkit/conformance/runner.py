@@ -48,6 +48,7 @@ class Report:
     devices: dict[str, list[str]]
     targets: list[Target] = field(default_factory=list)
     identified: dict[str, dict[str, Any]] = field(default_factory=dict)
+    target_seconds: dict[str, float] = field(default_factory=dict)
     pairwise: list[Pairwise] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -136,16 +137,19 @@ def run(
     results: list[Result] = []
     seen_devices: dict[str, list[str]] = {}
     identified: dict[str, dict[str, Any]] = {}
+    target_seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
 
         def work(target: Target) -> None:
             with slots:
+                began = time.perf_counter()
                 proc = _launch(target, planned[target.name], devices, outdir if pairwise else None)
                 assert proc.stdout is not None and proc.stderr is not None
                 for line in proc.stdout:
                     events.put((target.name, json.loads(line), ""))
                 err = proc.stderr.read()
                 proc.wait()
+                target_seconds[target.name] = time.perf_counter() - began
                 events.put((target.name, None, err if proc.returncode else ""))
 
         threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in runnable]
@@ -177,7 +181,8 @@ def run(
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
-    return Report(results, skipped, seen_devices, list(targets), identified, pairs, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Report(results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds)
 
 
 def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:
