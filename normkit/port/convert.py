@@ -1,0 +1,157 @@
+"""Norm parameters between the frameworks' naming conventions and between offset conventions."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+
+from normkit import dtypes
+from normkit.spec import NormSpec
+
+Convention: TypeAlias = Literal["torch", "keras", "flax", "numpy"]
+
+#: The names of ``(w, b)`` in each convention. Keras' are the normkit layers' weight names.
+NAMES: dict[str, tuple[str, str]] = {
+    "torch": ("weight", "bias"),
+    "keras": ("scale", "bias"),
+    "flax": ("scale", "bias"),
+    "numpy": ("scale", "bias"),
+}
+CONVENTIONS: tuple[str, ...] = tuple(NAMES)
+
+__all__ = ["CONVENTIONS", "NAMES", "Convention", "convert", "param_names", "to_numpy"]
+
+
+def param_names(spec: NormSpec, convention: str) -> list[str]:
+    """The names, in ``convention``, of the parameters ``spec`` has (scale first, then bias)."""
+    w, b = NAMES[_check_convention(convention, "convention")]
+    return [name for name, present in ((w, spec.scale), (b, spec.bias)) if present]
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """``value`` as a numpy array: numpy, a torch tensor or parameter (detached, moved to the
+    CPU; bfloat16 kept), a Keras variable, a JAX array or a Flax ``Param``."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, imported by whoever made it
+        import torch
+
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(dtypes.bfloat16)
+        return tensor.numpy()
+    if hasattr(value, "get_value") and not isinstance(value, np.ndarray):  # flax nnx Variable
+        value = value.get_value()
+    return np.asarray(value)
+
+
+def convert(
+    params: Mapping[str, Any] | Sequence[Any],
+    spec: NormSpec,
+    *,
+    src: str,
+    dst: str,
+    dst_spec: NormSpec | None = None,
+) -> dict[str, np.ndarray]:
+    """The parameters of a ``spec`` norm, renamed from convention ``src`` to ``dst``.
+
+    Conventions name ``(w, b)``: ``"torch"`` ``weight``/``bias``; ``"keras"``, ``"flax"`` and
+    ``"numpy"`` ``scale``/``bias``. With ``src="keras"``, ``params`` may also be the list of
+    `keras.layers.Layer.get_weights` (``[scale, bias]``, those the spec has).
+
+    With ``dst_spec`` differing from ``spec`` in ``scale_offset`` only, the scale moves to the
+    destination offset: ``w' = w + (scale_offset - dst_spec.scale_offset)``, computed in float64
+    and rounded once (to nearest even) to ``w``'s dtype, so ``dst_spec`` computes what ``spec``
+    did up to that rounding. Values are returned as numpy arrays (framework tensors accepted).
+
+    Raises:
+      ValueError: an unknown convention, a missing, unexpected or wrongly shaped parameter, or
+        specs that differ in a field other than ``scale_offset``.
+      TypeError: a parameter that is not float16, bfloat16, float32 or float64.
+    """
+    src = _check_convention(src, "src")
+    dst = _check_convention(dst, "dst")
+    values = _canonical(params, spec, src)
+    if dst_spec is not None:
+        values = _move_offset(values, spec, dst_spec)
+    w, b = NAMES[dst]
+    return {w if name == "scale" else b: value for name, value in values.items()}
+
+
+def check_params(values: Mapping[str, np.ndarray], spec: NormSpec, names: Sequence[str]) -> None:
+    """Check canonical ``{"scale", "bias"}`` values against ``spec``: present exactly as the spec
+    says, float, one size per normalized axis, both of one shape. ``names`` are the parameter
+    names in the caller's convention, for the messages."""
+    shapes = {}
+    for (name, value), shown in zip(values.items(), names, strict=True):
+        dtypes.as_float_dtype(value.dtype, f"parameter {shown!r}")
+        if value.ndim != len(spec.axis) or 0 in value.shape:
+            raise ValueError(
+                f"parameter {shown!r} has shape {value.shape}, but the spec normalizes over axis "
+                f"{spec.axis}: it needs {len(spec.axis)} positive size(s), one per axis"
+            )
+        shapes[shown] = value.shape
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"the scale and bias must have one shape, got {shapes}")
+
+
+def _check_convention(name: str, what: str) -> str:
+    if name not in NAMES:
+        raise ValueError(f"{what}={name!r} is not a convention; expected one of {CONVENTIONS}")
+    return name
+
+
+def _canonical(
+    params: Mapping[str, Any] | Sequence[Any], spec: NormSpec, src: str
+) -> dict[str, np.ndarray]:
+    """``params`` of convention ``src`` as numpy arrays named ``scale``/``bias``, checked."""
+    expected = param_names(spec, src)
+    if not isinstance(params, Mapping):
+        if src != "keras" or isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise ValueError(
+                f"params must be a mapping of {expected} (a list is accepted for src='keras' "
+                f"only), got {type(params).__name__}"
+            )
+        if len(params) != len(expected):
+            raise ValueError(
+                f"params is a list of {len(params)} arrays, but a layer with scale={spec.scale}, "
+                f"bias={spec.bias} has {len(expected)}: {expected} (get_weights() order)"
+            )
+        params = dict(zip(expected, params, strict=True))
+    missing = [n for n in expected if n not in params]
+    extra = sorted(str(n) for n in params if n not in expected)
+    if missing or extra:
+        problems = [f"missing {missing}"] * bool(missing) + [f"unexpected {extra}"] * bool(extra)
+        raise ValueError(
+            f"params ({src} convention) {' and '.join(problems)}: a spec with scale={spec.scale}, "
+            f"bias={spec.bias} has exactly {expected}"
+        )
+    w = NAMES[src][0]
+    values = {("scale" if n == w else "bias"): to_numpy(params[n]) for n in expected}
+    check_params(values, spec, expected)
+    return values
+
+
+def _move_offset(
+    values: dict[str, np.ndarray], spec: NormSpec, dst_spec: NormSpec
+) -> dict[str, np.ndarray]:
+    differing = [
+        f.name
+        for f in dataclasses.fields(NormSpec)
+        if f.name != "scale_offset" and getattr(spec, f.name) != getattr(dst_spec, f.name)
+    ]
+    if differing:
+        detail = ", ".join(
+            f"{n}: {getattr(spec, n)!r} -> {getattr(dst_spec, n)!r}" for n in differing
+        )
+        raise ValueError(
+            f"the specs differ in {differing} ({detail}); convert changes scale_offset only, "
+            "any other field changes what the norm computes"
+        )
+    shift = spec.scale_offset - dst_spec.scale_offset
+    if shift == 0:
+        return values
+    scale = values["scale"]
+    moved = dtypes.round_to(scale.astype(np.float64) + shift, scale.dtype)
+    return {**values, "scale": moved}

@@ -1,0 +1,261 @@
+"""Norm parameters with their `NormSpec` on disk: safetensors, or ``.npz``; never pickle.
+
+A file holds one or more norm layers. Each layer has a name (``""`` for a single norm, else its
+path in a model, e.g. ``"layers.0.input_layernorm"``) and its tensors are stored as
+``"<name>.<param>"`` (or ``"<param>"`` for ``""``), the parameter named in the file's
+convention (``weight``/``bias`` for torch, ``scale``/``bias`` otherwise). The metadata, under
+the key ``"normkit"``, is JSON::
+
+    {"format": "normkit.norms", "version": 1, "convention": "torch",
+     "layers": {"<name>": <NormSpec.to_dict()>, ...}}
+
+In ``.npz`` files the metadata is a 0-d string array named ``"__normkit__"`` and bfloat16
+tensors are stored as their uint16 bits, listed under ``"bfloat16"`` in the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from normkit import dtypes
+from normkit.port.convert import CONVENTIONS, NAMES, convert, param_names
+from normkit.spec import NormSpec
+
+FORMAT = "normkit.norms"
+FORMAT_VERSION = 1
+METADATA_KEY = "normkit"
+NPZ_METADATA = "__normkit__"
+
+Layers = dict[str, tuple[dict[str, np.ndarray], NormSpec]]
+
+__all__ = ["FORMAT_VERSION", "save", "load", "save_norms", "load_norms"]
+
+
+def save(
+    path: str | os.PathLike[str],
+    params: Mapping[str, Any],
+    spec: NormSpec,
+    *,
+    convention: str = "numpy",
+) -> Path:
+    """Write one norm's ``params`` (named in ``convention``) and ``spec`` to ``path``.
+
+    safetensors, unless ``path`` ends in ``.npz`` or the ``safetensors`` package is missing:
+    then ``.npz`` (the suffix replaced, with a warning, in the second case). Returns the path
+    written. bfloat16 parameters are stored bit-exactly in both formats.
+    """
+    return save_norms(path, {"": (params, spec)}, convention=convention)
+
+
+def load(path: str | os.PathLike[str], *, to: str = "numpy") -> tuple[dict[str, np.ndarray], NormSpec]:
+    """The parameters (named in convention ``to``) and spec of the single norm in ``path``.
+
+    Raises ValueError naming the file if it is not a normkit file (a pickle is refused without
+    being unpickled), its metadata is missing, malformed or of another format version, its
+    tensors do not match its specs, or it holds a whole model's norms (use `load_norms`).
+    """
+    layers = load_norms(path, to=to)
+    if list(layers) != [""]:
+        raise ValueError(
+            f"{path}: holds the norms of a model ({len(layers)} layers: "
+            f"{_preview(list(layers))}), not a single norm; use load_norms or import_norms"
+        )
+    return layers[""]
+
+
+def save_norms(
+    path: str | os.PathLike[str],
+    layers: Mapping[str, tuple[Mapping[str, Any], NormSpec]],
+    *,
+    convention: str = "numpy",
+) -> Path:
+    """Write several named norms, ``{name: (params, spec)}``, to one file; see `save`."""
+    path = Path(path)
+    names = NAMES.get(convention)
+    if names is None:
+        raise ValueError(f"convention={convention!r} is not one of {CONVENTIONS}")
+    tensors: dict[str, np.ndarray] = {}
+    specs: dict[str, dict[str, object]] = {}
+    for name, (params, spec) in layers.items():
+        if not isinstance(spec, NormSpec):
+            raise TypeError(f"layer {name!r}: spec must be a NormSpec, got {type(spec).__name__}")
+        try:
+            values = convert(params, spec, src=convention, dst=convention)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"layer {name!r}: {err}") from None
+        specs[name] = spec.to_dict()
+        for param, value in values.items():
+            tensors[_key(name, param)] = np.ascontiguousarray(value)
+    metadata = {"format": FORMAT, "version": FORMAT_VERSION, "convention": convention, "layers": specs}
+    use_npz = path.suffix == ".npz"
+    if not use_npz:
+        try:
+            from safetensors.numpy import save_file
+        except ImportError:
+            path = path.with_suffix(".npz")
+            warnings.warn(f"safetensors is not installed: writing {path} instead", stacklevel=2)
+            use_npz = True
+    if use_npz:
+        _save_npz(path, tensors, metadata)
+    else:
+        save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(metadata)})
+    return path
+
+
+def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
+    """Every norm in ``path``, ``{name: (params, spec)}``, parameters named in ``to``; see `load`."""
+    if to not in NAMES:
+        raise ValueError(f"to={to!r} is not one of {CONVENTIONS}")
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        tensors, raw = _read_npz(path)
+    elif _is_safetensors(path, head):
+        tensors, raw = _read_safetensors(path)
+    elif head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05":
+        raise ValueError(f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)")
+    else:
+        raise ValueError(f"{path}: is neither a safetensors nor an .npz file (unrecognized header)")
+    meta = _parse_metadata(path, raw)
+    convention = meta["convention"]
+    layers: Layers = {}
+    unclaimed = set(tensors)
+    for name, spec in meta["layers"].items():
+        keys = {_key(name, p): p for p in param_names(spec, convention)}
+        unclaimed -= set(keys)
+        params = {p: tensors[k] for k, p in keys.items() if k in tensors}
+        try:
+            layers[name] = (convert(params, spec, src=convention, dst=to), spec)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: layer {name!r}: {err}") from None
+    if unclaimed:
+        raise ValueError(
+            f"{path}: tensors {sorted(unclaimed)} are parameters of no layer its specs describe "
+            "(a spec with bias=False has no bias): the metadata and the tensors disagree"
+        )
+    return layers
+
+
+def _key(name: str, param: str) -> str:
+    return f"{name}.{param}" if name else param
+
+
+def _preview(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _save_npz(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
+    arrays = {}
+    bf16 = []
+    for key, value in tensors.items():
+        if value.dtype == dtypes.bfloat16:
+            bf16.append(key)
+            value = value.view(np.uint16)
+        arrays[key] = value
+    metadata = {**metadata, "bfloat16": bf16}
+    with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
+        np.savez(f, **arrays, **{NPZ_METADATA: np.array(json.dumps(metadata))})
+
+
+def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    with zipfile.ZipFile(path) as archive:
+        members = archive.namelist()
+    pickles = [m for m in members if not m.endswith(".npy")]
+    if pickles:
+        hint = " (a torch.save file?)" if any(m.endswith(".pkl") for m in pickles) else ""
+        raise ValueError(
+            f"{path}: is a zip archive holding {_preview(pickles)}, not an .npz of arrays{hint}; "
+            "normkit never unpickles (nothing was loaded)"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except ValueError as err:
+        raise ValueError(
+            f"{path}: holds object arrays, which only a pickle can read; normkit never unpickles "
+            f"(nothing was loaded): {err}"
+        ) from None
+    raw = arrays.pop(NPZ_METADATA, None)
+    if raw is None:
+        return arrays, None
+    if raw.dtype.kind != "U" or raw.shape != ():
+        raise ValueError(f"{path}: {NPZ_METADATA!r} must be a JSON string, got {raw.dtype} {raw.shape}")
+    text = str(raw[()])
+    try:
+        bf16 = json.loads(text).get("bfloat16", [])
+    except (json.JSONDecodeError, AttributeError):
+        return arrays, text  # _parse_metadata names the problem
+    if not isinstance(bf16, list) or not all(isinstance(k, str) and k in arrays for k in bf16):
+        raise ValueError(f"{path}: metadata 'bfloat16' must list stored tensor names, got {bf16!r}")
+    for key in bf16:
+        if arrays[key].dtype != np.uint16:
+            raise ValueError(f"{path}: bfloat16 tensor {key!r} is stored as {arrays[key].dtype}, not uint16 bits")
+        arrays[key] = arrays[key].view(dtypes.bfloat16)
+    return arrays, text
+
+
+def _is_safetensors(path: Path, head: bytes) -> bool:
+    """An 8-byte little-endian header size that fits the file, then the JSON header's ``{``."""
+    return (
+        len(head) == 9
+        and 2 <= struct.unpack("<Q", head[:8])[0] <= path.stat().st_size - 8
+        and head[8:9] == b"{"
+    )
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as err:
+        raise ImportError(f"{path}: reading safetensors needs: pip install safetensors") from err
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            raw = (f.metadata() or {}).get(METADATA_KEY)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: is not a readable safetensors file: {err}") from None
+    return tensors, raw
+
+
+def _parse_metadata(path: Path, raw: str | None) -> dict[str, Any]:
+    """The checked metadata, with ``layers`` as ``{name: NormSpec}``."""
+    if raw is None:
+        raise ValueError(
+            f"{path}: has no normkit metadata (key {METADATA_KEY!r}); write it with "
+            "normkit.port.save or export_norms"
+        )
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: the normkit metadata is not valid JSON: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: the normkit metadata is malformed: expected format {FORMAT!r}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: normkit format version {meta.get('version')!r}; this normkit reads "
+            f"version {FORMAT_VERSION}"
+        )
+    if meta.get("convention") not in NAMES:
+        raise ValueError(
+            f"{path}: the metadata's convention {meta.get('convention')!r} is not one of {CONVENTIONS}"
+        )
+    layers = meta.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{path}: the metadata's 'layers' must map layer names to NormSpecs")
+    specs = {}
+    for name, data in layers.items():
+        try:
+            specs[name] = NormSpec.from_dict(data)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: layer {name!r}: invalid spec: {err}") from None
+    return {**meta, "layers": specs}
