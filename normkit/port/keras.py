@@ -1,0 +1,90 @@
+"""Keras 3 models: export or import the parameters of their normkit norm layers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from normkit import dtypes
+from normkit.port.files import save_norms
+from normkit.port.models import plan_import
+from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm
+
+__all__ = ["export_norms", "import_norms", "norm_layers"]
+
+_NORMKIT = (RMSNorm, PartialRMSNorm, LayerNorm)
+
+
+def norm_layers(model: keras.layers.Layer) -> dict[str, RMSNorm | PartialRMSNorm | LayerNorm]:
+    """The normkit norm layers in ``model`` by path (see `normkit.port.models`).
+
+    ValueError if one is not built yet (call the model once so its weights exist).
+    """
+    found = {}
+    for path, layer in _walk(model, "", set()):
+        if isinstance(layer, _NORMKIT):
+            if not layer.built:
+                raise ValueError(
+                    f"{path or '<root>'}: the layer is not built, so it has no weights yet; call "
+                    "the model on an input first"
+                )
+            found[path] = layer
+    return found
+
+
+def _walk(obj: Any, path: str, seen: set[int]) -> Iterator[tuple[str, keras.layers.Layer]]:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield path, obj
+    for name, child in _children(obj):
+        yield from _walk(child, f"{path}.{name}" if path else name, seen)
+
+
+def _children(obj: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
+    if isinstance(obj, keras.Sequential) or type(obj).__name__ == "Functional":
+        for layer in obj.layers:
+            yield layer.name, layer
+        return
+    for name, value in vars(obj).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, keras.layers.Layer):
+            yield name, value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, keras.layers.Layer):
+                    yield f"{name}.{i}", item
+
+
+def export_norms(model: keras.layers.Layer, path: str | os.PathLike[str]) -> Path:
+    """Write every normkit norm of ``model`` (attribute paths, keras convention)."""
+    layers = {
+        name: (_weights(layer), layer.spec) for name, layer in norm_layers(model).items()
+    }
+    return save_norms(path, layers, convention="keras")
+
+
+def import_norms(model: keras.layers.Layer, path: str | os.PathLike[str]) -> list[str]:
+    """Load ``path`` into ``model``'s normkit norms in place; see `normkit.port.import_norms`."""
+    norms = norm_layers(model)
+    shapes = {name: (layer.spec, _shape(layer)) for name, layer in norms.items()}
+    planned = plan_import(path, shapes, "keras")
+    for name, params in planned.items():
+        for param, value in params.items():
+            variable = getattr(norms[name], param)
+            variable.assign(dtypes.round_to(value, variable.dtype))
+    return list(planned)
+
+
+def _weights(layer: keras.layers.Layer) -> dict[str, Any]:
+    return {n: v for n in ("scale", "bias") if (v := getattr(layer, n)) is not None}
+
+
+def _shape(layer: keras.layers.Layer) -> tuple[int, ...]:
+    weights = list(_weights(layer).values())
+    return tuple(weights[0].shape) if weights else ()
