@@ -4,12 +4,12 @@ Inputs are 2-D: rows of the ``n`` normalized elements. The forward saves only th
 statistic per row, ``r = r(s)`` (float32, or float64 for float64 input); the backward recomputes
 what it needs from them. The formulas are those of `normkit.reference.normalize_vjp`.
 
-In plain eager mode (not recording a graph for double backward, not under ``torch.compile`` or a
-``torch.func`` transform), float32 and float64 RMS rows take a path that works in place: one temporary fewer in
-the forward, none beyond the gradient in the backward. Elsewhere the same formulas run as
-functional whole-tensor ops, which compilers fuse. Both are a handful of whole-tensor ops: row
-blocks sized for the cache were measured slower on a loaded 2-core machine, where every one of
-their many parallel regions waits for a descheduled thread.
+In plain eager mode (not recording a graph for double backward, not under ``torch.compile`` or
+a ``torch.func`` transform), float32 and float64 RMS rows take a path that works in place: one
+temporary fewer in the forward, none beyond the gradient in the backward. Elsewhere the same
+formulas run as functional whole-tensor ops, which compilers fuse. Both are a handful of
+whole-tensor ops: row blocks sized for the cache were measured slower on a loaded 2-core machine,
+where each of their many parallel regions waits for a descheduled thread.
 """
 
 from __future__ import annotations
@@ -240,7 +240,9 @@ class NormFunction(torch.autograd.Function):
         return _forward(x, g, b, kind, k, eps, outside, cast)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
         x, g, b, kind, k, eps, outside, _ = inputs
         ctx.save_for_backward(x, output[1], g)
         ctx.mark_non_differentiable(output[1])

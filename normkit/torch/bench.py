@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = run(quick=args.quick)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'pass':<17} {'implementation':<40} {'median ms':>9}  {'saved MiB':>9}  ratios (peer/this)")
+    header = f"{'pass':<17} {'implementation':<40} {'median ms':>9}  {'saved MiB':>9}"
+    print(f"{header}  ratios (peer/this)")
     for row in rows:
         saved = row.get("saved_bytes")
         ratios = ", ".join(f"{p} {r:.2f}" for p, r in row["ratios"].items())

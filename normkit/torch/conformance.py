@@ -80,7 +80,8 @@ def evaluate(
             f"api={api!r} is invalid for axis {spec.axis} of a rank-{x.ndim} input: expected "
             "'functional', or 'module' when the axes are the trailing ones"
         )
-    param_dtype = to_torch(np.zeros(0, next((p.dtype for p in (scale, bias) if p is not None), np.float32))).dtype
+    given = next((p.dtype for p in (scale, bias) if p is not None), np.dtype(np.float32))
+    param_dtype = to_torch(np.zeros(0, given)).dtype
     shape = spec.param_shape(x.shape)
     params: dict[str, torch.nn.Parameter | None] = {}
     for name, present, value in (("weight", spec.scale, scale), ("bias", spec.bias, bias)):
@@ -90,13 +91,15 @@ def evaluate(
             params[name] = None
         elif value is None:
             init = spec.scale_init if name == "weight" else 0.0
-            params[name] = torch.nn.Parameter(torch.full(shape, init, dtype=param_dtype, device=device))
+            value_t = torch.full(shape, init, dtype=param_dtype, device=device)
+            params[name] = torch.nn.Parameter(value_t)
         else:
             params[name] = torch.nn.Parameter(to_torch(value, device).clone())
 
     fn: Callable[[torch.Tensor], torch.Tensor]
     if api == "module":
-        module = from_spec(spec.replace(axis=tuple(range(-len(axes), 0))), shape, device, param_dtype)
+        trailing_spec = spec.replace(axis=tuple(range(-len(axes), 0)))
+        module = from_spec(trailing_spec, shape, device, param_dtype)
         for name, param in params.items():
             if param is not None:
                 setattr(module, name, param)
@@ -111,5 +114,6 @@ def evaluate(
     y = fn(xt)
     y.backward(to_torch(dy, device))
     assert xt.grad is not None
-    dscale, dbias = (None if p is None else to_numpy(p.grad) for p in params.values())  # type: ignore[arg-type]
+    grads = [None if p is None else p.grad for p in params.values()]
+    dscale, dbias = (None if g is None else to_numpy(g) for g in grads)
     return to_numpy(y), to_numpy(xt.grad), dscale, dbias

@@ -24,7 +24,9 @@ __all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm", "SUPPORTED
 
 ShapeLike = int | Sequence[int]
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64
+)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -46,7 +48,8 @@ def _check_tensor(t: object, what: str) -> torch.Tensor:
 def as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of positive ints (an int means a 1-tuple)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+    valid = all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    if not shape or not valid:
         raise ValueError(
             f"normalized_shape={normalized_shape!r} is invalid: expected a positive int or a "
             "non-empty sequence of positive ints"
@@ -70,7 +73,8 @@ def _param(
     if value is None:
         return None
     if not present:
-        raise ValueError(f"{name} was given but the spec has {'scale' if name == 'weight' else name}=False")
+        field = "scale" if name == "weight" else name
+        raise ValueError(f"{name} was given but the spec has {field}=False")
     _check_tensor(value, name)
     if tuple(value.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")

@@ -205,4 +205,5 @@ def from_spec(
     }
     if spec.kind == "partial_rms":
         return PartialRMSNorm(shape, spec.p, **options)  # type: ignore[arg-type]
-    return (RMSNorm if spec.kind == "rms" else LayerNorm)(shape, **options)  # type: ignore[arg-type]
+    cls = RMSNorm if spec.kind == "rms" else LayerNorm
+    return cls(shape, **options)  # type: ignore[arg-type]
