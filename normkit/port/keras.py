@@ -14,7 +14,7 @@ from normkit.port.files import save_norms
 from normkit.port.models import plan_import
 from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm
 
-__all__ = ["export_norms", "import_norms", "norm_layers"]
+__all__ = ["export_norms", "import_norms", "named_layers", "norm_layers"]
 
 _NORMKIT = (RMSNorm, PartialRMSNorm, LayerNorm)
 
@@ -25,7 +25,7 @@ def norm_layers(model: keras.layers.Layer) -> dict[str, RMSNorm | PartialRMSNorm
     ValueError if one is not built yet (call the model once so its weights exist).
     """
     found = {}
-    for path, layer in _walk(model, "", set()):
+    for path, layer in named_layers(model).items():
         if isinstance(layer, _NORMKIT):
             if not layer.built:
                 raise ValueError(
@@ -34,6 +34,11 @@ def norm_layers(model: keras.layers.Layer) -> dict[str, RMSNorm | PartialRMSNorm
                 )
             found[path] = layer
     return found
+
+
+def named_layers(model: keras.layers.Layer) -> dict[str, keras.layers.Layer]:
+    """Every layer in ``model``, itself included (``""``), by path (see `normkit.port.models`)."""
+    return dict(_walk(model, "", set()))
 
 
 def _walk(obj: Any, path: str, seen: set[int]) -> Iterator[tuple[str, keras.layers.Layer]]:
