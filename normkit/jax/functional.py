@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
@@ -37,7 +38,7 @@ def normalize(
     scale: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
-    dtype: jnp.dtype | None = None,
+    dtype: DTypeLike | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     r"""``spec`` applied to ``x`` (see `NormSpec` for the math and the dtype policy).
@@ -113,7 +114,7 @@ def rms_norm(
     axis: int | tuple[int, ...] = -1,
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
-    dtype: jnp.dtype | None = None,
+    dtype: DTypeLike | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from these arguments.
@@ -139,7 +140,7 @@ def partial_rms_norm(
     axis: int | tuple[int, ...] = -1,
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
-    dtype: jnp.dtype | None = None,
+    dtype: DTypeLike | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     """Partial RMSNorm (statistic over the first ``spec.stat_size(n)`` elements of a row).
@@ -163,7 +164,7 @@ def layer_norm(
     axis: int | tuple[int, ...] = -1,
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
-    dtype: jnp.dtype | None = None,
+    dtype: DTypeLike | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     """LayerNorm: `normalize` with ``NormSpec(kind="layer", ...)``; arguments as in `rms_norm`."""

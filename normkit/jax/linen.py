@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from normkit.jax import functional
 from normkit.jax._fields import module_kwargs
@@ -27,8 +28,8 @@ class _Norm(nn.Module):
     scale_offset: float = 0.0
     use_bias: bool = False
     cast: Cast = "after_scale"
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
     axis_name: str | None = None
 
     @property

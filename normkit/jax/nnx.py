@@ -7,10 +7,10 @@ as in ``flax.nnx.RMSNorm``/``LayerNorm``, so their state loads with `flax.nnx.up
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from flax import nnx
 
 from normkit.jax import functional
@@ -28,8 +28,8 @@ class _Norm(nnx.Module):
         spec: NormSpec,
         shape: int | Sequence[int],
         *,
-        dtype: Any,
-        param_dtype: Any,
+        dtype: DTypeLike | None,
+        param_dtype: DTypeLike,
         axis_name: str | None,
     ) -> None:
         self.spec = spec
@@ -90,8 +90,8 @@ class RMSNorm(_Norm):
         scale_offset: float = 0.0,
         use_bias: bool = False,
         cast: Cast = "after_scale",
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         axis_name: str | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> None:
@@ -124,8 +124,8 @@ class PartialRMSNorm(_Norm):
         scale_offset: float = 0.0,
         use_bias: bool = False,
         cast: Cast = "after_scale",
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         axis_name: str | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> None:
@@ -153,8 +153,8 @@ class LayerNorm(_Norm):
         scale_offset: float = 0.0,
         use_bias: bool = True,
         cast: Cast = "after_scale",
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         axis_name: str | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> None:
@@ -169,8 +169,8 @@ def from_spec(
     spec: NormSpec,
     shape: int | Sequence[int],
     *,
-    dtype: Any = None,
-    param_dtype: Any = jnp.float32,
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike = jnp.float32,
     axis_name: str | None = None,
     rngs: nnx.Rngs | None = None,
 ) -> RMSNorm | PartialRMSNorm | LayerNorm:
