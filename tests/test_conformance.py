@@ -17,7 +17,9 @@ TESTS = str(Path(__file__).parent)
 
 
 def fake(name: str, mode: str) -> Target:
-    return Target(name, ("numpy",), "-", "conformance_fakes", {"mode": mode}, {"PYTHONPATH": TESTS})
+    # targets with the same hook and environment share a worker; a crashing one gets its own
+    env = {"PYTHONPATH": TESTS, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
+    return Target(name, ("numpy",), "-", "conformance_fakes", {"mode": mode}, env)
 
 
 # ---- the matrix ------------------------------------------------------------------------------
@@ -72,8 +74,8 @@ def test_matrix_rejects_unknown_filters():
 @pytest.fixture(scope="module")
 def fake_report():
     cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32", "bfloat16"))[:6]
-    targets = [fake("right", "exact"), fake("wrong", "eps_outside"), fake("raises", "raise"),
-               fake("skips", "skip"), fake("crashes", "crash"),
+    targets = [fake("crashes", "crash"), fake("right", "exact"), fake("wrong", "eps_outside"),
+               fake("raises", "raise"), fake("skips", "skip"),
                Target("absent", ("no_such_framework_xyz",), "pip install nothing", "x")]
     return runner.run(targets, lambda t: cases, progress=False), len(cases)
 
@@ -87,6 +89,7 @@ def test_runner_statuses(fake_report):
     assert by["skips"] == ["SKIP"] * n
     assert by["crashes"] == ["FAIL"] * n and all("worker crashed" in r.reason for r in rep.results if r.target == "crashes")
     assert rep.skipped_targets == {"absent": "no_such_framework_xyz not installed (pip install nothing)"}
+    assert set(rep.target_seconds) == {"right", "wrong", "raises", "skips"}  # the crashed one never finished
 
 
 def test_wrong_implementation_is_reported_with_figures(fake_report):

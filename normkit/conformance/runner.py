@@ -82,8 +82,9 @@ class Progress:
             self.stream.write("\n")
 
 
-def _launch(target: Target, cases: list[Case], devices: Sequence[str] | None, outdir: str | None) -> subprocess.Popen[str]:
-    env = {**os.environ, **target.env}
+def _launch(group: list[Target], planned: dict[str, list[Case]], devices: Sequence[str] | None, outdir: str | None) -> subprocess.Popen[str]:
+    """Start one worker for ``group``: targets that share a hook module and an environment."""
+    env = {**os.environ, **group[0].env}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "normkit.conformance.worker"],
@@ -94,13 +95,13 @@ def _launch(target: Target, cases: list[Case], devices: Sequence[str] | None, ou
         env=env,
     )
     job = {
-        "target": target.name,
-        "hook": target.hook,
-        "variant": target.variant,
-        "cases": [c.to_dict() for c in cases],
+        "hook": group[0].hook,
+        "targets": [
+            {"name": t.name, "variant": t.variant, "cases": [c.to_dict() for c in planned[t.name]], "identify": t.claims is not None}
+            for t in group
+        ],
         "devices": list(devices) if devices else None,
         "outdir": outdir,
-        "identify": target.claims is not None,
     }
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(job))
@@ -123,7 +124,8 @@ def run(
       targets: the implementations; one not installed is skipped with the reason.
       cases_for: the cases of each target.
       devices: only these device names (e.g. ``["cpu"]``); a name a backend lacks is a SKIP.
-      jobs: how many workers run at once.
+      jobs: how many workers run at once. Targets that share a hook module and an environment
+        share a worker (one framework import).
       pairwise: also compare every two targets' outputs on the cases both ran.
       progress: draw a progress bar on stderr.
     """
@@ -132,7 +134,7 @@ def run(
     runnable = [t for t in targets if t.name not in skipped]
     planned = {t.name: cases_for(t) for t in runnable}
     bar = Progress(sum(len(c) * max(1, len(devices or ())) for c in planned.values())) if progress else None
-    events: queue.Queue[tuple[str, dict[str, Any] | None, str]] = queue.Queue()
+    events: queue.Queue[dict[str, Any]] = queue.Queue()
     slots = threading.Semaphore(jobs)
     results: list[Result] = []
     seen_devices: dict[str, list[str]] = {}
@@ -140,44 +142,49 @@ def run(
     target_seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
 
-        def work(target: Target) -> None:
+        groups: dict[tuple[str, str], list[Target]] = {}
+        for t in runnable:
+            groups.setdefault((t.hook, json.dumps(t.env, sort_keys=True)), []).append(t)
+
+        def work(group: list[Target]) -> None:
             with slots:
-                began = time.perf_counter()
-                proc = _launch(target, planned[target.name], devices, outdir if pairwise else None)
+                proc = _launch(group, planned, devices, outdir if pairwise else None)
                 assert proc.stdout is not None and proc.stderr is not None
                 for line in proc.stdout:
-                    events.put((target.name, json.loads(line), ""))
+                    events.put(json.loads(line))
                 err = proc.stderr.read()
                 proc.wait()
-                target_seconds[target.name] = time.perf_counter() - began
-                events.put((target.name, None, err if proc.returncode else ""))
+                events.put({"done": [t.name for t in group], "error": err if proc.returncode else ""})
 
-        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in runnable]
+        threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups.values()]
         for thread in threads:
             thread.start()
         finished = 0
         reported: dict[str, set[tuple[str, str]]] = {t.name: set() for t in runnable}
-        while finished < len(runnable):
-            name, event, error = events.get()
-            if event is None:
+        while finished < len(groups):
+            event = events.get()
+            name = event.get("target", "")
+            if "done" in event:
                 finished += 1
-                if error:
-                    results.extend(_crashed(name, planned[name], seen_devices.get(name, ["cpu"]), reported[name], error))
-                continue
-            if "devices" in event:
+                if event["error"]:
+                    for crashed in event["done"]:
+                        seen = seen_devices.get(crashed, list(devices or ["cpu"]))
+                        results.extend(_crashed(crashed, planned[crashed], seen, reported[crashed], event["error"]))
+            elif "devices" in event:
                 seen_devices[name] = event["devices"]
                 if bar is not None and not devices:
                     bar.total += len(planned[name]) * (len(event["devices"]) - 1)
             elif "identified" in event:
                 identified[name] = event["identified"]
-            elif "fatal" in event:
-                continue  # the process exits non-zero next; its stderr carries the traceback
-            else:
+            elif "seconds" in event:
+                target_seconds[name] = event["seconds"]
+            elif "status" in event:
                 result = Result.from_dict(event)
                 reported[name].add((result.case.id, result.device))
                 results.append(result)
                 if bar is not None:
                     bar.advance(f"{name} {result.device}")
+            # a "fatal" event is followed by the worker's non-zero exit, whose stderr is the reason
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []

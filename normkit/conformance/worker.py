@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,37 +105,45 @@ def compare(
 
 
 def run_job(job: dict[str, Any], emit: Any) -> None:
-    """Run ``job`` (hook, variant, cases, device filter, output folder), emitting each event."""
+    """Run ``job``: one hook module, the targets that use it, each with its variant and cases.
+
+    Emits per target ``{"target", "devices"}``, one result per case and device, the
+    identification for peers, and ``{"target", "seconds"}`` when the target is done.
+    """
     hook = importlib.import_module(job["hook"])
     seen = hook.devices()
     wanted = job.get("devices") or seen
-    emit({"devices": seen})
-    for case_data in job["cases"]:
-        case = Case.from_dict(case_data)
-        for device in wanted:
-            if device not in seen:
-                emit(Result(job["target"], device, case, "SKIP", f"device {device} not present ({seen})").to_dict())
-                continue
-            x, dy, scale, bias = case.inputs()
-            try:
-                outputs = hook.evaluate(case.spec, x, dy, scale, bias, device=device, **job["variant"])
-            except NotImplementedError as exc:
-                emit(Result(job["target"], device, case, "SKIP", str(exc)).to_dict())
-                continue
-            except Exception as exc:  # an implementation's failure is a finding, not a crash
-                reason = f"raised {type(exc).__name__}: {exc}".splitlines()[0]
-                emit(Result(job["target"], device, case, "FAIL", reason).to_dict())
-                continue
-            problems, measured = compare(case.spec, (x, dy, scale, bias), outputs)
-            status = "FAIL" if problems else "PASS"
-            figures = {name: m.to_dict() for name, m in measured.items()}
-            result = Result(job["target"], device, case, status, "; ".join(problems), figures)
-            if job.get("outdir"):
-                path = os.path.join(job["outdir"], f"{job['target']}@{device}@{case.id}.npz")
-                np.savez(path, **{n: _savable(o) for n, o in zip(QUANTITIES, outputs) if o is not None})
-            emit(result.to_dict())
-    if job.get("identify"):
-        emit({"identified": _identify(hook, job["variant"])})
+    for target in job["targets"]:
+        began = time.perf_counter()
+        name = target["name"]
+        emit({"target": name, "devices": seen})
+        for case_data in target["cases"]:
+            case = Case.from_dict(case_data)
+            for device in wanted:
+                if device in seen:
+                    result = _run_case(hook, name, target["variant"], case, device, job.get("outdir"))
+                else:
+                    result = Result(name, device, case, "SKIP", f"device {device} not present ({seen})")
+                emit(result.to_dict())
+        if target.get("identify"):
+            emit({"target": name, "identified": _identify(hook, target["variant"])})
+        emit({"target": name, "seconds": time.perf_counter() - began})
+
+
+def _run_case(hook: Any, name: str, variant: dict[str, Any], case: Case, device: str, outdir: str | None) -> Result:
+    x, dy, scale, bias = case.inputs()
+    try:
+        outputs = hook.evaluate(case.spec, x, dy, scale, bias, device=device, **variant)
+    except NotImplementedError as exc:
+        return Result(name, device, case, "SKIP", str(exc))
+    except Exception as exc:  # an implementation's failure is a finding, not a crash
+        return Result(name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0])
+    problems, measured = compare(case.spec, (x, dy, scale, bias), outputs)
+    figures = {q: m.to_dict() for q, m in measured.items()}
+    if outdir:
+        path = os.path.join(outdir, f"{name}@{device}@{case.id}.npz")
+        np.savez(path, **{q: _savable(o) for q, o in zip(QUANTITIES, outputs) if o is not None})
+    return Result(name, device, case, "FAIL" if problems else "PASS", "; ".join(problems), figures)
 
 
 def _identify(hook: Any, variant: dict[str, Any]) -> dict[str, Any]:
