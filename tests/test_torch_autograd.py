@@ -43,11 +43,11 @@ def test_gradcheck_float64(spec: NormSpec) -> None:
     assert torch.autograd.gradcheck(fn, inputs)
 
 
-def test_gradcheck_leading_axes_and_blocked_path() -> None:
+def test_gradcheck_leading_axes_and_many_rows() -> None:
     spec = NormSpec(kind="partial_rms", p=0.5, axis=(0, 2), eps_placement="outside")
     x = _randn(4, 3, 5).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: F.normalize(t, spec), (x,))
-    rows = _randn(300, 1000)[:, :3].contiguous().requires_grad_(True)  # several cache blocks
+    rows = _randn(300, 3).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: F.rms_norm(t, 3), (rows,))
 
 

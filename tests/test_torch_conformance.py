@@ -114,8 +114,8 @@ def test_partial_rms_statistic_size(n: int, p: float) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
-def test_many_rows_blocked_path(kind: dict) -> None:
-    """More rows than one cache block of the eager CPU path, with a partial last block."""
+def test_many_rows(kind: dict) -> None:
+    """300 rows of 1000, float32 and float64: the eager in-place path at some size."""
     check(NormSpec(**kind, bias=True), _x((300, 1000), np.float32))
     check(NormSpec(**kind, eps_placement="outside"), _x((300, 1000), np.float64))
 
