@@ -6,12 +6,12 @@ PyTorch; chosen by ``KERAS_BACKEND`` before Keras is imported).
 
 try:
     import keras
-except ImportError as err:  # pragma: no cover - depends on the environment
+except ImportError as err:
     raise ImportError(
         "normkit.tf needs Keras 3 and TensorFlow: pip install 'normkit[tf]'"
     ) from err
 
-if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover - depends on the environment
+if int(keras.__version__.split(".")[0]) < 3:
     raise ImportError(
         f"normkit.tf needs Keras 3, found Keras {keras.__version__}: pip install 'normkit[tf]'"
     )
