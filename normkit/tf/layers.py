@@ -95,6 +95,7 @@ class _Norm(keras.layers.Layer):
         return axes, target
 
     def call(self, inputs: Any) -> Any:
+        """The spec applied to ``inputs`` (a floating tensor), in the output dtype above."""
         spec = self._spec
         dtype = self._output_dtype(inputs.dtype)
         axes, target = self._broadcast_shape(tuple(inputs.shape))
