@@ -16,15 +16,16 @@ from normkit import port, tolerances  # noqa: E402
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "transformer_block" / "port_block.py"
 
 
-def load_script():
+@pytest.fixture(scope="module")
+def script():
     spec = importlib.util.spec_from_file_location("port_block", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_the_block_agrees_across_torch_flax_and_keras(tmp_path, capsys):
-    report = load_script().main(tmp_path)
+def test_the_block_agrees_across_torch_flax_and_keras(script, tmp_path, capsys):
+    report = script.main(tmp_path)
     assert list(report.outputs) == ["torch", "flax (nnx)", "keras", "torch, ported back"]
     for name, measurement in report.measurements.items():
         assert measurement.passed, f"{name}: {measurement.describe()}"
@@ -35,3 +36,13 @@ def test_the_block_agrees_across_torch_flax_and_keras(tmp_path, capsys):
     layers = port.load_norms(tmp_path / "from_keras.safetensors")
     assert set(layers) == {"input_layernorm", "post_attention_layernorm", "norm"}
     assert "torch, ported back: PASS [float32]" in capsys.readouterr().out
+
+
+def test_moving_linears_names_a_missing_layer(script):
+    block = script.block_torch.Block(script.Config())
+    kernels = script.torch_kernels(block)
+    del kernels["mlp.up_proj"]
+    with pytest.raises(ValueError, match=r"the linear layers differ: model \[.*'mlp.up_proj'.*\], "
+                       r"weights \['attn.k_proj', 'attn.o_proj', 'attn.q_proj', 'attn.v_proj', "
+                       r"'mlp.down_proj', 'mlp.gate_proj'\]"):
+        script.set_torch_kernels(block, kernels)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import subprocess
 import sys
 import zipfile
 
@@ -312,3 +313,19 @@ def test_cli_needs_a_known_convention(capsys):
     with pytest.raises(SystemExit):
         parse(["a", "b", "--to", "jax"])
     assert "invalid choice: 'jax'" in capsys.readouterr().err
+
+
+def test_load_errors_for_a_bad_convention_and_a_missing_safetensors(tmp_path, monkeypatch):
+    path = port.save(tmp_path / "n.safetensors", layer_params(), LAYER)
+    with pytest.raises(ValueError, match=r"to='jax' is not one of \('torch', 'keras', 'flax', 'numpy'\)"):
+        port.load(path, to="jax")
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ImportError, match="n.safetensors: reading safetensors needs: pip install safetensors"):
+        port.load(path)
+
+
+def test_importing_normkit_port_imports_no_framework_and_no_safetensors():
+    code = ("import sys, normkit.port; print([m for m in ('torch', 'tensorflow', 'keras', 'jax', "
+            "'flax', 'safetensors') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
