@@ -154,6 +154,9 @@ def test_npz_is_the_fallback_without_safetensors(tmp_path, monkeypatch):
 def test_save_errors_name_the_layer(tmp_path):
     with pytest.raises(ValueError, match=r"layer 'blocks.0.norm': params \(numpy convention\) missing"):
         port.save_norms(tmp_path / "m.safetensors", {"blocks.0.norm": ({}, RMS)})
+    with pytest.raises(ValueError, match=r"m.safetensors: no norm layers to write \(a model's norms must "
+                       r"be normkit layers\)"):
+        port.save_norms(tmp_path / "m.safetensors", {})
     with pytest.raises(TypeError, match="layer '': spec must be a NormSpec, got dict"):
         port.save(tmp_path / "n.safetensors", {"scale": np.ones(3, np.float32)}, RMS.to_dict())
     with pytest.raises(ValueError, match=r"convention='jax' is not one of \('torch'"):

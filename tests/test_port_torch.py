@@ -79,7 +79,7 @@ def test_swap_norms_on_a_gemma_model_leaves_the_logits_unchanged():
     assert before.abs().max() > 0.1
 
 
-@pytest.mark.parametrize("name", ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm"])
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm", "T5LayerNorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_swapped_hf_norms_are_bit_exact_in_half_precision(name, dtype):
     generator = torch.Generator().manual_seed(1)

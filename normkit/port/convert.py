@@ -79,7 +79,7 @@ def convert(
     return {w if name == "scale" else b: value for name, value in values.items()}
 
 
-def check_params(values: Mapping[str, np.ndarray], spec: NormSpec, names: Sequence[str]) -> None:
+def _check_values(values: Mapping[str, np.ndarray], spec: NormSpec, names: Sequence[str]) -> None:
     """Check canonical ``{"scale", "bias"}`` values against ``spec``: present exactly as the spec
     says, float, one size per normalized axis, both of one shape. ``names`` are the parameter
     names in the caller's convention, for the messages."""
@@ -129,7 +129,7 @@ def _canonical(
         )
     w = NAMES[src][0]
     values = {("scale" if n == w else "bias"): to_numpy(params[n]) for n in expected}
-    check_params(values, spec, expected)
+    _check_values(values, spec, expected)
     return values
 
 

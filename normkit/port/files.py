@@ -80,9 +80,10 @@ def save_norms(
 ) -> Path:
     """Write several named norms, ``{name: (params, spec)}``, to one file; see `save`."""
     path = Path(path)
-    names = NAMES.get(convention)
-    if names is None:
+    if convention not in NAMES:
         raise ValueError(f"convention={convention!r} is not one of {CONVENTIONS}")
+    if not layers:
+        raise ValueError(f"{path}: no norm layers to write (a model's norms must be normkit layers)")
     tensors: dict[str, np.ndarray] = {}
     specs: dict[str, dict[str, object]] = {}
     for name, (params, spec) in layers.items():
@@ -122,7 +123,7 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
         tensors, raw = _read_npz(path)
     elif _is_safetensors(path, head):
         tensors, raw = _read_safetensors(path)
-    elif head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05":
+    elif len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:  # PROTO opcode, protocol 2-5
         raise ValueError(f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)")
     else:
         raise ValueError(f"{path}: is neither a safetensors nor an .npz file (unrecognized header)")
