@@ -1,7 +1,8 @@
 """Which framework backends are installed, their versions and devices, found without importing them.
 
 Installation and versions come from package metadata; devices need the framework itself, so each
-is asked in a subprocess of its own (a slow or broken framework cannot take normkit down with it).
+is asked in a subprocess of its own (a slow or broken framework cannot take normkit down with it),
+through the backend's conformance hook, so the names are those ``--device`` filters take.
 """
 
 from __future__ import annotations
@@ -55,36 +56,20 @@ class Backend:
         return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-BACKENDS: tuple[Backend, ...] = (
-    Backend(
-        "torch",
-        "normkit.torch",
-        "torch",
-        ("torch",),
-        "import json, torch\n"
-        "d = ['cpu'] + [f'cuda:{i}' for i in range(torch.cuda.device_count())]\n"
-        "mps = getattr(torch.backends, 'mps', None)\n"
-        "d += ['mps'] if mps is not None and mps.is_available() else []\n"
-        "print(json.dumps(d))",
-    ),
-    Backend(
-        "tf",
-        "normkit.tf",
-        "tf",
-        ("tensorflow", "keras"),
+def _probe(hook: str) -> str:
+    """Code that prints, as JSON, the device names the backend's conformance hook uses."""
+    return (
         "import os, json\n"
         "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')\n"
-        "import tensorflow as tf\n"
-        "print(json.dumps([d.name.replace('/physical_device:', '').lower()"
-        " for d in tf.config.list_physical_devices()]))",
-    ),
-    Backend(
-        "jax",
-        "normkit.jax",
-        "jax",
-        ("jax", "flax"),
-        "import json, jax\nprint(json.dumps([f'{d.platform}:{d.id}' for d in jax.devices()]))",
-    ),
+        f"from {hook} import devices\n"
+        "print(json.dumps(devices()))"
+    )
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend("torch", "normkit.torch", "torch", ("torch",), _probe("normkit.torch.conformance")),
+    Backend("tf", "normkit.tf", "tf", ("tensorflow", "keras"), _probe("normkit.tf.conformance")),
+    Backend("jax", "normkit.jax", "jax", ("jax", "flax"), _probe("normkit.jax.conformance")),
 )
 
 

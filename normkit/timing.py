@@ -2,6 +2,8 @@
 
 Shared machines drift; timing candidates in alternation, round after round, makes the drift hit
 all of them, so the ratios between their medians are fair even when the absolute times wander.
+The order is reversed every other round: the first candidate of a round runs a few percent
+slower (caches, frequency), and that must not fall on one candidate only.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def interleaved(
             if sync is not None:
                 sync()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
+    order = list(candidates.items())
     while True:
-        for name, fn in candidates.items():
+        order.reverse()
+        for name, fn in order:
             start = time.perf_counter()
             fn()
             if sync is not None:

@@ -79,19 +79,20 @@ def test_half_before_scale_large_rows_without_bias(dtype: np.dtype, n: int) -> N
     check(NormSpec(cast="before_scale", scale_offset=1.0), _x((4, n), dtype))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tolerance policy: a float32 y_hat that rounds to the other float16 neighbour is "
-    "1 ulp of y_hat, which the bias turns into 5 ulps of y here (see docs/torch.md)",
-)
-def test_half_before_scale_rounding_flip_exceeds_two_ulps() -> None:
+def test_half_before_scale_rounding_flip_is_within_the_policy() -> None:
+    """A float32 y_hat that rounds to the other float16 neighbour is 1 ulp of y_hat; a bias that
+    cancels the scaled term makes it several ulps of y (5 here), which the policy measures at
+    |y_hat * g| for before_scale."""
     spec = NormSpec(cast="before_scale", bias=True)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 16384)).astype(np.float16)
     scale = (rng.standard_normal(16384) * 0.5 + 1).astype(np.float32)
     bias = rng.standard_normal(16384).astype(np.float32)
     y, *_ = conformance.evaluate(spec, x, x, scale, bias)
-    tolerances.assert_close(y, reference.normalize(x, spec, scale, bias), cast=spec.cast)
+    expected = reference.normalize(x, spec, scale, bias)
+    assert tolerances.measure(y, expected, cast=spec.cast).max_ulp > 2  # per element of y
+    magnitude = reference.scaled_magnitude(x, spec, scale)
+    tolerances.assert_close(y, expected, cast=spec.cast, magnitude=magnitude)
 
 
 @pytest.mark.parametrize(

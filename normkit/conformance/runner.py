@@ -87,7 +87,7 @@ def _launch(group: list[Target], planned: dict[str, list[Case]], devices: Sequen
     env = {**os.environ, **group[0].env}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "normkit.conformance.worker"],
+        [sys.executable, "-c", "from normkit.conformance.worker import main; main()"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -150,11 +150,17 @@ def run(
             with slots:
                 proc = _launch(group, planned, devices, outdir if pairwise else None)
                 assert proc.stdout is not None and proc.stderr is not None
+                fatal = ""
                 for line in proc.stdout:
-                    events.put(json.loads(line))
+                    event = json.loads(line)
+                    if "fatal" in event:  # the worker's own traceback: its last line is the reason
+                        fatal = event["fatal"].strip().splitlines()[-1]
+                    else:
+                        events.put(event)
                 err = proc.stderr.read()
                 proc.wait()
-                events.put({"done": [t.name for t in group], "error": err if proc.returncode else ""})
+                error = (fatal or err.strip() or f"exit status {proc.returncode}") if proc.returncode else ""
+                events.put({"done": [t.name for t in group], "error": error})
 
         threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups.values()]
         for thread in threads:
@@ -184,7 +190,6 @@ def run(
                 results.append(result)
                 if bar is not None:
                     bar.advance(f"{name} {result.device}")
-            # a "fatal" event is followed by the worker's non-zero exit, whose stderr is the reason
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []

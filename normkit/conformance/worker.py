@@ -1,6 +1,6 @@
 """A conformance worker: runs one target's cases in a process of its own.
 
-``python -m normkit.conformance.worker`` reads a job (JSON) on stdin and writes one JSON line per
+`main` (``python -c "from normkit.conformance.worker import main; main()"``) reads a job (JSON) on stdin and writes one JSON line per
 event on stdout: first ``{"devices": [...]}``, then one result per case and device. Each
 target gets its own process because Keras fixes its backend at import, and because one
 framework crashing or leaking memory must not take the others with it.
@@ -173,6 +173,3 @@ def main() -> None:
         emit({"fatal": traceback.format_exc()})
         raise SystemExit(1) from None
 
-
-if __name__ == "__main__":
-    main()
