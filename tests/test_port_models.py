@@ -237,3 +237,29 @@ def test_export_norms_names_an_unsupported_model(tmp_path):
     with pytest.raises(TypeError, match="export_norms/import_norms take a torch nn.Module, a Keras "
                        "layer or a Flax NNX module, got builtins.dict"):
         port.export_norms({"norm": 1}, tmp_path / "x.safetensors")
+
+
+def test_gemma_offset_to_zero_and_back_gives_the_same_outputs_in_every_framework():
+    gemma, zero = NormSpec("rms", scale_offset=1.0), NormSpec("rms")
+    rng = np.random.default_rng(5)
+    w = (0.1 * rng.standard_normal(N)).astype(np.float32)
+    w0 = port.convert({"weight": w}, gemma, src="torch", dst="torch", dst_spec=zero)["weight"]
+    w1 = port.convert({"weight": w0}, zero, src="torch", dst="torch", dst_spec=gemma)["weight"]
+    x = rng.standard_normal((4, N)).astype(np.float32)
+
+    def outputs(spec, weight):
+        t = nk_torch.from_spec(spec, N)
+        t.load_state_dict({"weight": to_torch(weight)})
+        k = nk_keras.from_spec(spec)
+        k.build((None, N))
+        k.set_weights([weight])
+        f = nk_nnx.from_spec(spec, N)
+        f.scale.set_value(jnp.asarray(weight))
+        return [t(torch.from_numpy(x)).detach().numpy(), keras.ops.convert_to_numpy(k(x)),
+                np.asarray(f(x))]
+
+    for original, zeroed, again in zip(outputs(gemma, w), outputs(zero, w0), outputs(gemma, w1),
+                                       strict=True):
+        # (1 + w) rounds to float32 inside the layer exactly as the conversion rounds it
+        assert zeroed.tobytes() == original.tobytes()
+        assert again.tobytes() == original.tobytes()

@@ -63,7 +63,7 @@ def set_flax_kernels(block: nnx.Module, kernels: Kernels) -> None:
 
 
 def keras_kernels(block: keras.layers.Layer) -> Kernels:
-    return {p: keras.ops.convert_to_numpy(m.kernel) for p, m in named_layers(block).items()
+    return {p: m.kernel.numpy() for p, m in named_layers(block).items()
             if isinstance(m, keras.layers.Dense)}
 
 
