@@ -11,12 +11,12 @@ import zipfile
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from normkit import NormSpec, dtypes, reference, tolerances
 from normkit import port
 from normkit.port import cli
 
+save_file = pytest.importorskip("safetensors.numpy").save_file
 RNG = np.random.default_rng(7)
 LAYER = NormSpec("layer", eps=1e-5)
 RMS = NormSpec("rms")
