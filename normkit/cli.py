@@ -16,6 +16,7 @@ import numpy as np
 
 import normkit
 from normkit import backends, dtypes
+from normkit.port import cli as port_cli
 from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
 
 
@@ -175,12 +176,14 @@ COMMANDS: list[Command] = [
     ("conformance", _add_conformance, _run_conformance),
     ("identify", _add_identify, _run_identify),
     ("info", _add_info, _run_info),
+    ("port", port_cli.add_arguments, port_cli.run),
     ("reference", _add_reference, _run_reference),
 ]
 HELP = {
     "conformance": "check every installed implementation against the reference, forward and backward",
     "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
+    "port": port_cli.HELP,
     "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
 }
 
@@ -200,6 +203,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         print(f"normkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
