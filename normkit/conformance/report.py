@@ -113,7 +113,8 @@ def departures(report: Report) -> dict[str, list[str]]:
             if m["error"] > m["bound"]["value"]:
                 key = (precision, "forward output" if quantity == "y" else quantity)
                 unit = "ulp" if m["bound"]["unit"] == "ulp" else "of max|ref|"
-                figure = (m["error"], f"{m['error']:.3g} {unit} (bound {m['bound']['value']:g})")
+                shape = "x".join(str(d) for d in r.case.shape)
+                figure = (m["error"], f"{m['error']:.3g} {unit} at {shape} (bound {m['bound']['value']:g})")
                 worst[r.target][key] = max(worst[r.target].get(key, figure), figure)
     found: dict[str, list[str]] = {}
     for target in sorted(set(promoted) | set(worst) | set(errors)):
@@ -154,7 +155,10 @@ def peers_markdown(report: Report, title: str) -> str:
     intro = (
         "Each built-in layer runs as people use it (torch and Hugging Face modules with parameters in the "
         "input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is "
-        "checked, forward and backward, against the NormSpec it appears to implement. Cells: cases passed / run."
+        "checked, forward and backward, against the NormSpec it appears to implement. Cells: cases passed / run. "
+        "The spec found by `normkit identify` is shown beside it. Departures name the worst error and the shape "
+        "where it occurs: on rows of one element (3x1) the exact gradient is of the order of eps, which a plain "
+        "float32 backward loses to cancellation."
     )
     return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
 
