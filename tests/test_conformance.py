@@ -152,3 +152,18 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
     assert len(data["pairwise"]) == len(TARGETS) * (len(TARGETS) - 1) // 2
     assert all(p["disagreements"] == 0 for p in data["pairwise"])
     assert "| torch@cpu |" in md.read_text()
+
+
+def test_cli_names_an_unknown_filter(capsys):
+    assert cli.main(["conformance", "--backend", "mxnet"]) == 2
+    assert "normkit conformance: error: unknown backends ['mxnet']" in capsys.readouterr().err
+    assert cli.main(["conformance", "--dtype", "int8"]) == 2
+    assert "unknown dtypes ['int8']" in capsys.readouterr().err
+
+
+def test_cli_identify_prints_the_spec_of_a_builtin(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["identify", "torch.nn.LayerNorm", "--n", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("torch.nn.LayerNorm (size 16) behaves as:")
+    assert "NormSpec(kind='layer', eps=1e-05, eps_placement='inside'" in out
