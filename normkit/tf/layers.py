@@ -103,9 +103,19 @@ class _Norm(keras.layers.Layer):
         param_target = None if axes[0] == len(target) - len(axes) else target
         work = "float64" if dtype == "float64" else "float32"
         x = ops.cast(ops.cast(inputs, dtype), work)
-        if spec.kind == "layer":
-            x = x - ops.mean(x, axis=axes, keepdims=True)
         n = int(np.prod(self._param_shape))
+        # Rows whose normalized output has a single direction left (n = 1 for the RMS kinds,
+        # n = 2 for LayerNorm) are handled below; n is static, so is the choice.
+        degenerate = n == (2 if spec.kind == "layer" else 1)
+        if spec.kind == "layer" and n == 2:
+            # c = +-(x0 - x1) / 2 from one subtraction, exact when x0 and x1 are close (Sterbenz);
+            # x - mean(x) would carry the rounding of x0 + x1, an absolute error of ulp(x) that
+            # is a large relative error of a small c. Linear in x with the Jacobian of
+            # x - mean(x), [[1, -1], [-1, 1]] / 2, since the sign pattern is (1, -1).
+            sign = ops.cast(np.array([1.0, -1.0]).reshape(target), work)
+            x = sign * (ops.sum(x * sign, axis=axes, keepdims=True) * 0.5)
+        elif spec.kind == "layer":
+            x = x - ops.mean(x, axis=axes, keepdims=True)
         k = spec.stat_size(n)
         if k < n:
             # The first k of the n normalized elements in row-major order, as a 0/1 mask.
@@ -122,6 +132,22 @@ class _Norm(keras.layers.Layer):
             root = ops.where(positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), 0.0)
             r = 1.0 / (root + spec.eps)
         y = x * r
+        if degenerate:
+            # With c the centered row (x for the RMS kinds), y_hat = f(c) = c r(c^2) per element:
+            #   inside:  f'(c) = r - c^2 r^3 = eps r^3     (r = 1 / sqrt(c^2 + eps))
+            #   outside: f'(c) = r - |c| r^2 = eps r^2     (r = 1 / (|c| + eps); 1 / eps at c = 0)
+            # Autodiff of c * r forms the difference of the two nearly equal terms, a quantity of
+            # order eps lost in float32 cancellation. So the value is taken as it is, without a
+            # gradient, and the gradient from the closed form on a zero-valued term:
+            #   y_hat = stop(c r) + (c - stop(c)) * stop(eps rho),  rho = r^3 or r^2,
+            # whose value is c r exactly and whose dy_hat/dx is eps rho dc/dx: the identity for
+            # the RMS kinds (n = 1), [[1, -1], [-1, 1]] / 2 for LayerNorm (n = 2), which is the
+            # Jacobian of y_hat there (y_hat = (f(delta), -f(delta)), delta = (x0 - x1) / 2).
+            # eps r is formed first so that no intermediate overflows for a small eps.
+            slope = spec.eps * r * r
+            if spec.eps_placement == "inside":
+                slope = slope * r
+            y = ops.stop_gradient(y) + (x - ops.stop_gradient(x)) * ops.stop_gradient(slope)
         if spec.cast == "before_scale" and dtype in _HALF:
             # y_hat is rounded to the input dtype before the affine step, but the gradient is
             # that of the exact function, as in the reference (differentiating the casts would
