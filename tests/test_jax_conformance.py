@@ -92,6 +92,57 @@ def test_large_rows(kind: dict) -> None:
     check(NormSpec(**kind, bias=True), _x((64, 4096), np.float32), "linen")
 
 
+HALF_AND_FLOAT32 = [dtypes.float32, dtypes.float16, dtypes.bfloat16]
+
+
+def _degenerate_x(n: int, dtype: np.dtype) -> np.ndarray:
+    # No zero row here: its dx = d r (1e3 d, or 1e6 d outside) would set max|ref| and hide the
+    # error of the others (test_degenerate_zero_rows covers s = 0). At n = 1, dscale is about
+    # sum(dy * sign(x)) over the rows, one number: the seed keeps it from cancelling (seed 1
+    # gives 2e-3, where float32 rounding of O(1) terms alone exceeds the relative bound).
+    return _x((8, n), dtype, seed=n + 1)
+
+
+@pytest.mark.parametrize("api", conformance.APIS)
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT32, ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+@pytest.mark.parametrize("kind", KINDS[:2], ids=lambda k: k["kind"])
+def test_rms_rows_of_one_element(kind: dict, placement: str, offset: float, dtype: np.dtype, api: str) -> None:
+    """n = 1: dx = d eps r^3 (inside) or d eps r^2 (outside) is O(eps); the general formula
+    would get it as a difference of O(1) float32 terms, far outside the gradient bound."""
+    spec = NormSpec(**kind, eps_placement=placement, scale_offset=offset)
+    check(spec, _degenerate_x(1, dtype), api)
+
+
+@pytest.mark.parametrize("api", conformance.APIS)
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT32, ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+def test_layer_rows_of_two_elements(placement: str, offset: float, dtype: np.dtype, api: str) -> None:
+    """n = 2: dx0 = -dx1 = eps rho (d0 - d1) / 2, rho = r^3 (inside) or r^2 (outside)."""
+    spec = NormSpec(kind="layer", eps_placement=placement, scale_offset=offset)
+    check(spec, _degenerate_x(2, dtype), api)
+
+
+@pytest.mark.parametrize("api", conformance.APIS)
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+def test_layer_rows_of_one_element_have_zero_dx(placement: str, api: str) -> None:
+    spec = NormSpec(kind="layer", eps_placement=placement)
+    x = _degenerate_x(1, np.float32)
+    check(spec, x, api)
+    _, dx, _, _ = conformance.evaluate(spec, x, np.ones_like(x), api=api)
+    assert not np.any(dx)
+
+
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
+def test_degenerate_zero_rows(kind: dict, placement: str) -> None:
+    """s = 0 in rows of 1 (RMS kinds) or 2 (LayerNorm): dx = d r, with r'(0) = 0 outside."""
+    n = 2 if kind["kind"] == "layer" else 1
+    check(NormSpec(**kind, eps_placement=placement), np.zeros((3, n), np.float32), "functional")
+
+
 def test_zero_rows_outside_placement() -> None:
     """s = 0 with eps outside the root: finite output and the reference's zero derivative term."""
     x = _x((3, 8), np.float32)

@@ -292,7 +292,18 @@ def _norm_bwd(
     d = dyf if g is None else dyf * g
     sum_dc = _psum(jnp.sum(d * c, axis=plan.axes, keepdims=True), plan)
     coef = _dr_ds(s, r, spec) * sum_dc
-    if spec.kind == "layer":
+    if n <= (2 if spec.kind == "layer" else 1):
+        # Degenerate rows (n is the global, static row size): one element (RMS kinds, k = 1) or
+        # two (LayerNorm, c = +-delta, s = delta^2). There the general formula reduces to
+        #   dx = (r + 2 s r'(s)) * (d, or d - mean(d) = +-(d0 - d1)/2 for LayerNorm),
+        #   r + 2 s r'(s) = r - s r^3 = eps r^3          (inside,  1/r^2 = s + eps)
+        #                 = r - sqrt(s) r^2 = eps r^2    (outside, 1/r = sqrt(s) + eps),
+        # a factor of order eps that float32 would get as the difference of two O(1) terms, so
+        # take the closed form; ((eps r) r) r keeps intermediates from overflowing. LayerNorm at
+        # n = 1 gets d - mean(d) = 0, the true dx.
+        eps_rho = spec.eps * r * r * (r if spec.eps_placement == "inside" else 1)
+        dx = eps_rho * (d - _row_mean(d, plan, n) if spec.kind == "layer" else d)
+    elif spec.kind == "layer":
         dx = r * (d - _row_mean(d, plan, n)) + (2.0 / n) * coef * c
     elif spec.kind == "partial_rms":
         mask, k = _partial_mask(x, plan, n)
