@@ -217,19 +217,25 @@ def test_devices_refuses_other_keras_backends(monkeypatch):
 
 
 @on_tensorflow
-def test_bench_rows_pair_each_layer_with_its_keras_peer():
+def test_bench_rows_time_each_layer_with_its_keras_peers_and_a_copy():
+    from normkit.bench.core import FIELDS
     from normkit.tf import bench
 
-    rows = bench.run(quick=True)
-    assert len(rows) == 16  # 2 groups x 2 layers x (forward, forward+backward) x (eager, XLA)
-    by_key = {(r["implementation"], r["pass"], r["mode"]): r for r in rows}
-    for (name, pass_, mode), row in by_key.items():
-        assert row["dtype"] == "float32" and row["device"] == "cpu" and row["shape"] == (1024, 1024)
-        ((peer_name, ratio),) = row["ratio_to"].items()
-        peer = by_key[(peer_name, pass_, mode)]
-        assert ratio == pytest.approx(row["median_s"] / peer["median_s"])
-        assert row["repeats"] == 10  # 5 timed rounds in each order
-        assert {name, peer["implementation"]} in (
-            {"normkit.tf.RMSNorm", "keras.layers.RMSNormalization"},
-            {"normkit.tf.LayerNorm", "keras.layers.LayerNormalization"},
-        )
+    rows = bench.run(quick=True, devices=["cpu"], dtypes=["float32"])
+    # 2 shapes x (forward, forward+backward) x (eager, XLA) groups of 4 layers and the copy
+    assert len(rows) == 8 * 5
+    by_key = {(r["implementation"], r["pass"], r["mode"], tuple(r["shape"])): r for r in rows}
+    for (name, pass_, mode, shape), row in by_key.items():
+        assert tuple(row) == FIELDS
+        assert row["backend"] == "tf" and row["dtype"] == "float32" and row["device"] == "cpu"
+        assert row["repeats"] == 3
+        if row["role"] == "copy floor":
+            assert name == "copy (x * 1)" and row["fraction_of_copy_floor"] == 1.0
+            continue
+        assert set(row["ratios"]) == {
+            "normkit.tf.RMSNorm", "keras.layers.RMSNormalization",
+            "normkit.tf.LayerNorm", "keras.layers.LayerNormalization",
+        } - {name}
+        for peer_name, ratio in row["ratios"].items():
+            peer = by_key[(peer_name, pass_, mode, shape)]
+            assert ratio == pytest.approx(peer["median_s"] / row["median_s"])

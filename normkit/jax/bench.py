@@ -1,13 +1,16 @@
-"""normkit.jax against Flax's own norms, jitted, timed side by side (`normkit.timing`).
+"""normkit.jax against flax.linen.RMSNorm / LayerNorm, jitted.
 
-``python -m normkit.jax.bench [--quick]`` prints a table; `run` returns the rows.
+``python -m normkit.jax.bench [--quick] [--device D] [--dtype T]`` prints the table; `run`
+returns the rows in `normkit.bench`'s schema. Every group also times a jitted ``jnp.copy`` of the
+same bytes (the copy floor). Forward+backward is one jitted function returning ``y`` and the VJP
+(gradients of ``x`` and the parameters). Parameters are float32; flax's modules get
+``dtype=`` the input's so that they return it, as normkit's do.
 """
 
 from __future__ import annotations
 
-import argparse
-import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax
@@ -17,116 +20,69 @@ import jax.numpy as jnp
 import numpy as np
 
 import normkit.jax as nkjax
-from normkit.timing import Timing, interleaved
+from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
+from normkit.jax.conformance import _device, devices
 
-__all__ = ["run", "main"]
+__all__ = ["measure", "plan", "run", "versions"]
+
+MODE = "jax.jit"
 
 
-def _peers(kind: str) -> dict[str, nn.Module]:
-    if kind == "rms":
-        return {"normkit.jax.RMSNorm": nkjax.RMSNorm(), "flax.linen.RMSNorm": nn.RMSNorm()}
+def _modules(dtype: Any) -> dict[str, nn.Module]:
     return {
-        "normkit.jax.LayerNorm": nkjax.LayerNorm(),
-        "flax.linen.LayerNorm": nn.LayerNorm(),
-        "flax.linen.LayerNorm(use_fast_variance=False)": nn.LayerNorm(use_fast_variance=False),
+        "normkit.jax.RMSNorm": nkjax.RMSNorm(epsilon=EPS),
+        "flax.linen.RMSNorm": nn.RMSNorm(epsilon=EPS, dtype=dtype),
+        "normkit.jax.LayerNorm": nkjax.LayerNorm(epsilon=EPS),
+        "flax.linen.LayerNorm": nn.LayerNorm(epsilon=EPS, dtype=dtype),
     }
 
 
-def _workloads(module: nn.Module, x: jax.Array, dy: jax.Array) -> dict[str, Callable[[], Any]]:
+def _task(module: nn.Module, x: jax.Array, dy: jax.Array, backward: bool) -> Callable[[], object]:
     params = module.init(jax.random.key(0), x[:1])
 
     @jax.jit
-    def forward(params, x):
+    def forward(params: Any, x: jax.Array) -> jax.Array:
         return module.apply(params, x)
 
     @jax.jit
-    def forward_backward(params, x, dy):
+    def forward_backward(params: Any, x: jax.Array, dy: jax.Array) -> Any:
         y, vjp = jax.vjp(module.apply, params, x)
         return y, vjp(dy)
 
-    return {
-        "forward": lambda: jax.block_until_ready(forward(params, x)),
-        "forward+backward": lambda: jax.block_until_ready(forward_backward(params, x, dy)),
-    }
+    if backward:
+        return lambda: jax.block_until_ready(forward_backward(params, x, dy))
+    return lambda: jax.block_until_ready(forward(params, x))
 
 
-def _both_orders(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
-    """`interleaved` in the given order and reversed; each median is the mean of the two.
-
-    On this CPU the candidate that runs first in each round measured 3-6 % slower than the same
-    code run second; timing both orders cancels that position bias.
-    """
-    forward = interleaved(candidates, warmup=2, repeats=repeats)
-    backward = interleaved(dict(reversed(candidates.items())), warmup=1, repeats=repeats)
-    return {
-        name: Timing(
-            median_s=(forward[name].median_s + backward[name].median_s) / 2,
-            min_s=min(forward[name].min_s, backward[name].min_s),
-            max_s=max(forward[name].max_s, backward[name].max_s),
-            repeats=forward[name].repeats + backward[name].repeats,
-        )
-        for name in candidates
-    }
+def versions() -> dict[str, str]:
+    """The versions this benchmark ran with."""
+    return {"jax": jax.__version__, "flax": flax.__version__}
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Time the normkit.jax norms and Flax's on float32 inputs, forward and forward+backward.
+def plan(sweep: Sweep) -> list[Group]:
+    """Every device x dtype x shape x pass, jitted."""
+    return plan_groups("jax", sweep, devices(), lambda *_: (MODE,))
 
-    Args:
-      quick: a 1024 x 1024 input and fewer repeats instead of 8192 x 4096.
 
-    Returns:
-      One dict per implementation and pass: ``implementation``, ``pass``, ``shape``, ``dtype``,
-      ``device``, ``median_s`` (mean of the medians of two interleaved loops, peers in opposite
-      orders), ``min_s``, ``repeats`` and ``ratio_to`` (this median over each peer's, measured
-      in the same loops).
-    """
-    shape = (1024, 1024) if quick else (8192, 4096)
-    repeats = 5 if quick else 15
+def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
+    """Time one group: the four modules, interleaved with a jitted copy of the same bytes."""
+    device = _device(group.device)
+    dtype = jnp.dtype(group.dtype)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
-    dy = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
-    device = str(x.devices().pop())
-    rows = []
-    for kind in ("rms", "layer"):
-        workloads = {name: _workloads(m, x, dy) for name, m in _peers(kind).items()}
-        for pass_name in ("forward", "forward+backward"):
-            timings = _both_orders({name: w[pass_name] for name, w in workloads.items()}, repeats)
-            for name, t in timings.items():
-                rows.append(
-                    {
-                        "implementation": name,
-                        "pass": pass_name,
-                        "shape": shape,
-                        "dtype": "float32",
-                        "device": device,
-                        "median_s": t.median_s,
-                        "min_s": t.min_s,
-                        "repeats": t.repeats,
-                        "ratio_to": {
-                            peer: t.median_s / other.median_s
-                            for peer, other in timings.items()
-                            if peer != name
-                        },
-                    }
-                )
-    return rows
+
+    def put(shape: Any) -> jax.Array:
+        return jax.device_put(jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype), device)
+
+    x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
+    candidates = {k: _task(m, x, dy, group.backward) for k, m in _modules(dtype).items()}
+    copy = jax.jit(jnp.copy)
+    return time_group(group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer))))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print `run`'s rows as a table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small input, few repeats")
-    rows = run(quick=parser.parse_args(argv).quick)
-    print(
-        f"jax {jax.__version__}, flax {flax.__version__}, {platform.machine()}, "
-        f"device {rows[0]['device']}, shape {rows[0]['shape']}, float32, jitted"
-    )
-    print(f"{'implementation':48} {'pass':17} {'median ms':>10}  ratio to peers")
-    for row in rows:
-        ratios = ", ".join(f"{p}: {r:.2f}" for p, r in row["ratio_to"].items())
-        print(f"{row['implementation']:48} {row['pass']:17} {row['median_s'] * 1e3:10.2f}  {ratios}")
+def run(quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
+    return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 
 
 if __name__ == "__main__":
-    main()
+    backend_main(sys.modules[__name__])

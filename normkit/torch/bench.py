@@ -1,26 +1,59 @@
-"""Benchmark: normkit.torch against torch.nn.RMSNorm and torch.nn.LayerNorm, side by side.
+"""normkit.torch against torch.nn.RMSNorm / LayerNorm and a Llama-style RMSNorm, eager and compiled.
 
-``python -m normkit.torch.bench [--quick]`` prints a table; `run` returns the rows. Each row's
-``ratios`` maps a peer measured in the same group to ``peer median / this median`` (above 1:
-this implementation is faster). Fwd+bwd rows also carry ``saved_bytes``, the bytes autograd
-saved for backward (distinct storages, parameters excluded), measured with
-``torch.autograd.graph.saved_tensors_hooks``.
+``python -m normkit.torch.bench [--quick] [--device D] [--dtype T]`` prints the table; `run`
+returns the rows in `normkit.bench`'s schema. Every group also times ``x.clone()`` of the same
+bytes (the copy floor). Eager forward+backward rows carry ``saved_for_backward_bytes`` (distinct
+storages autograd saves, parameters excluded, from ``torch.autograd.graph.saved_tensors_hooks``);
+rows on CUDA carry ``peak_memory_bytes``.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from normkit import timing
+from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
+from normkit.torch.conformance import devices
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
-__all__ = ["run", "saved_bytes"]
+__all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
 
-EPS = 1e-6
+EAGER, COMPILED = "eager", "torch.compile"
+QUICK_COMPILED = ("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
+NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)",)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's ``LlamaRMSNorm`` in plain torch ops: normalize in float32, cast, scale."""
+
+    def __init__(self, hidden_size: int, eps: float = EPS, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _modules(n: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+    kw: dict[str, Any] = {"dtype": dtype, "device": device}
+    return {
+        "normkit.torch.RMSNorm": RMSNorm(n, EPS, **kw),
+        "torch.nn.RMSNorm": nn.RMSNorm(n, EPS, **kw),
+        "Llama RMSNorm (torch ops)": LlamaRMSNorm(n, EPS, **kw),
+        "normkit.torch.PartialRMSNorm(p=0.0625)": PartialRMSNorm(n, 0.0625, EPS, **kw),
+        "normkit.torch.LayerNorm": LayerNorm(n, EPS, **kw),
+        "torch.nn.LayerNorm": nn.LayerNorm(n, EPS, **kw),
+    }
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
@@ -39,7 +72,7 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def _forward(module: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+def _forward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], object]:
     def fn() -> object:
         with torch.no_grad():
             return module(x)
@@ -47,85 +80,83 @@ def _forward(module: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     return fn
 
 
-def _forward_backward(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
+def _forward_backward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
     leaf = x.detach().requires_grad_(True)
 
     def fn() -> object:
         leaf.grad = None
-        module.zero_grad(set_to_none=True)
         module(leaf).backward(dy)
         return leaf.grad
 
     return fn
 
 
-def _group(
-    rows: list[dict], pass_: str, candidates: dict[str, Callable[[], object]], x: torch.Tensor,
-    repeats: int, extra: dict[str, dict] | None = None,
-) -> None:
-    timings = timing.interleaved(candidates, warmup=2, repeats=repeats)
-    for name, t in timings.items():
-        rows.append({
-            "implementation": name,
-            "pass": pass_,
-            "shape": tuple(x.shape),
-            "dtype": str(x.dtype).removeprefix("torch."),
-            "device": str(x.device),
-            "median_s": t.median_s,
-            "ratios": {p: timings[p].median_s / t.median_s for p in timings if p != name},
-            **(extra or {}).get(name, {}),
-        })
+def _sync(device: str) -> Callable[[], object] | None:
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    if device == "mps":
+        return torch.mps.synchronize
+    return None
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Time the layers on CPU float32 (8192 x 4096; 1024 x 4096 with ``quick``).
+def _peak_bytes(fn: Callable[[], object], device: str) -> int:
+    """CUDA memory allocated at the peak of one call, above what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
-    Groups, each timed interleaved: eager forward, eager forward+backward, and (unless
-    ``quick``) forward+backward under ``torch.compile``. Returns one dict per implementation and
-    group: implementation, pass, shape, dtype, device, median_s, ratios (+ saved_bytes).
-    """
-    rows_n, n = (1024, 4096) if quick else (8192, 4096)
-    repeats = 5 if quick else 15
+
+def versions() -> dict[str, str]:
+    """The versions and threads this benchmark ran with."""
+    return {"torch": torch.__version__, "threads": str(torch.get_num_threads())}
+
+
+def plan(sweep: Sweep) -> list[Group]:
+    """Eager groups everywhere; compiled ones too (with ``quick``: one, the first forward+backward)."""
+    first_dtype = {d: sweep.dtypes_on(d)[0] for d in devices()}
+
+    def modes(device: str, dtype: str, pass_: str, shape_index: int) -> list[str]:
+        compiled = not sweep.quick or (shape_index == 0 and dtype == first_dtype[device] and pass_ == "forward+backward")
+        return [EAGER, COMPILED] if compiled else [EAGER]
+
+    return plan_groups("torch", sweep, devices(), modes)
+
+
+def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
+    """Time one group: its modules, interleaved with ``clone`` of the same bytes."""
+    dtype = getattr(torch, group.dtype)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows_n, n, generator=gen)
-    dy = torch.randn(rows_n, n, generator=gen)
-    modules: dict[str, nn.Module] = {
-        "normkit.RMSNorm": RMSNorm(n, EPS),
-        "torch.nn.RMSNorm": nn.RMSNorm(n, EPS),
-        "torch.nn.LayerNorm": nn.LayerNorm(n, EPS),
-        "normkit.PartialRMSNorm(p=0.0625)": PartialRMSNorm(n, 0.0625, EPS),
-        "normkit.LayerNorm": LayerNorm(n, EPS),
+    x = torch.randn(group.shape, generator=gen).to(group.device, dtype)
+    dy = torch.randn(group.shape, generator=gen).to(group.device, dtype)
+    buffer = torch.randn(group.copy_elements, generator=gen).to(group.device, dtype)
+    modules = _modules(group.shape[1], dtype, group.device)
+    extras: dict[str, dict[str, Any]] = {}
+    if group.mode == COMPILED:
+        torch._dynamo.reset()  # each group compiles afresh: without this, the groups' shapes and dtypes exhaust the recompile limit
+        names = QUICK_COMPILED if sweep.quick else [k for k in modules if k not in NOT_COMPILED]
+        calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: torch.compile(modules[k], fullgraph=True) for k in names}
+    else:
+        calls = dict(modules)
+        if group.backward:
+            extras = {k: {"saved_for_backward_bytes": saved_bytes(m, x)} for k, m in modules.items()}
+    candidates = {
+        k: _forward_backward(m, x, dy) if group.backward else _forward(m, x) for k, m in calls.items()
     }
-    results: list[dict] = []
-    _group(results, "forward", {k: _forward(m, x) for k, m in modules.items()}, x, repeats)
-    memory = {k: {"saved_bytes": saved_bytes(m, x)} for k, m in modules.items()}
-    backward = {k: _forward_backward(m, x, dy) for k, m in modules.items()}
-    _group(results, "forward+backward", backward, x, repeats, memory)
-    if not quick:
-        compiled = {
-            f"compile({k})": _forward_backward(torch.compile(modules[k], fullgraph=True), x, dy)
-            for k in ("normkit.RMSNorm", "torch.nn.RMSNorm")
-        }
-        _group(results, "forward+backward", compiled, x, repeats)
-    return results
+    rows = time_group(group, sweep, candidates, ("copy (clone)", buffer.clone), sync=_sync(group.device), extras=extras)
+    if group.device.startswith("cuda"):
+        for row in rows:
+            fn = candidates.get(row["implementation"], buffer.clone)
+            row["peak_memory_bytes"] = _peak_bytes(fn, group.device)
+    return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1024 x 4096, no torch.compile")
-    args = parser.parse_args(argv)
-    rows = run(quick=args.quick)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    header = f"{'pass':<17} {'implementation':<40} {'median ms':>9}  {'saved MiB':>9}"
-    print(f"{header}  ratios (peer/this)")
-    for row in rows:
-        saved = row.get("saved_bytes")
-        ratios = ", ".join(f"{p} {r:.2f}" for p, r in row["ratios"].items())
-        print(
-            f"{row['pass']:<17} {row['implementation']:<40} {row['median_s'] * 1e3:9.2f}  "
-            f"{'' if saved is None else f'{saved / 2**20:9.2f}':>9}  {ratios}"
-        )
+def run(quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
+    return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 
 
 if __name__ == "__main__":
-    main()
+    backend_main(sys.modules[__name__])

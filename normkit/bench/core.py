@@ -1,0 +1,217 @@
+"""What every backend's benchmark shares: the sweep, the groups, the row schema; no framework.
+
+A backend benchmark (``normkit.<backend>.bench``) lists its `Group` s with ``plan(sweep)`` and
+times one with ``measure(group, sweep)``, which builds the candidates and hands them to
+`time_group`: every implementation of the group and a copy of the same bytes, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from normkit.timing import interleaved
+
+PASSES = ("forward", "forward+backward")
+ROLES = ("normkit", "peer", "copy floor")
+DTYPES = ("float32", "bfloat16", "float16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+FIELDS = (
+    "implementation", "role", "backend", "device", "pass", "mode", "shape", "dtype",
+    "median_s", "min_s", "repeats", "bytes_moved", "gb_per_s", "fraction_of_copy_floor",
+    "ratios", "peak_memory_bytes", "saved_for_backward_bytes",
+)
+HIDDEN = (1024, 4096, 16384)
+ELEMENTS = 32 * 2**20
+QUICK_HIDDEN = (1024, 4096)
+QUICK_ELEMENTS = 2**20
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The shapes, dtypes, devices and repeat counts of one benchmark run.
+
+    ``dtypes`` / ``devices`` None: float32 and bfloat16 (plus float16 off the CPU) on every
+    device the backend sees.
+    """
+
+    hidden: tuple[int, ...] = HIDDEN
+    elements: int = ELEMENTS
+    warmup: int = 2
+    repeats: int = 8
+    dtypes: tuple[str, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    quick: bool = False
+
+    @classmethod
+    def make(
+        cls, quick: bool = False, devices: Sequence[str] | None = None,
+        dtypes: Sequence[str] | None = None,
+    ) -> Sweep:
+        """The default sweep (hidden 1024, 4096, 16384 at 32M elements, 8 rounds) or the quick one
+        (hidden 1024 and 4096, 1M elements, 3 rounds)."""
+        for dtype in dtypes or ():
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+        common = {"dtypes": tuple(dtypes) if dtypes else None, "devices": tuple(devices) if devices else None}
+        if quick:
+            return cls(QUICK_HIDDEN, QUICK_ELEMENTS, warmup=1, repeats=3, quick=True, **common)
+        return cls(**common)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """``(rows, hidden)`` for each hidden size: about ``elements`` elements each."""
+        return [(max(1, self.elements // h), h) for h in self.hidden]
+
+    def dtypes_on(self, device: str) -> tuple[str, ...]:
+        """The dtypes to time on ``device``."""
+        if self.dtypes is not None:
+            return self.dtypes
+        return DTYPES[:2] if device == "cpu" else DTYPES
+
+    def select(self, seen: Sequence[str]) -> list[str]:
+        """The devices of ``seen`` (the backend's) that this sweep asked for."""
+        return [d for d in seen if self.devices is None or d in self.devices]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Implementations timed together: one backend, device, pass, mode, shape and dtype."""
+
+    backend: str
+    device: str
+    pass_: str
+    mode: str
+    shape: tuple[int, int]
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} {self.device} {self.dtype} {self.shape[0]}x{self.shape[1]} {self.pass_} {self.mode}"
+
+    @property
+    def backward(self) -> bool:
+        return self.pass_ == "forward+backward"
+
+    @property
+    def bytes_moved(self) -> int:
+        """Forward reads x and writes y; backward also reads x and dy and writes dx."""
+        return bytes_moved(self.shape, self.dtype, self.pass_)
+
+    @property
+    def copy_elements(self) -> int:
+        """Elements of a buffer whose copy (read it, write another) moves `bytes_moved`."""
+        return self.bytes_moved // (2 * ITEMSIZE[self.dtype])
+
+
+def bytes_moved(shape: Sequence[int], dtype: str, pass_: str) -> int:
+    """Bytes one pass must move at least: 2 tensors forward, 5 forward+backward (params ignored)."""
+    tensors = {"forward": 2, "forward+backward": 5}[pass_]
+    rows, hidden = shape
+    return tensors * rows * hidden * ITEMSIZE[dtype]
+
+
+def plan_groups(
+    backend: str, sweep: Sweep, seen: Sequence[str], modes: Callable[[str, str, str, int], Iterable[str]],
+) -> list[Group]:
+    """Every group of a backend: device x dtype x shape x pass x each mode ``modes(device, dtype,
+    pass, shape index)`` yields."""
+    return [
+        Group(backend, device, pass_, mode, shape, dtype)
+        for device in sweep.select(seen)
+        for dtype in sweep.dtypes_on(device)
+        for i, shape in enumerate(sweep.shapes())
+        for pass_ in PASSES
+        for mode in modes(device, dtype, pass_, i)
+    ]
+
+
+def time_group(
+    group: Group,
+    sweep: Sweep,
+    candidates: Mapping[str, Callable[[], object]],
+    copy: tuple[str, Callable[[], object]],
+    *,
+    sync: Callable[[], object] | None = None,
+    extras: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Time ``candidates`` and the ``copy`` floor interleaved; one row each (see `normkit.bench`).
+
+    Names starting with ``normkit.`` get the role "normkit"; ``extras`` adds fields per name
+    (``peak_memory_bytes``, ``saved_for_backward_bytes``).
+    """
+    copy_name, copy_fn = copy
+    timings = interleaved({**candidates, copy_name: copy_fn}, warmup=sweep.warmup, repeats=sweep.repeats, sync=sync)
+    floor = timings[copy_name].median_s
+    rows = []
+    for name, t in timings.items():
+        role = "copy floor" if name == copy_name else "normkit" if name.startswith("normkit.") else "peer"
+        rows.append({
+            "implementation": name,
+            "role": role,
+            "backend": group.backend,
+            "device": group.device,
+            "pass": group.pass_,
+            "mode": group.mode,
+            "shape": list(group.shape),
+            "dtype": group.dtype,
+            "median_s": t.median_s,
+            "min_s": t.min_s,
+            "repeats": t.repeats,
+            "bytes_moved": group.bytes_moved,
+            "gb_per_s": group.bytes_moved / t.median_s / 1e9,
+            "fraction_of_copy_floor": floor / t.median_s,
+            "ratios": {} if role == "copy floor" else {
+                peer: timings[peer].median_s / t.median_s for peer in candidates if peer != name
+            },
+            "peak_memory_bytes": None,
+            "saved_for_backward_bytes": None,
+            **(extras or {}).get(name, {}),
+        })
+    return rows
+
+
+class BackendBench(Protocol):
+    """What ``normkit.<backend>.bench`` provides."""
+
+    def plan(self, sweep: Sweep) -> list[Group]: ...
+    def measure(self, group: Group, sweep: Sweep) -> list[dict[str, Any]]: ...
+    def versions(self) -> dict[str, str]: ...
+
+
+def collect(bench: BackendBench, sweep: Sweep, on_group: Callable[[Group, list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Measure every group of ``bench.plan(sweep)`` in order; the rows of all."""
+    rows: list[dict[str, Any]] = []
+    for group in bench.plan(sweep):
+        measured = bench.measure(group, sweep)
+        rows += measured
+        if on_group is not None:
+            on_group(group, measured)
+    return rows
+
+
+def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None:
+    """``python -m normkit.<backend>.bench``: run that backend's benchmark here, print the table."""
+    from normkit.bench import report
+
+    parser = argparse.ArgumentParser(description=(bench.__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="hidden 1024 and 4096, 1M elements, 3 rounds")
+    parser.add_argument("--device", action="append", help="only this device (repeatable), e.g. cpu, cuda:0, gpu:0")
+    parser.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)")
+    args = parser.parse_args(argv)
+    sweep = Sweep.make(args.quick, args.device, args.dtype)
+    print(", ".join(f"{k} {v}" for k, v in bench.versions().items()))
+    print(report.table(collect(bench, sweep)))
+
+
+def sweep_to_dict(sweep: Sweep) -> dict[str, Any]:
+    """``sweep`` as JSON-ready data (for the worker process)."""
+    return asdict(sweep)
+
+
+def sweep_from_dict(data: Mapping[str, Any]) -> Sweep:
+    """The inverse of `sweep_to_dict`."""
+    tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return Sweep(**tuples)

@@ -1,0 +1,165 @@
+"""normkit bench: the quick CLI run writes every row with every field, a readable PNG; skips and failures.
+
+No timing assertions: the speed targets live in the benchmark (docs/benchmarks.md), never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import normkit.bench
+from normkit import backends
+from normkit.bench import cli, report
+from normkit.bench.core import FIELDS, PASSES, ROLES, Group, Sweep, bytes_moved
+
+PEERS = {
+    "torch": {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "Llama RMSNorm (torch ops)", "normkit.torch.LayerNorm", "torch.nn.LayerNorm"},
+    "tf": {"normkit.tf.RMSNorm", "keras.layers.RMSNormalization", "normkit.tf.LayerNorm", "keras.layers.LayerNormalization"},
+    "jax": {"normkit.jax.RMSNorm", "flax.linen.RMSNorm", "normkit.jax.LayerNorm", "flax.linen.LayerNorm"},
+}
+MODES = {"torch": {"eager", "torch.compile"}, "tf": {"eager", "tf.function(jit_compile=True)"}, "jax": {"jax.jit"}}
+INSTALLED = [b.name for b in backends.BACKENDS if not b.missing()]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="normkit bench", description=cli.HELP)
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``normkit bench --quick --json out.json --plot out.png`` on the CPU, once for this module."""
+    out = tmp_path_factory.mktemp("bench")
+    start = time.perf_counter()
+    status = cli.run(_args("--quick", "--device", "cpu", "--json", str(out / "out.json"), "--plot", str(out / "out.png")))
+    return {
+        "status": status,
+        "seconds": time.perf_counter() - start,
+        "data": json.loads((out / "out.json").read_text()),
+        "png": out / "out.png",
+    }
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["backend"], row["device"], row["pass"], row["mode"], tuple(row["shape"]), row["dtype"])
+        groups.setdefault(key, []).append(row)
+    return groups
+
+
+def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dict[str, Any]) -> None:
+    data = quick["data"]
+    assert quick["status"] == 0 and data["errors"] == {}
+    print(f"normkit bench --quick: {quick['seconds']:.0f} s")
+    assert sorted(data["versions"]) == sorted(INSTALLED)
+    assert sorted(data["skipped"]) == sorted(set(PEERS) - set(INSTALLED))
+    for backend in INSTALLED:
+        rows = [r for r in data["rows"] if r["backend"] == backend]
+        assert PEERS[backend] <= {r["implementation"] for r in rows}
+        assert {r["mode"] for r in rows} == MODES[backend]
+        assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
+        assert {r["shape"][1] for r in rows} == set(Sweep.make(quick=True).hidden)
+    torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile"}
+    assert len(torch_compiled) <= 1  # --quick: one compiled pair
+
+
+def test_every_row_has_every_field_and_consistent_figures(quick: dict[str, Any]) -> None:
+    for key, rows in _groups(quick["data"]["rows"]).items():
+        assert Counter(r["role"] for r in rows)["copy floor"] == 1, key
+        (floor,) = [r for r in rows if r["role"] == "copy floor"]
+        named = {r["implementation"] for r in rows if r["role"] != "copy floor"}
+        for row in rows:
+            assert tuple(row) == FIELDS
+            assert row["role"] in ROLES and row["pass"] in PASSES
+            assert row["role"] != "normkit" or row["implementation"].startswith("normkit.")
+            assert len(row["shape"]) == 2 and all(isinstance(n, int) and n > 0 for n in row["shape"])
+            assert 0 < row["min_s"] <= row["median_s"] and row["repeats"] >= 3
+            assert row["bytes_moved"] == bytes_moved(row["shape"], row["dtype"], row["pass"])
+            assert row["gb_per_s"] == pytest.approx(row["bytes_moved"] / row["median_s"] / 1e9)
+            assert row["fraction_of_copy_floor"] == pytest.approx(floor["median_s"] / row["median_s"])
+            if row["role"] == "copy floor":
+                assert row["ratios"] == {}
+            else:
+                assert set(row["ratios"]) == named - {row["implementation"]}
+                by_name = {r["implementation"]: r for r in rows}
+                for peer, ratio in row["ratios"].items():
+                    assert ratio == pytest.approx(by_name[peer]["median_s"] / row["median_s"])
+            assert row["peak_memory_bytes"] is None  # CPU: no backend reports it
+            saved = row["saved_for_backward_bytes"]
+            torch_eager_backward = (row["backend"], row["mode"], row["pass"]) == ("torch", "eager", "forward+backward")
+            if torch_eager_backward and row["role"] != "copy floor":
+                rows_n, hidden = row["shape"]
+                assert isinstance(saved, int) and saved >= rows_n * hidden * (4 if row["dtype"] == "float32" else 2)
+            else:
+                assert saved is None
+
+
+def test_plot_is_a_readable_png(quick: dict[str, Any]) -> None:
+    import matplotlib.image
+
+    png: Path = quick["png"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] >= 300 and image.shape[1] >= 600
+    assert image[..., :3].std() > 0.05  # not blank
+
+
+def test_table_has_a_line_per_row(quick: dict[str, Any]) -> None:
+    rows = quick["data"]["rows"]
+    text = report.table(rows)
+    assert sum(line.startswith("  ") for line in text.splitlines()) == len(rows) + len(_groups(rows))
+
+
+def test_bytes_moved_and_the_copy_of_the_same_bytes() -> None:
+    assert bytes_moved((8, 1024), "float32", "forward") == 2 * 8 * 1024 * 4
+    assert bytes_moved((8, 1024), "bfloat16", "forward+backward") == 5 * 8 * 1024 * 2
+    group = Group("torch", "cpu", "forward+backward", "eager", (8, 1024), "float32")
+    assert 2 * group.copy_elements * 4 == group.bytes_moved
+
+
+def test_sweep_defaults_and_dtype_errors() -> None:
+    sweep = Sweep.make()
+    assert sweep.hidden[0] == 1024 and sweep.hidden[-1] == 16384
+    assert all(abs(rows * hidden - 32 * 2**20) < hidden for rows, hidden in sweep.shapes())
+    assert sweep.dtypes_on("cpu") == ("float32", "bfloat16")
+    assert sweep.dtypes_on("cuda:0") == ("float32", "bfloat16", "float16")
+    assert sweep.select(["cpu", "cuda:0"]) == ["cpu", "cuda:0"]
+    assert Sweep.make(devices=["cuda:0"]).select(["cpu"]) == []
+    with pytest.raises(ValueError, match=r"dtype 'int8' is not one of"):
+        Sweep.make(dtypes=["int8"])
+
+
+def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "")
+    monkeypatch.setattr(backends, "BACKENDS", (absent,))
+    result = normkit.bench.run(quick=True, progress=False)
+    assert result.rows == [] and result.errors == {}
+    assert result.skipped == {"torch": "no_such_package_nk not installed: pip install 'normkit[torch]'"}
+
+
+@pytest.mark.skipif("tf" not in INSTALLED, reason="needs tensorflow and keras")
+def test_a_failing_worker_is_reported_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(normkit.bench.ENV, "tf", {"KERAS_BACKEND": "numpy", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    result = normkit.bench.run(backends=["tf"], quick=True, progress=False)
+    assert result.rows == []
+    assert "measures the TensorFlow backend; KERAS_BACKEND is 'numpy'" in result.errors["tf"]
+
+
+def test_importing_normkit_bench_imports_no_framework() -> None:
+    code = (
+        "import sys, normkit, normkit.bench, normkit.bench.cli, normkit.bench.report\n"
+        "print([m for m in ('torch', 'tensorflow', 'keras', 'jax', 'flax', 'matplotlib') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
