@@ -81,7 +81,8 @@ class Case:
 
 FULL_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
     # (shape, normalized axes)
-    ((3, 1), (-1,)),  # n = 1
+    ((3, 1), (-1,)),  # n = 1: the RMS gradient is of the order of eps
+    ((6, 2), (-1,)),  # n = 2: so is LayerNorm's
     ((5, 7), (-1,)),  # odd
     ((4, 3, 5), (-2, -1)),  # multi-axis, n = 15
     ((16, 256), (-1,)),
