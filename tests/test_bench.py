@@ -156,6 +156,13 @@ def test_a_failing_worker_is_reported_with_its_reason(monkeypatch: pytest.Monkey
     assert "measures the TensorFlow backend; KERAS_BACKEND is 'numpy'" in result.errors["tf"]
 
 
+@pytest.mark.skipif("jax" not in INSTALLED, reason="needs jax and flax")
+def test_a_device_the_backend_lacks_is_skipped_naming_those_it_sees() -> None:
+    result = normkit.bench.run(backends=["jax"], devices=["gpu:7"], quick=True, progress=False)
+    assert result.rows == [] and result.errors == {}
+    assert result.skipped["jax"].startswith("no device of ['gpu:7'] (it sees ['cpu'")
+
+
 def test_importing_normkit_bench_imports_no_framework() -> None:
     code = (
         "import sys, normkit, normkit.bench, normkit.bench.cli, normkit.bench.report\n"

@@ -84,6 +84,8 @@ def _work(backend: str, sweep: Sweep, report: Report, progress: Any) -> None:
                 fatal = event["fatal"].strip().splitlines()[-1]
             elif "planned" in event:
                 report.versions[backend] = event["versions"]
+                if not event["planned"]:
+                    report.skipped[backend] = f"no device of {list(sweep.devices or ())} (it sees {event['devices']})"
                 if progress is not None:
                     progress.total += event["planned"]
             else:
@@ -111,6 +113,7 @@ def run(
       backends: names from `normkit.backends` (default: all); one not installed is skipped
         with the install command.
       devices: only these device names (e.g. ``["cpu"]``); default every device each backend sees.
+        A backend that sees none of them is skipped, naming the devices it sees.
       dtypes: from ``float32``, ``bfloat16``, ``float16``; default float32 and bfloat16, plus
         float16 off the CPU.
       quick: hidden 1024 and 4096 at 1M elements, 3 rounds, one torch.compile pair.

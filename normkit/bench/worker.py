@@ -1,7 +1,7 @@
 """A benchmark worker: one backend's groups, timed in a process of its own.
 
 `main` (``python -m normkit.bench.worker``) reads ``{"backend": ..., "sweep": {...}}`` on stdin
-and writes events on stdout, each a line ``PREFIX + json``: ``{"versions": ..., "planned": n}``,
+and writes events on stdout, each a line ``PREFIX + json``: ``{"versions", "devices", "planned"}``,
 then ``{"group": label, "rows": [...]}`` per group, or ``{"fatal": traceback}``. Lines without the
 prefix (a framework's own output) are not events.
 """
@@ -30,7 +30,8 @@ def main() -> None:
     try:
         bench = importlib.import_module(f"normkit.{job['backend']}.bench")
         sweep = sweep_from_dict(job["sweep"])
-        _emit({"versions": bench.versions(), "planned": len(bench.plan(sweep))})
+        planned = len(bench.plan(sweep))  # first: it raises if the backend cannot be measured here
+        _emit({"versions": bench.versions(), "devices": bench.devices(), "planned": planned})
         collect(bench, sweep, lambda group, rows: _emit({"group": group.label, "rows": rows}))
     except BaseException:  # noqa: BLE001 - reported to the parent, which names the backend
         _emit({"fatal": traceback.format_exc()})
