@@ -43,7 +43,10 @@ def plot(path: str | Path, rows: Sequence[dict[str, Any]], title: str = "") -> N
     """Write a PNG of GB/s against hidden size: one panel per backend x device (a figure row) and
     dtype x pass (a column), one line per implementation and mode (normkit thick, the copy floor
     grey, a second mode dashed), one legend per figure row."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'normkit[docs]' (or matplotlib)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
