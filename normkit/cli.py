@@ -16,6 +16,7 @@ import numpy as np
 
 import normkit
 from normkit import backends, dtypes
+from normkit.bench import cli as bench_cli
 from normkit.port import cli as port_cli
 from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
 
@@ -173,6 +174,7 @@ def _run_identify(args: argparse.Namespace) -> int:
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 COMMANDS: list[Command] = [
+    ("bench", bench_cli.add_arguments, bench_cli.run),
     ("conformance", _add_conformance, _run_conformance),
     ("identify", _add_identify, _run_identify),
     ("info", _add_info, _run_info),
@@ -180,6 +182,7 @@ COMMANDS: list[Command] = [
     ("reference", _add_reference, _run_reference),
 ]
 HELP = {
+    "bench": bench_cli.HELP,
     "conformance": "check every installed implementation against the reference, forward and backward",
     "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",

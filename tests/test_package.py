@@ -97,3 +97,13 @@ def test_readme_example_runs_and_passes():
     done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("PASS [float32]")
+
+
+def test_every_subcommand_is_registered_with_help(capsys):
+    names = [name for name, _, _ in cli.COMMANDS]
+    assert names == ["bench", "conformance", "identify", "info", "port", "reference"]
+    for name in names:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0
+        assert cli.HELP[name].split()[0] in capsys.readouterr().out

@@ -46,7 +46,7 @@ def plot(path: str | Path, rows: Sequence[dict[str, Any]], title: str = "") -> N
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'normkit[docs]' (or matplotlib)") from exc
+        raise ImportError("plotting needs matplotlib: pip install 'normkit[bench]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
