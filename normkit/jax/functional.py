@@ -209,7 +209,14 @@ def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
 
 
 def _centered(xf: jax.Array, plan: _Plan, n: int) -> jax.Array:
-    return xf - _row_mean(xf, plan, n) if plan.spec.kind == "layer" else xf
+    if plan.spec.kind != "layer":
+        return xf
+    if n == 2 and plan.axis_name is None:
+        # x - mean(x) = (x - x_other) / 2 (flipping the normalized axes swaps the two elements):
+        # one rounding, relative to the centered values; the mean's rounding is relative to |x|,
+        # which at n = 2 can dwarf them.
+        return (xf - jnp.flip(xf, axis=plan.axes)) / 2
+    return xf - _row_mean(xf, plan, n)
 
 
 def _statistic(c: jax.Array, plan: _Plan, n: int) -> jax.Array:

@@ -72,6 +72,11 @@ def _statistic(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the centered values (``x``, or ``x - mean(x)`` for layer) in ``acc``, and ``s``."""
     xf = x.to(acc)
+    if kind == "layer" and xf.shape[-1] == 2:
+        # x - mean(x) = (x - x_other) / 2: one rounding, relative to the centered values; the
+        # mean's rounding is relative to |x|, which at n = 2 can dwarf them.
+        centered = (xf - xf.flip(-1)) / 2
+        return centered, centered[:, :1] * centered[:, :1]
     if kind == "layer":
         var, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
         return xf - mean, var

@@ -1,0 +1,11 @@
+"""Test configuration shared by every test file."""
+
+import os
+
+from hypothesis import settings
+
+# Property tests explore a fixed, seeded set of examples, so a run is reproducible and CI never
+# fails on a draw no one can replay; set HYPOTHESIS_PROFILE=explore to draw new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
