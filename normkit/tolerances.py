@@ -23,7 +23,8 @@ the scale and bias, so its ulps are those of ``y_hat * (scale_offset + w)``; whe
 cancels that term, ``y`` is far smaller than it. The forward check then takes ulps at the larger
 of ``|y|`` and ``|y_hat * (scale_offset + w)|`` (the ``magnitude`` argument of `measure`).
 
-NaN and infinity must appear exactly where the reference has them.
+NaN and infinity must appear exactly where the reference has them; a reference value beyond
+the measured dtype's range counts as the infinity it rounds to.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def measure(
     limit = bound(measured, quantity, cast)
     a = act.astype(np.float64)
     e = exp.astype(np.float64)
+    # A reference value beyond the dtype's range rounds to infinity, which is then the answer.
+    with np.errstate(invalid="ignore"):
+        overflows = np.isfinite(e) & np.isinf(dtypes.round_to(e, measured).astype(np.float64))
+    e = np.where(overflows, np.copysign(np.inf, e), e)
     finite = np.isfinite(e)
     same_nonfinite = (np.isnan(a) & np.isnan(e)) | (~np.isnan(e) & ~finite & (a == e))
     mismatch = int(np.count_nonzero(~finite & ~same_nonfinite))

@@ -103,3 +103,14 @@ def test_before_scale_ulps_are_taken_at_the_scaled_term():
     np.testing.assert_allclose(magnitude, [[0.2, 1.4]], rtol=1e-12)
     m = tolerances.measure(actual, expected, f16, cast=spec.cast, magnitude=magnitude)
     assert m.max_ulp == pytest.approx(1.0) and m.passed
+
+
+def test_a_reference_beyond_the_dtype_range_is_expected_as_infinity():
+    expected = np.array([4.2e5, -1.0e6, 1.0])  # float16's largest finite value is 65504
+    actual = np.array([np.inf, -np.inf, 1.0], dtype=f16)
+    m = tolerances.measure(actual, expected, quantity="grad")
+    assert m.passed and m.nonfinite_mismatch == 0
+    wrong = np.array([65504.0, -np.inf, 1.0], dtype=f16)
+    assert tolerances.measure(wrong, expected, quantity="grad").nonfinite_mismatch == 1
+    # float32 holds 4.2e5: there the finite value is the answer
+    assert not tolerances.measure(actual.astype(np.float32), expected, quantity="grad").passed
