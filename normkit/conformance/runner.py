@@ -82,15 +82,20 @@ class Progress:
             self.stream.write("\n")
 
 
-def _launch(group: list[Target], planned: dict[str, list[Case]], devices: Sequence[str] | None, outdir: str | None) -> subprocess.Popen[str]:
-    """Start one worker for ``group``: targets that share a hook module and an environment."""
+def _launch(
+    group: list[Target], planned: dict[str, list[Case]], devices: Sequence[str] | None, outdir: str | None, log: IO[str]
+) -> subprocess.Popen[str]:
+    """Start one worker for ``group``: targets that share a hook module and an environment.
+
+    Its stderr goes to ``log`` (a file, so a chatty framework cannot fill a pipe and stall it).
+    """
     env = {**os.environ, **group[0].env}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     proc = subprocess.Popen(
         [sys.executable, "-c", "from normkit.conformance.worker import main; main()"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
         env=env,
     )
@@ -147,9 +152,9 @@ def run(
             groups.setdefault((t.hook, json.dumps(t.env, sort_keys=True)), []).append(t)
 
         def work(group: list[Target]) -> None:
-            with slots:
-                proc = _launch(group, planned, devices, outdir if pairwise else None)
-                assert proc.stdout is not None and proc.stderr is not None
+            with slots, tempfile.TemporaryFile("w+") as log:
+                proc = _launch(group, planned, devices, outdir if pairwise else None, log)
+                assert proc.stdout is not None
                 fatal = ""
                 for line in proc.stdout:
                     event = json.loads(line)
@@ -157,8 +162,9 @@ def run(
                         fatal = event["fatal"].strip().splitlines()[-1]
                     else:
                         events.put(event)
-                err = proc.stderr.read()
                 proc.wait()
+                log.seek(0)
+                err = log.read()
                 error = (fatal or err.strip() or f"exit status {proc.returncode}") if proc.returncode else ""
                 events.put({"done": [t.name for t in group], "error": error})
 
