@@ -79,14 +79,3 @@ def get(name: str) -> Backend:
         if backend.name == name:
             return backend
     raise ValueError(f"unknown backend {name!r}; known: {[b.name for b in BACKENDS]}")
-
-
-def require(name: str) -> None:
-    """Raise ImportError, naming the extra to install, if backend ``name`` is missing packages."""
-    backend = get(name)
-    missing = backend.missing()
-    if missing:
-        raise ImportError(
-            f"{backend.module} needs {', '.join(missing)}, which is not installed: "
-            f"pip install 'normkit[{backend.extra}]'"
-        )

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 import normkit.jax as nkjax
+from normkit import reference
 from normkit.jax import functional
 from normkit.spec import NormSpec
 
@@ -76,14 +77,13 @@ def evaluate(
             f"dy has shape {dy.shape} and dtype {dy.dtype}; expected x's, {x.shape} and {x.dtype}"
         )
     target = _device(device)
+    reference.check_params(x.shape, spec, scale, bias)
     shape = spec.param_shape(x.shape)
     params: dict[str, np.ndarray] = {}
     for name, value, present, init in (
         ("scale", scale, spec.scale, spec.scale_init),
         ("bias", bias, spec.bias, 0.0),
     ):
-        if value is not None and not present:
-            raise ValueError(f"{name} was given but the spec has {name}=False")
         if present:
             params[name] = np.full(shape, init, np.float32) if value is None else np.asarray(value)
     x64 = jax.enable_x64(True) if x.dtype == np.float64 else contextlib.nullcontext()

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from normkit import reference
 from normkit.spec import NormSpec
 from normkit.torch.functional import normalize
 from normkit.torch.modules import from_spec
@@ -80,14 +81,13 @@ def evaluate(
             f"api={api!r} is invalid for axis {spec.axis} of a rank-{x.ndim} input: expected "
             "'functional', or 'module' when the axes are the trailing ones"
         )
+    reference.check_params(x.shape, spec, scale, bias)
     given = next((p.dtype for p in (scale, bias) if p is not None), np.dtype(np.float32))
     param_dtype = to_torch(np.zeros(0, given)).dtype
     shape = spec.param_shape(x.shape)
     params: dict[str, torch.nn.Parameter | None] = {}
     for name, present, value in (("weight", spec.scale, scale), ("bias", spec.bias, bias)):
         if not present:
-            if value is not None:
-                raise ValueError(f"{name} was given but the spec has {name}=False")
             params[name] = None
         elif value is None:
             init = spec.scale_init if name == "weight" else 0.0
