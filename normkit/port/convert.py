@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
+import ml_dtypes
 import numpy as np
 
 from normkit import dtypes
@@ -66,8 +67,10 @@ def convert(
     did up to that rounding. Values are returned as numpy arrays (framework tensors accepted).
 
     Raises:
-      ValueError: an unknown convention, a missing, unexpected or wrongly shaped parameter, or
-        specs that differ in a field other than ``scale_offset``.
+      ValueError: an unknown convention, a missing, unexpected or wrongly shaped parameter,
+        specs that differ in a field other than ``scale_offset``, or a move of the offset that
+        overflows ``w``'s dtype or, rounded to it, changes the effective scale by more than one
+        unit in the last place of its largest value.
       TypeError: a parameter that is not float16, bfloat16, float32 or float64.
     """
     src = _check_convention(src, "src")
@@ -153,5 +156,41 @@ def _move_offset(
     if shift == 0:
         return values
     scale = values["scale"]
-    moved = dtypes.round_to(scale.astype(np.float64) + shift, scale.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        moved = dtypes.round_to(scale.astype(np.float64) + shift, scale.dtype)
+    _check_moved(scale, moved, spec.scale_offset, dst_spec.scale_offset)
     return {**values, "scale": moved}
+
+
+def _check_moved(scale: np.ndarray, moved: np.ndarray, offset: float, dst_offset: float) -> None:
+    """Refuse a moved scale ``w'`` that overflows ``w``'s dtype, or that changes the effective
+    scale, ``offset + w`` before and ``dst_offset + w'`` after, by more than one unit in the last
+    place of its largest value (a shift that dwarfs the scale, e.g. an offset of 1e30)."""
+    dtype = scale.dtype
+    shift = offset - dst_offset
+    move = f"moving the scale from scale_offset {offset:g} to {dst_offset:g}"
+    finite = np.isfinite(scale)
+    w = np.where(finite, scale.astype(np.float64), 0.0)
+    overflow = finite & ~np.isfinite(moved)
+    if overflow.any():
+        index = tuple(int(i) for i in np.argwhere(overflow)[0])
+        raise ValueError(
+            f"{move} overflows {dtype.name}: w' = w + ({shift:g}) is {w[index] + shift:.4g} at "
+            f"index {index}, beyond {dtype.name}'s largest value "
+            f"{float(ml_dtypes.finfo(dtype).max):.4g} (it would be stored as infinity); keep "
+            "the source offset"
+        )
+    # (w' - shift) - w is the change of the effective scale; w' - shift is exact or nearly so
+    # (the two are within a factor of two when the shift dominates), so this holds in float64
+    # too, where w + shift itself may have lost w.
+    change = np.abs(np.where(finite, (moved.astype(np.float64) - shift) - w, 0.0))
+    effective = np.abs(w + offset)
+    unit = float(dtypes.ulp(effective.max(initial=0.0), dtype))
+    if change.max(initial=0.0) > unit:
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(change)), change.shape))
+        raise ValueError(
+            f"{move} loses the scale in {dtype.name}: rounding w' = w + "
+            f"({offset - dst_offset:g}) changes the effective scale (scale_offset + w) by "
+            f"{change[index]:.4g} at index {index}, more than one {dtype.name} ulp ({unit:.3g}) "
+            f"of its largest value {effective.max():.4g}; keep the source offset"
+        )

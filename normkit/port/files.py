@@ -11,15 +11,30 @@ the key ``"normkit"``, is JSON::
 
 In ``.npz`` files the metadata is a 0-d string array named ``"__normkit__"`` and bfloat16
 tensors are stored as their uint16 bits, listed under ``"bfloat16"`` in the metadata.
+
+Integrity: the metadata also holds ``"sha256"``: ``{"specs": <hex>, "tensors": {<key>: <hex>}}``,
+the SHA-256 of the canonical JSON of ``format``, ``version``, ``convention`` and ``layers``
+(sorted keys, no spaces), and of each tensor's dtype name, shape and C-order little-endian
+bytes (bfloat16 as bfloat16, in both formats). `load_norms` refuses a file whose digest does not
+match, and loads a file without one (written before normkit recorded it) with a warning. The
+digest detects corruption and edits, not forgery: whoever can edit the file can rewrite it.
+
+``.npz`` files are read member by member: each ``.npy`` header is parsed first (an object dtype
+is refused, nothing is unpickled), the sizes it declares are checked against the zip headers,
+and a member is inflated only up to its declared size, which may exceed ``_INFLATE_FREE`` bytes
+only within ``_MAX_RATIO`` times its compressed size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import struct
 import warnings
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,10 +49,14 @@ FORMAT = "normkit.norms"
 FORMAT_VERSION = 1
 METADATA_KEY = "normkit"
 NPZ_METADATA = "__normkit__"
+DIGEST_KEY = "sha256"
+_DIGESTED = ("format", "version", "convention", "layers")  # the metadata the digest covers
+_INFLATE_FREE = 1 << 20  # a member may inflate to this many bytes whatever its compression
+_MAX_RATIO = 32  # beyond that, to at most this many times its compressed size
 
 Layers = dict[str, tuple[dict[str, np.ndarray], NormSpec]]
 
-__all__ = ["FORMAT_VERSION", "save", "load", "save_norms", "load_norms"]
+__all__ = ["DIGEST_KEY", "FORMAT_VERSION", "load", "load_norms", "save", "save_norms"]
 
 
 def save(
@@ -60,8 +79,10 @@ def load(path: str | os.PathLike[str], *, to: str = "numpy") -> tuple[dict[str, 
     """The parameters (named in convention ``to``) and spec of the single norm in ``path``.
 
     Raises ValueError naming the file if it is not a normkit file (a pickle is refused without
-    being unpickled), its metadata is missing, malformed or of another format version, its
-    tensors do not match its specs, or it holds a whole model's norms (use `load_norms`).
+    being unpickled), it is corrupt or truncated, its contents do not match the digest recorded
+    when it was written, its metadata is missing, malformed or of another format version, its
+    tensors do not match its specs, or it holds a whole model's norms (use `load_norms`). A file
+    without a digest loads with a warning.
     """
     layers = load_norms(path, to=to)
     if list(layers) != [""]:
@@ -96,7 +117,13 @@ def save_norms(
         specs[name] = spec.to_dict()
         for param, value in values.items():
             tensors[_key(name, param)] = np.ascontiguousarray(value)
-    metadata = {"format": FORMAT, "version": FORMAT_VERSION, "convention": convention, "layers": specs}
+    metadata: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "convention": convention,
+        "layers": specs,
+    }
+    metadata[DIGEST_KEY] = _digest(json.loads(json.dumps(metadata)), tensors)
     use_npz = path.suffix == ".npz"
     if not use_npz:
         try:
@@ -127,7 +154,7 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
         raise ValueError(f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)")
     else:
         raise ValueError(f"{path}: is neither a safetensors nor an .npz file (unrecognized header)")
-    meta = _parse_metadata(path, raw)
+    meta = _parse_metadata(path, raw, tensors)
     convention = meta["convention"]
     layers: Layers = {}
     unclaimed = set(tensors)
@@ -143,6 +170,14 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
         raise ValueError(
             f"{path}: tensors {sorted(unclaimed)} are parameters of no layer its specs describe "
             "(a spec with bias=False has no bias): the metadata and the tensors disagree"
+        )
+    if DIGEST_KEY not in meta:
+        warnings.warn(
+            f"{path}: has no integrity digest (written before normkit recorded one), so "
+            "corruption or edits cannot be detected; rewrite it with normkit.port.save_norms "
+            "or `normkit port` to add one",
+            UserWarning,
+            stacklevel=2,
         )
     return layers
 
@@ -165,32 +200,40 @@ def _save_npz(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, An
         arrays[key] = value
     metadata = {**metadata, "bfloat16": bf16}
     with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
-        np.savez(f, **arrays, **{NPZ_METADATA: np.array(json.dumps(metadata))})
+        np.savez(f, **arrays, **{NPZ_METADATA: np.array(json.dumps(metadata))})  # type: ignore[arg-type]
 
 
 def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
-    with zipfile.ZipFile(path) as archive:
-        members = archive.namelist()
-    pickles = [m for m in members if not m.endswith(".npy")]
-    if pickles:
-        hint = " (a torch.save file?)" if any(m.endswith(".pkl") for m in pickles) else ""
-        raise ValueError(
-            f"{path}: is a zip archive holding {_preview(pickles)}, not an .npz of arrays{hint}; "
-            "normkit never unpickles (nothing was loaded)"
-        )
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except ValueError as err:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
         raise ValueError(
-            f"{path}: holds object arrays, which only a pickle can read; normkit never unpickles "
-            f"(nothing was loaded): {err}"
+            f"{path}: is not a readable .npz (zip) archive: {err} (truncated or corrupt?)"
         ) from None
+    with archive:
+        infos = archive.infolist()
+        members = [info.filename for info in infos]
+        pickles = [m for m in members if not m.endswith(".npy")]
+        if pickles:
+            hint = " (a torch.save file?)" if any(m.endswith(".pkl") for m in pickles) else ""
+            raise ValueError(
+                f"{path}: is a zip archive holding {_preview(pickles)}, not an .npz of arrays"
+                f"{hint}; normkit never unpickles (nothing was loaded)"
+            )
+        repeated = sorted({m for m in members if members.count(m) > 1})
+        if repeated:
+            raise ValueError(f"{path}: the archive holds {_preview(repeated)} more than once")
+        size = path.stat().st_size
+        for info in infos:
+            _check_member_sizes(path, info, size)
+        arrays = {info.filename[: -len(".npy")]: _read_member(path, archive, info) for info in infos}
     raw = arrays.pop(NPZ_METADATA, None)
     if raw is None:
         return arrays, None
     if raw.dtype.kind != "U" or raw.shape != ():
-        raise ValueError(f"{path}: {NPZ_METADATA!r} must be a JSON string, got {raw.dtype} {raw.shape}")
+        raise ValueError(
+            f"{path}: {NPZ_METADATA!r} must be a JSON string, got {raw.dtype} {raw.shape}"
+        )
     text = str(raw[()])
     try:
         bf16 = json.loads(text).get("bfloat16", [])
@@ -200,9 +243,72 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
         raise ValueError(f"{path}: metadata 'bfloat16' must list stored tensor names, got {bf16!r}")
     for key in bf16:
         if arrays[key].dtype != np.uint16:
-            raise ValueError(f"{path}: bfloat16 tensor {key!r} is stored as {arrays[key].dtype}, not uint16 bits")
+            raise ValueError(
+                f"{path}: bfloat16 tensor {key!r} is stored as {arrays[key].dtype}, not uint16 bits"
+            )
         arrays[key] = arrays[key].view(dtypes.bfloat16)
     return arrays, text
+
+
+def _check_member_sizes(path: Path, info: zipfile.ZipInfo, file_size: int) -> None:
+    """Refuse, from the zip headers alone, a member larger than the file or a zip bomb."""
+    name = info.filename
+    if info.header_offset + info.compress_size > file_size:
+        raise ValueError(
+            f"{path}: member {name!r} is truncated: it declares {info.compress_size} stored "
+            f"bytes at offset {info.header_offset}, past the end of the {file_size}-byte file"
+        )
+    limit = max(_INFLATE_FREE, _MAX_RATIO * info.compress_size)
+    if info.file_size > limit:
+        raise ValueError(
+            f"{path}: member {name!r} would inflate from {info.compress_size} to "
+            f"{info.file_size} bytes, more than {limit} ({_MAX_RATIO} times its compressed "
+            f"size, or {_INFLATE_FREE} bytes): refused before inflating (a zip bomb?)"
+        )
+
+
+def _read_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+    """One ``.npy`` member: its header parsed and checked against the member's size before its
+    data is read; never unpickled."""
+    name = info.filename
+    where = f"{path}: member {name!r}"
+    try:
+        with archive.open(info) as stream:
+            try:
+                version = np.lib.format.read_magic(stream)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+                elif version == (2, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+                else:
+                    raise ValueError(f"unsupported .npy format version {version}")
+            except ValueError as err:
+                raise ValueError(f"{where} has no valid .npy header: {err}") from None
+            if dtype.hasobject:
+                raise ValueError(
+                    f"{path}: holds object arrays, which only a pickle can read; normkit never "
+                    f"unpickles (nothing was loaded): member {name!r} has dtype {dtype}"
+                )
+            declared = math.prod(shape) * dtype.itemsize
+            held = info.file_size - stream.tell()
+            if declared != held:
+                problem = "is truncated" if declared > held else "is corrupt"
+                raise ValueError(
+                    f"{where} {problem}: its header declares a {dtype} array of shape {shape} "
+                    f"({declared} bytes), but the member holds {held} bytes of data"
+                )
+            data = stream.read(declared)
+            if len(data) != declared or stream.read(1):  # reading to the end checks the CRC
+                raise ValueError(f"{where} is truncated: {len(data)} of {declared} bytes read")
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"{where} is corrupt: {err}") from None
+    except (zlib.error, EOFError, OSError) as err:
+        raise ValueError(f"{where} is truncated or corrupt: {err}") from None
+    except (RuntimeError, NotImplementedError) as err:  # encrypted, unknown compression
+        raise ValueError(f"{where} cannot be read: {err}") from None
+    array = np.frombuffer(bytearray(data), dtype=dtype)
+    array = array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
+    return array.astype(dtype.newbyteorder("="), order="C", copy=False)
 
 
 def _is_safetensors(path: Path, head: bytes) -> bool:
@@ -222,22 +328,81 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             raw = (f.metadata() or {}).get(METADATA_KEY)
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except (SafetensorError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: is not a readable safetensors file: {err}") from None
     return tensors, raw
 
 
-def _parse_metadata(path: Path, raw: str | None) -> dict[str, Any]:
-    """The checked metadata, with ``layers`` as ``{name: NormSpec}``."""
+def _digest(metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The SHA-256 of the specs (``_DIGESTED`` fields, canonical JSON) and of each tensor."""
+    specs = {key: metadata.get(key) for key in _DIGESTED}
+    text = json.dumps(specs, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return {
+        "specs": hashlib.sha256(text.encode()).hexdigest(),
+        "tensors": {key: _tensor_digest(tensors[key]) for key in sorted(tensors)},
+    }
+
+
+def _tensor_digest(value: np.ndarray) -> str:
+    """SHA-256 of ``value``'s dtype name, shape and C-order little-endian bytes."""
+    little = value.astype(value.dtype.newbyteorder("<"), copy=False)
+    digest = hashlib.sha256(f"{value.dtype.name}{list(value.shape)}".encode())
+    digest.update(np.ascontiguousarray(little).tobytes())
+    return digest.hexdigest()
+
+
+def _verify_digest(
+    path: Path, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
+) -> None:
+    """Refuse ``path`` unless its specs and tensors match the digest it records."""
+    recorded = meta[DIGEST_KEY]
+    well_formed = (
+        isinstance(recorded, dict)
+        and isinstance(recorded.get("specs"), str)
+        and isinstance(recorded.get("tensors"), dict)
+    )
+    if not well_formed:
+        raise ValueError(
+            f"{path}: the metadata's {DIGEST_KEY!r} digest is malformed: expected "
+            '{"specs": <hex>, "tensors": {<name>: <hex>}}'
+        )
+    actual = _digest(meta, tensors)
+    problems = []
+    if actual["specs"] != recorded["specs"]:
+        problems.append("the specs in its metadata (format, version, convention, layers) differ")
+    missing = sorted(set(recorded["tensors"]) - set(actual["tensors"]))
+    added = sorted(set(actual["tensors"]) - set(recorded["tensors"]))
+    changed = sorted(
+        k for k in actual["tensors"] if k in recorded["tensors"]
+        and recorded["tensors"][k] != actual["tensors"][k]
+    )
+    if changed:
+        problems.append(f"tensor(s) {_preview(changed)} differ (data, dtype or shape)")
+    if missing:
+        problems.append(f"tensor(s) {_preview(missing)} are missing")
+    if added:
+        problems.append(f"tensor(s) {_preview(added)} were added")
+    if problems:
+        raise ValueError(
+            f"{path}: integrity check failed: {'; '.join(problems)} from the sha256 digest "
+            "recorded when the file was written; the file was corrupted or edited (nothing was "
+            "loaded)"
+        )
+
+
+def _parse_metadata(
+    path: Path, raw: str | None, tensors: Mapping[str, np.ndarray]
+) -> dict[str, Any]:
+    """The checked metadata, with ``layers`` as ``{name: NormSpec}``; the digest verified."""
     if raw is None:
         raise ValueError(
             f"{path}: has no normkit metadata (key {METADATA_KEY!r}); write it with "
             "normkit.port.save or export_norms"
         )
     try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError as err:
+        meta = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"{path}: the normkit metadata is not valid JSON: {err}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path}: the normkit metadata is malformed: expected format {FORMAT!r}")
@@ -246,6 +411,8 @@ def _parse_metadata(path: Path, raw: str | None) -> dict[str, Any]:
             f"{path}: normkit format version {meta.get('version')!r}; this normkit reads "
             f"version {FORMAT_VERSION}"
         )
+    if DIGEST_KEY in meta:
+        _verify_digest(path, meta, tensors)
     if meta.get("convention") not in NAMES:
         raise ValueError(
             f"{path}: the metadata's convention {meta.get('convention')!r} is not one of {CONVENTIONS}"
@@ -257,6 +424,17 @@ def _parse_metadata(path: Path, raw: str | None) -> dict[str, Any]:
     for name, data in layers.items():
         try:
             specs[name] = NormSpec.from_dict(data)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, OverflowError) as err:
             raise ValueError(f"{path}: layer {name!r}: invalid spec: {err}") from None
     return {**meta, "layers": specs}
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is beyond float64's range")
+    return value
