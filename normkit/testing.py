@@ -73,9 +73,10 @@ def assert_conforms(
     rounded before the affine step) and ``"after_scale"`` predict different outputs on many
     elements: as in `normkit.conformance.identify`, each of those elements counts for the order
     whose prediction the output is closer to, and ``fn`` fails when the other order gets more of
-    them than the spec's, with both shares in the message. Without ``params`` the parameters are at their initial values, where both orders
-    round ``y_hat`` once and agree: the cast order is not checked, and a spec claiming
-    ``cast="before_scale"`` with half dtypes gets a warning saying so.
+    them than the spec's, with both shares in the message. Without ``params`` the parameters
+    are at their initial values, where both orders round ``y_hat`` once and agree: the cast
+    order is not checked, and a spec claiming ``cast="before_scale"`` with half dtypes gets a
+    warning saying so.
 
     Raises:
       AssertionError: ``fn`` does not conform.
@@ -131,7 +132,9 @@ def assert_conforms(
                 failures.append((math.inf, f"{label}: {problem}"))
     if failures:
         failures.sort(key=lambda f: -f[0])
-        lines = [f"{_fn_name(fn)} does not conform to {spec} in {len(failures)} case(s); worst first:"]
+        lines = [
+            f"{_fn_name(fn)} does not conform to {spec} in {len(failures)} case(s); worst first:"
+        ]
         lines += [f"  {text}" for _, text in failures[:3]]
         raise AssertionError("\n".join(lines))
 
@@ -154,7 +157,9 @@ def _checked_arguments(
     for dtype in dtypes:
         name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
         if name not in DTYPE_NAMES:
-            raise ValueError(f"dtypes: {dtype!r} is not a dtype normkit checks; expected one of {allowed}")
+            raise ValueError(
+                f"dtypes: {dtype!r} is not a dtype normkit checks; expected one of {allowed}"
+            )
         names.append(name)
     if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence):
         raise TypeError(f"shapes must be a sequence of shapes, e.g. ((5, 7),), got {shapes!r}")
@@ -248,10 +253,10 @@ def _run(
         first_line = (str(err).splitlines() or [""])[0]
         if not checked.returned and _is_jax_conversion_error(err):
             raise AssertionError(
-                f"{_fn_name(checked.fn)} ({label}) converted its traced input to numpy or a Python value "
-                f"({type(err).__name__}: {first_line}); the gradient is taken with jax.vjp, so "
-                "fn must compute y with jax operations and return a jax.Array; pass grad=False "
-                "to check the forward only"
+                f"{_fn_name(checked.fn)} ({label}) converted its traced input to numpy or a "
+                f"Python value ({type(err).__name__}: {first_line}); the gradient is taken "
+                "with jax.vjp, so fn must compute y with jax operations and return a jax.Array; "
+                "pass grad=False to check the forward only"
             ) from err
         if not checked.returned:
             raise  # fn's own error, with its own traceback
@@ -290,7 +295,12 @@ def _zero_gradient(
 
 
 def _cast_order_problem(
-    bridge: Any, checked: _CheckedFn, spec: NormSpec, dtype: str, shape: tuple[int, ...], device: str
+    bridge: Any,
+    checked: _CheckedFn,
+    spec: NormSpec,
+    dtype: str,
+    shape: tuple[int, ...],
+    device: str,
 ) -> str | None:
     """Which cast order ``fn``'s ``dtype`` outputs follow, when it is not ``spec.cast``.
 
@@ -331,8 +341,12 @@ def _cast_order_problem(
         differ = (predicted["after_scale"] != predicted["before_scale"]) & ~near_tie
         y = out.astype(np.float64)
         distance = {c: np.abs(y - v) for c, v in predicted.items()}
-        counts["after_scale"] += int(np.count_nonzero((distance["after_scale"] < distance["before_scale"])[differ]))
-        counts["before_scale"] += int(np.count_nonzero((distance["before_scale"] < distance["after_scale"])[differ]))
+        counts["after_scale"] += int(
+            np.count_nonzero((distance["after_scale"] < distance["before_scale"])[differ])
+        )
+        counts["before_scale"] += int(
+            np.count_nonzero((distance["before_scale"] < distance["after_scale"])[differ])
+        )
         differing += int(np.count_nonzero(differ))
     if differing < _MIN_CAST_ELEMENTS:
         return None

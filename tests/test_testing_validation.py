@@ -70,7 +70,8 @@ def test_bad_arguments_are_refused_before_anything_runs(kwargs, error, message):
 
 
 def test_numpy_dtypes_are_accepted_by_name():
-    assert_conforms(rms_norm, SPEC, backend="torch", dtypes=(np.dtype(np.float32),), shapes=((5, 7),))
+    assert_conforms(rms_norm, SPEC, backend="torch", dtypes=(np.dtype(np.float32),),
+                    shapes=((5, 7),))
 
 
 # --- outputs that are not a norm's -------------------------------------------------------
@@ -134,12 +135,12 @@ def test_jax_and_tensorflow_outputs_without_a_gradient_path_fail_naming_it():
     with pytest.raises(AssertionError, match=r"converted its traced input to numpy or a Python "
                        r"value \(TracerArrayConversionError"):
         assert_conforms(lambda x: np.asarray(jax_rms(x)), SPEC, backend="jax", **F32)
-    with pytest.raises(AssertionError, match="returned a numpy.ndarray; it must return a jax.Array"):
+    with pytest.raises(AssertionError, match="returned a numpy.ndarray; it must return a jax"):
         assert_conforms(lambda x: np.asarray(jax_rms(x)), SPEC, backend="jax", grad=False, **F32)
     with pytest.raises(AssertionError, match="no gradient could be taken through its output .*"
                        "differentiable tf operations"):
         assert_conforms(lambda x: tf.stop_gradient(tf_rms(x)), SPEC, backend="tf", **F32)
-    with pytest.raises(AssertionError, match="returned a numpy.ndarray; it must return a tf.Tensor"):
+    with pytest.raises(AssertionError, match="returned a numpy.ndarray; it must return a tf"):
         assert_conforms(lambda x: tf_rms(x).numpy(), SPEC, backend="tf", **F32)
     with pytest.raises(AssertionError, match=r"returned shape \(5, 3\) for an input of shape"):
         assert_conforms(lambda x: jax_rms(x)[:, :3], SPEC, backend="jax", **F32)
@@ -228,7 +229,8 @@ def test_the_wrong_cast_order_fails_in_jax():
               "shapes": ((4, 256),)}
     assert_conforms(jax_after, after, **kwargs)
     assert_conforms(jax_before, before, **kwargs)
-    for fn, claimed, actual in ((jax_after, before, "after_scale"), (jax_before, after, "before_scale")):
+    wrong = ((jax_after, before, "after_scale"), (jax_before, after, "before_scale"))
+    for fn, claimed, actual in wrong:
         with pytest.raises(AssertionError) as info:
             assert_conforms(fn, claimed, **kwargs)
         found = cast_failures(str(info.value))

@@ -75,7 +75,9 @@ def save(
     return save_norms(path, {"": (params, spec)}, convention=convention)
 
 
-def load(path: str | os.PathLike[str], *, to: str = "numpy") -> tuple[dict[str, np.ndarray], NormSpec]:
+def load(
+    path: str | os.PathLike[str], *, to: str = "numpy"
+) -> tuple[dict[str, np.ndarray], NormSpec]:
     """The parameters (named in convention ``to``) and spec of the single norm in ``path``.
 
     Raises ValueError naming the file if it is not a normkit file (a pickle is refused without
@@ -104,7 +106,9 @@ def save_norms(
     if convention not in NAMES:
         raise ValueError(f"convention={convention!r} is not one of {CONVENTIONS}")
     if not layers:
-        raise ValueError(f"{path}: no norm layers to write (a model's norms must be normkit layers)")
+        raise ValueError(
+            f"{path}: no norm layers to write (a model's norms must be normkit layers)"
+        )
     tensors: dict[str, np.ndarray] = {}
     specs: dict[str, dict[str, object]] = {}
     for name, (params, spec) in layers.items():
@@ -140,7 +144,10 @@ def save_norms(
 
 
 def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
-    """Every norm in ``path``, ``{name: (params, spec)}``, parameters named in ``to``; see `load`."""
+    """Every norm in ``path``, ``{name: (params, spec)}``, parameters named in ``to``.
+
+    See `load` for what is refused.
+    """
     if to not in NAMES:
         raise ValueError(f"to={to!r} is not one of {CONVENTIONS}")
     path = Path(path)
@@ -151,7 +158,9 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
     elif _is_safetensors(path, head):
         tensors, raw = _read_safetensors(path)
     elif len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:  # PROTO opcode, protocol 2-5
-        raise ValueError(f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)")
+        raise ValueError(
+            f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)"
+        )
     else:
         raise ValueError(f"{path}: is neither a safetensors nor an .npz file (unrecognized header)")
     meta = _parse_metadata(path, raw, tensors)
@@ -226,7 +235,9 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
         size = path.stat().st_size
         for info in infos:
             _check_member_sizes(path, info, size)
-        arrays = {info.filename[: -len(".npy")]: _read_member(path, archive, info) for info in infos}
+        arrays = {
+            info.filename[: -len(".npy")]: _read_member(path, archive, info) for info in infos
+        }
     raw = arrays.pop(NPZ_METADATA, None)
     if raw is None:
         return arrays, None
@@ -352,9 +363,7 @@ def _tensor_digest(value: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def _verify_digest(
-    path: Path, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
-) -> None:
+def _verify_digest(path: Path, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
     """Refuse ``path`` unless its specs and tensors match the digest it records."""
     recorded = meta[DIGEST_KEY]
     well_formed = (
@@ -374,8 +383,9 @@ def _verify_digest(
     missing = sorted(set(recorded["tensors"]) - set(actual["tensors"]))
     added = sorted(set(actual["tensors"]) - set(recorded["tensors"]))
     changed = sorted(
-        k for k in actual["tensors"] if k in recorded["tensors"]
-        and recorded["tensors"][k] != actual["tensors"][k]
+        k
+        for k in actual["tensors"]
+        if k in recorded["tensors"] and recorded["tensors"][k] != actual["tensors"][k]
     )
     if changed:
         problems.append(f"tensor(s) {_preview(changed)} differ (data, dtype or shape)")
@@ -415,7 +425,8 @@ def _parse_metadata(
         _verify_digest(path, meta, tensors)
     if meta.get("convention") not in NAMES:
         raise ValueError(
-            f"{path}: the metadata's convention {meta.get('convention')!r} is not one of {CONVENTIONS}"
+            f"{path}: the metadata's convention {meta.get('convention')!r} is not one of "
+            f"{CONVENTIONS}"
         )
     layers = meta.get("layers")
     if not isinstance(layers, dict) or not layers:
