@@ -122,6 +122,7 @@ def assert_conforms(
                     structural = True
                 text = f"{label}: " + "; ".join(problems)
                 failures.append((math.inf if structural else worst, text))
+    cast_findings = []
     if params and affine:
         largest = max(sizes, key=math.prod)
         for dtype in halves:
@@ -129,13 +130,13 @@ def assert_conforms(
             checked = _CheckedFn(fn, backend, params, False, label)
             problem = _cast_order_problem(bridge, checked, spec, dtype, largest, device)
             if problem:
-                failures.append((math.inf, f"{label}: {problem}"))
-    if failures:
+                cast_findings.append(f"{label}: {problem}")
+    if failures or cast_findings:
         failures.sort(key=lambda f: -f[0])
-        lines = [
-            f"{_fn_name(fn)} does not conform to {spec} in {len(failures)} case(s); worst first:"
-        ]
+        count = len(failures) + len(cast_findings)
+        lines = [f"{_fn_name(fn)} does not conform to {spec} in {count} case(s); worst first:"]
         lines += [f"  {text}" for _, text in failures[:3]]
+        lines += [f"  {text}" for text in cast_findings]
         raise AssertionError("\n".join(lines))
 
 

@@ -21,8 +21,8 @@ digest detects corruption and edits, not forgery: whoever can edit the file can 
 
 ``.npz`` files are read member by member: each ``.npy`` header is parsed first (an object dtype
 is refused, nothing is unpickled), the sizes it declares are checked against the zip headers,
-and a member is inflated only up to its declared size, which may exceed ``_INFLATE_FREE`` bytes
-only within ``_MAX_RATIO`` times its compressed size.
+and a member is inflated only up to its declared size, which may exceed 1 MiB only within 32
+times its compressed size (a zip bomb is refused before inflating).
 """
 
 from __future__ import annotations
