@@ -222,6 +222,62 @@ def test_a_member_without_an_npy_header_is_refused(tmp_path):
     load_refused(path, "member 'scale.npy' has no valid .npy header")
 
 
+def patch_central_directory(path, offset, value):
+    """Overwrite a 4-byte field of the (single) member's central directory entry."""
+    data = bytearray(path.read_bytes())
+    entry = data.index(b"PK\x01\x02")
+    data[entry + offset : entry + offset + 4] = struct.pack("<I", value)
+    path.write_bytes(bytes(data))
+
+
+def single_member_npz(path, npy, compression=zipfile.ZIP_STORED):
+    with zipfile.ZipFile(path, "w", compression=compression) as archive:
+        archive.writestr("scale.npy", npy)
+    return path
+
+
+def test_a_member_declared_past_the_end_of_the_file_is_refused(tmp_path):
+    header = {"descr": "<f4", "fortran_order": False, "shape": (4,)}
+    path = single_member_npz(tmp_path / "norm.npz", npy_bytes(header, bytes(16)))
+    patch_central_directory(path, 20, 10**6)  # the compressed size
+    load_refused(path, "member 'scale.npy' is truncated: it declares 1000000 stored bytes at "
+                 "offset 0, past the end of the ")
+
+
+def test_an_encrypted_member_cannot_be_read(tmp_path):
+    header = {"descr": "<f4", "fortran_order": False, "shape": (4,)}
+    path = single_member_npz(tmp_path / "norm.npz", npy_bytes(header, bytes(16)))
+    patch_central_directory(path, 8, 0x1)  # general purpose flags: encrypted
+    load_refused(path, "member 'scale.npy' cannot be read: ", "encrypted")
+
+
+def test_a_corrupt_deflate_stream_names_the_member(tmp_path):
+    header = {"descr": "<f4", "fortran_order": False, "shape": (4096,)}
+    values = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    path = single_member_npz(tmp_path / "norm.npz", npy_bytes(header, values.tobytes()),
+                             zipfile.ZIP_DEFLATED)
+    data = bytearray(path.read_bytes())
+    data[2000:2400] = bytes(400)
+    path.write_bytes(bytes(data))
+    message = load_refused(path, "member 'scale.npy' is ")
+    assert "corrupt" in message
+
+
+def test_a_repeated_member_and_an_unknown_npy_version_are_refused(tmp_path):
+    header = {"descr": "<f4", "fortran_order": False, "shape": (4,)}
+    path = tmp_path / "norm.npz"
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as archive:
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name
+        archive.writestr("scale.npy", npy_bytes(header, bytes(16)))
+        archive.writestr("scale.npy", npy_bytes(header, bytes(16)))
+    load_refused(path, "the archive holds 'scale.npy' more than once")
+    npy = bytearray(npy_bytes(header, bytes(16)))
+    npy[6:8] = b"\x09\x00"  # format version 9.0
+    single_member_npz(path, bytes(npy))
+    load_refused(path, "member 'scale.npy' has no valid .npy header: unsupported .npy format "
+                 "version (9, 0)")
+
+
 def test_a_huge_declared_shape_is_refused_from_the_header(tmp_path):
     path = tmp_path / "norm.npz"
     header = {"descr": "<f4", "fortran_order": False, "shape": (2**40,)}
