@@ -53,6 +53,7 @@ def before_scale(x, weight, bias):
         ({"shapes": (5, 7)}, ValueError, ("shapes: 5 is not a shape of positive sizes (shapes is a "
          "sequence of shapes, e.g. ((5, 7),), not one shape)")),
         ({"shapes": ((5, 0),)}, ValueError, "shapes: (5, 0) is not a shape of positive sizes"),
+        ({"shapes": "5x7"}, TypeError, "shapes must be a sequence of shapes, e.g. ((5, 7),)"),
         ({"shapes": ((5, 7),), "spec": SPEC.replace(axis=(-3, -1))}, ValueError,
          "NormSpec.axis=(-3, -1): axis -3 is out of range for an input of rank 2"),
         ({"spec": "rms"}, TypeError, "spec must be a normkit.NormSpec, got str 'rms'"),
