@@ -16,17 +16,17 @@ from normkit import dtypes
 from normkit.spec import NormSpec
 
 __all__ = [
-    "normalize",
-    "normalize_vjp",
+    "AddDytGrads",
+    "AddNormGrads",
+    "DytGrads",
+    "NormGrads",
     "add_normalize",
     "add_normalize_vjp",
-    "scaled_magnitude",
     "check_params",
+    "normalize",
+    "normalize_vjp",
     "output_dtype",
-    "NormGrads",
-    "DytGrads",
-    "AddNormGrads",
-    "AddDytGrads",
+    "scaled_magnitude",
 ]
 
 
@@ -293,7 +293,9 @@ def _normalized_rows(
     return stat.centered * stat.r, stat
 
 
-def _forward(values: np.ndarray, dtype: np.dtype, out: np.dtype, spec: NormSpec, p: _Params) -> np.ndarray:
+def _forward(
+    values: np.ndarray, dtype: np.dtype, out: np.dtype, spec: NormSpec, p: _Params
+) -> np.ndarray:
     """The spec on float64 ``values`` with the dtype policy of inputs of ``dtype``, in ``out``."""
     layout = _Rows.of(values.shape, spec)
     normalized, _ = _normalized_rows(layout.split(values), spec, dtype, p.alpha, exact=False)
@@ -604,8 +606,8 @@ def scaled_magnitude(
     scale: npt.ArrayLike | None = None,
     alpha: npt.ArrayLike | None = None,
 ) -> np.ndarray:
-    """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that ``cast="before_scale"``
-    rounds at (see `normkit.tolerances`)."""
+    """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that
+    ``cast="before_scale"`` rounds at (see `normkit.tolerances`)."""
     arr = _check_input(x, "x")
     exact = spec.replace(bias=False, residual=None, output_dtype="input")
     return np.abs(normalize(arr.astype(np.float64), exact, scale, None, alpha))
