@@ -5,8 +5,9 @@ import pytest
 from normkit import NormSpec
 
 jnp = pytest.importorskip("jax.numpy")
-
-from normkit.jax import functional, linen, nnx  # noqa: E402
+functional = pytest.importorskip("normkit.jax.functional")
+linen = pytest.importorskip("normkit.jax.linen")
+nnx = pytest.importorskip("normkit.jax.nnx")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,10 @@ def round_bits(v, bits):
 
 
 def rms_rows(x, eps=1e-6):
-    return [[v / math.sqrt(math.fsum(u * u for u in row) / len(row) + eps) for v in row] for row in x]
+    return [
+        [v / math.sqrt(math.fsum(u * u for u in row) / len(row) + eps) for v in row]
+        for row in x
+    ]
 
 
 def test_param_offset_rounds_one_plus_w_in_bfloat16():
@@ -31,9 +34,13 @@ def test_param_offset_rounds_one_plus_w_in_bfloat16():
     g_param = [1.0, 1 + 2.0**-7, 1.0, 1.5]
     g_float32 = [1 + float(v) for v in w.astype(np.float64)]
     y_hat = rms_rows(x.tolist())[0]
-    np.testing.assert_allclose(reference.normalize(x, spec, w)[0], np.multiply(y_hat, g_param), rtol=1e-15)
+    np.testing.assert_allclose(
+        reference.normalize(x, spec, w)[0], np.multiply(y_hat, g_param), rtol=1e-15
+    )
     float32_offset = reference.normalize(x, spec.replace(offset_dtype="float32"), w)[0]
-    np.testing.assert_allclose(float32_offset, np.multiply(y_hat, g_float32), rtol=1e-15)
+    np.testing.assert_allclose(
+        float32_offset, np.multiply(y_hat, g_float32), rtol=1e-15
+    )
     g, _ = reference.check_params(x.shape, spec, w, None)
     assert g.tolist() == g_param
 
@@ -41,10 +48,14 @@ def test_param_offset_rounds_one_plus_w_in_bfloat16():
 def test_param_offset_in_float32_and_float64_params():
     rng = np.random.default_rng(0)
     w32 = rng.normal(size=5).astype(np.float32) * np.float32(1e-3)
-    g, _ = reference.check_params((2, 5), NormSpec(scale_offset=1.0, offset_dtype="param"), w32, None)
+    g, _ = reference.check_params(
+        (2, 5), NormSpec(scale_offset=1.0, offset_dtype="param"), w32, None
+    )
     np.testing.assert_array_equal(g, (np.float32(1.0) + w32).astype(np.float64))
     w64 = w32.astype(np.float64)
-    g64, _ = reference.check_params((2, 5), NormSpec(scale_offset=1.0, offset_dtype="param"), w64, None)
+    g64, _ = reference.check_params(
+        (2, 5), NormSpec(scale_offset=1.0, offset_dtype="param"), w64, None
+    )
     np.testing.assert_array_equal(g64, 1.0 + w64)
 
 
@@ -81,7 +92,9 @@ def test_promote_output_dtype(x_dtype, scale_dtype, bias_dtype, out):
     y = reference.normalize(x, spec, w, b)
     assert y.dtype == np.dtype(out)
     assert reference.output_dtype(x.dtype, spec, w, b) == np.dtype(out)
-    assert reference.normalize(x, spec.replace(output_dtype="input"), w, b).dtype == np.dtype(x_dtype)
+    assert reference.normalize(
+        x, spec.replace(output_dtype="input"), w, b
+    ).dtype == np.dtype(x_dtype)
 
 
 def test_promote_rounds_once_to_the_promoted_dtype():
@@ -98,7 +111,10 @@ def test_promote_with_before_scale_rounds_y_hat_to_the_input_dtype_first():
     x = dtypes.round_to(rng.normal(size=(4, 8)), BF16)
     w = rng.normal(size=8).astype(np.float32)
     y = reference.normalize(x, NormSpec(output_dtype="promote", cast="before_scale"), w)
-    y_hat = [[round_bits(v, 8) for v in row] for row in rms_rows(x.astype(np.float64).tolist())]
+    y_hat = [
+        [round_bits(v, 8) for v in row]
+        for row in rms_rows(x.astype(np.float64).tolist())
+    ]
     want = np.array(y_hat) * w.astype(np.float64)
     assert y.dtype == np.float32
     np.testing.assert_array_equal(y, want.astype(np.float32))

@@ -27,7 +27,11 @@ def test_full_precision_inputs_all_modes_normalize_the_sum(mode, dtype):
     # numpy's own addition in the input dtype rounds the sum once, like every mode here
     np.testing.assert_array_equal(h, x + res)
     for got, row in zip(y.astype(np.float64), h.astype(np.float64)):
-        np.testing.assert_allclose(got, rms_by_hand(list(row), 1e-3, w), rtol=2e-7 if dtype == np.float32 else 1e-13)
+        np.testing.assert_allclose(
+            got,
+            rms_by_hand(list(row), 1e-3, w),
+            rtol=2e-7 if dtype == np.float32 else 1e-13,
+        )
 
 
 def test_bfloat16_sum_on_a_tie_shows_the_three_roundings():
@@ -39,7 +43,9 @@ def test_bfloat16_sum_on_a_tie_shows_the_three_roundings():
     spec, w = NormSpec(eps=1e-6, output_dtype="promote"), np.ones(2, dtype=np.float32)
     y_r, h_r = reference.add_normalize(x, res, spec.replace(residual="rounded"), w)
     y_f, h_f = reference.add_normalize(x, res, spec.replace(residual="float32"), w)
-    y_n, h_n = reference.add_normalize(x, res, spec.replace(residual="float32_normalized"), w)
+    y_n, h_n = reference.add_normalize(
+        x, res, spec.replace(residual="float32_normalized"), w
+    )
     assert (h_r.dtype, h_f.dtype, h_n.dtype) == (bf16, np.float32, bf16)
     assert h_r.astype(np.float64).tolist() == [[1.0, 2.0]]
     assert h_f.tolist() == [[1.00390625, 2.0]]
@@ -47,7 +53,9 @@ def test_bfloat16_sum_on_a_tie_shows_the_three_roundings():
     assert y_r.dtype == y_f.dtype == y_n.dtype == np.float32
     np.testing.assert_array_equal(y_r[0], np.float32(rms_by_hand([1.0, 2.0], 1e-6, w)))
     np.testing.assert_array_equal(y_f, y_n)
-    np.testing.assert_array_equal(y_f[0], np.float32(rms_by_hand([1.00390625, 2.0], 1e-6, w)))
+    np.testing.assert_array_equal(
+        y_f[0], np.float32(rms_by_hand([1.00390625, 2.0], 1e-6, w))
+    )
     assert not np.array_equal(y_f, y_r)
 
 
@@ -76,7 +84,9 @@ def test_sum_rounded_through_float32_equals_one_rounding():
             small = np.where(np.abs(small) < 2.0**-14, 2.0**-14, small)
         x = dtypes.round_to(big, dtype)[None]
         res = dtypes.round_to(small, dtype)[None]
-        _, h_n = reference.add_normalize(x, res, NormSpec(residual="float32_normalized"))
+        _, h_n = reference.add_normalize(
+            x, res, NormSpec(residual="float32_normalized")
+        )
         _, h_r = reference.add_normalize(x, res, NormSpec(residual="rounded"))
         np.testing.assert_array_equal(h_n.astype(np.float64), h_r.astype(np.float64))
 
@@ -124,7 +134,7 @@ def test_vjp_is_dh_plus_the_norm_vjp_at_the_normalized_sum():
     res = dtypes.round_to(rng.normal(size=(3, 8)), dtypes.bfloat16)
     dy, dh = rng.normal(size=(3, 8)), rng.normal(size=(3, 8))
     spec = NormSpec("layer", residual="rounded")
-    y, h = reference.add_normalize(x, res, spec)
+    _, h = reference.add_normalize(x, res, spec)
     got = reference.add_normalize_vjp(x, res, dy, dh, spec)
     norm = reference.normalize_vjp(h, dy, NormSpec("layer"))
     np.testing.assert_array_equal(got.dx, dh + norm.dx)
@@ -135,18 +145,32 @@ def test_vjp_is_dh_plus_the_norm_vjp_at_the_normalized_sum():
 
 def test_errors_name_the_problem():
     x = np.ones((2, 4), dtype=np.float32)
-    with pytest.raises(ValueError, match="add_normalize needs a spec with a residual rounding"):
+    with pytest.raises(
+        ValueError, match="add_normalize needs a spec with a residual rounding"
+    ):
         reference.add_normalize(x, x, NormSpec())
     with pytest.raises(ValueError, match="normalize: the spec has residual='rounded'"):
         reference.normalize(x, NormSpec(residual="rounded"))
-    with pytest.raises(ValueError, match="normalize_vjp: the spec has residual='float32'"):
+    with pytest.raises(
+        ValueError, match="normalize_vjp: the spec has residual='float32'"
+    ):
         reference.normalize_vjp(x, x, NormSpec(residual="float32"))
-    with pytest.raises(ValueError, match=r"residual has shape \(2, 3\), expected the shape of x"):
+    with pytest.raises(
+        ValueError, match=r"residual has shape \(2, 3\), expected the shape of x"
+    ):
         reference.add_normalize(x, np.ones((2, 3)), NormSpec(residual="rounded"))
     half = x.astype(np.float16)
-    with pytest.raises(TypeError, match="residual has dtype float32; residual='rounded' with x"):
+    with pytest.raises(
+        TypeError, match="residual has dtype float32; residual='rounded' with x"
+    ):
         reference.add_normalize(half, x, NormSpec(residual="rounded"))
-    with pytest.raises(TypeError, match="residual has dtype float64; residual='float32' with x"):
-        reference.add_normalize(half, x.astype(np.float64), NormSpec(residual="float32"))
-    with pytest.raises(ValueError, match=r"dh has shape \(4,\), expected the shape of x"):
+    with pytest.raises(
+        TypeError, match="residual has dtype float64; residual='float32' with x"
+    ):
+        reference.add_normalize(
+            half, x.astype(np.float64), NormSpec(residual="float32")
+        )
+    with pytest.raises(
+        ValueError, match=r"dh has shape \(4,\), expected the shape of x"
+    ):
         reference.add_normalize_vjp(x, x, x, np.ones(4), NormSpec(residual="rounded"))

@@ -26,7 +26,9 @@ def test_hand_case_where_the_variance_cancels_to_zero():
     # spacing there is 8), so the variance is 0 and y_hat = (x - mean) / sqrt(eps) = -+500.
     x = np.array([[1e4, 1e4 + 1]], dtype=np.float32)
     y = reference.normalize(x, FAST.replace(bias=False))
-    np.testing.assert_allclose(y, [[-0.5 / math.sqrt(1e-6), 0.5 / math.sqrt(1e-6)]], rtol=1e-7)
+    np.testing.assert_allclose(
+        y, [[-0.5 / math.sqrt(1e-6), 0.5 / math.sqrt(1e-6)]], rtol=1e-7
+    )
     two_pass = reference.normalize(x, NormSpec("layer", eps=1e-6, bias=False))
     np.testing.assert_allclose(two_pass, [[-1.0, 1.0]], rtol=1e-5)
 
@@ -55,8 +57,15 @@ def test_matches_independent_float32_formula(dtype, mean):
     x = (rng.normal(size=(6, 24)) + mean).astype(dtype)
     spec = FAST.replace(bias=False, scale=False)
     got = reference.normalize(x.astype(np.float32), spec).astype(np.float64)
-    want = np.array([fast_by_hand([float(v) for v in row], spec.eps) for row in x.astype(np.float64)])
-    np.testing.assert_allclose(got, dtypes.round_to(want, np.float32).astype(np.float64), rtol=0, atol=0)
+    want = np.array(
+        [
+            fast_by_hand([float(v) for v in row], spec.eps)
+            for row in x.astype(np.float64)
+        ]
+    )
+    np.testing.assert_allclose(
+        got, dtypes.round_to(want, np.float32).astype(np.float64), rtol=0, atol=0
+    )
     half_out = reference.normalize(x, spec)
     assert half_out.dtype == x.dtype
     np.testing.assert_array_equal(half_out, dtypes.round_to(want, x.dtype))
@@ -69,7 +78,8 @@ def test_fast_differs_from_two_pass_only_on_rows_with_a_large_mean():
     np.testing.assert_allclose(
         reference.normalize(centred, spec),
         reference.normalize(centred, spec.replace(variance="two_pass")),
-        rtol=0, atol=1e-6,
+        rtol=0,
+        atol=1e-6,
     )
     shifted = centred + np.float32(3000.0)
     gap = np.abs(

@@ -12,7 +12,11 @@ from normkit.spec import DEFAULT_ALPHA_INIT, DEFAULT_EPS, EXTENDED_DEFAULTS
 def test_defaults_leave_existing_specs_unchanged():
     spec = NormSpec()
     assert (spec.eps, spec.eps_placement, spec.variance) == (1e-6, "inside", "two_pass")
-    assert (spec.residual, spec.offset_dtype, spec.output_dtype) == (None, "float32", "input")
+    assert (spec.residual, spec.offset_dtype, spec.output_dtype) == (
+        None,
+        "float32",
+        "input",
+    )
     assert (spec.alpha_init, spec.backward) == (None, "exact")
     assert NormSpec("layer").variance == "two_pass"
     assert NormSpec("partial_rms", p=0.5).eps == DEFAULT_EPS
@@ -20,7 +24,12 @@ def test_defaults_leave_existing_specs_unchanged():
 
 def test_dyt_resolves_its_own_defaults_and_has_no_statistic_fields():
     spec = NormSpec("dyt")
-    assert (spec.eps, spec.eps_placement, spec.p, spec.variance) == (None, None, None, None)
+    assert (spec.eps, spec.eps_placement, spec.p, spec.variance) == (
+        None,
+        None,
+        None,
+        None,
+    )
     assert spec.alpha_init == DEFAULT_ALPHA_INIT == 0.5
     assert spec.bias is True and spec.scale is True
     assert NormSpec("dyt", alpha_init=1, bias=False).alpha_init == 1.0
@@ -33,7 +42,11 @@ def test_dyt_resolves_its_own_defaults_and_has_no_statistic_fields():
         ({"residual": True}, "residual", "None or one of"),
         ({"kind": "layer", "variance": "welford"}, "variance", "one of"),
         ({"variance": "fast"}, "variance", "only to kind='layer'"),
-        ({"kind": "partial_rms", "p": 0.5, "variance": "fast"}, "variance", "only to kind='layer'"),
+        (
+            {"kind": "partial_rms", "p": 0.5, "variance": "fast"},
+            "variance",
+            "only to kind='layer'",
+        ),
         ({"offset_dtype": "bfloat16"}, "offset_dtype", "one of"),
         ({"offset_dtype": "param"}, "offset_dtype", "non-zero scale_offset"),
         ({"output_dtype": "float32"}, "output_dtype", "one of"),
@@ -50,7 +63,11 @@ def test_dyt_resolves_its_own_defaults_and_has_no_statistic_fields():
         ({"kind": "dyt", "p": 0.5}, "p", "no statistic"),
         ({"kind": "dyt", "variance": "two_pass"}, "variance", "no statistic"),
         ({"kind": "dyt", "cast": "before"}, "cast", "one of"),
-        ({"kind": "dyt", "scale": False, "scale_offset": 1.0}, "scale_offset", "needs scale=True"),
+        (
+            {"kind": "dyt", "scale": False, "scale_offset": 1.0},
+            "scale_offset",
+            "needs scale=True",
+        ),
         ({"kind": "norm"}, "kind", "'dyt'"),
     ],
 )
@@ -82,13 +99,28 @@ def test_dict_round_trip_through_json_frozen_and_hashable(spec):
 
 def test_dict_written_before_the_extended_fields_gets_their_defaults():
     old = {
-        "kind": "layer", "eps": 1e-5, "eps_placement": "inside", "p": None, "axis": [-1],
-        "scale": True, "scale_offset": 0.0, "bias": True, "cast": "after_scale",
+        "kind": "layer",
+        "eps": 1e-5,
+        "eps_placement": "inside",
+        "p": None,
+        "axis": [-1],
+        "scale": True,
+        "scale_offset": 0.0,
+        "bias": True,
+        "cast": "after_scale",
     }
     spec = NormSpec.from_dict(old)
     assert spec == NormSpec("layer", eps=1e-5)
-    assert (spec.residual, spec.variance, spec.offset_dtype) == (None, "two_pass", "float32")
-    assert (spec.output_dtype, spec.alpha_init, spec.backward) == ("input", None, "exact")
+    assert (spec.residual, spec.variance, spec.offset_dtype) == (
+        None,
+        "two_pass",
+        "float32",
+    )
+    assert (spec.output_dtype, spec.alpha_init, spec.backward) == (
+        "input",
+        None,
+        "exact",
+    )
     assert set(spec.to_dict()) == set(old) | set(EXTENDED_DEFAULTS) | {"alpha_init"}
 
 
@@ -110,5 +142,7 @@ def test_require_defaults_names_the_first_extended_field():
     for spec in EXTENDED[:4]:
         name = next(f for f, d in EXTENDED_DEFAULTS.items() if getattr(spec, f) != d)
         value = getattr(spec, name)
-        with pytest.raises(ValueError, match=rf"impl does not support NormSpec.{name}={value!r}"):
+        with pytest.raises(
+            ValueError, match=rf"impl does not support NormSpec.{name}={value!r}"
+        ):
             spec.require_defaults("impl")
