@@ -1,11 +1,13 @@
 """The numpy reference: what a `NormSpec` computes, forward and backward, in float64.
 
-Everything else in normkit is checked against these two functions.
+Everything else in normkit is checked against these functions: `normalize` and `normalize_vjp`,
+and `add_normalize` and `add_normalize_vjp` for the specs with a residual.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -13,7 +15,55 @@ import numpy.typing as npt
 from normkit import dtypes
 from normkit.spec import NormSpec
 
-__all__ = ["normalize", "normalize_vjp", "scaled_magnitude", "check_params"]
+__all__ = [
+    "AddDytGrads",
+    "AddNormGrads",
+    "DytGrads",
+    "NormGrads",
+    "add_normalize",
+    "add_normalize_vjp",
+    "check_params",
+    "normalize",
+    "normalize_vjp",
+    "output_dtype",
+    "scaled_magnitude",
+]
+
+
+class NormGrads(NamedTuple):
+    """`normalize_vjp` of a normalization kind: ``(dx, dscale, dbias)``."""
+
+    dx: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
+
+
+class DytGrads(NamedTuple):
+    """`normalize_vjp` of ``kind="dyt"``: ``(dx, dscale, dbias, dalpha)``."""
+
+    dx: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
+    dalpha: np.ndarray
+
+
+class AddNormGrads(NamedTuple):
+    """`add_normalize_vjp` of a normalization kind: ``(dx, dresidual, dscale, dbias)``."""
+
+    dx: np.ndarray
+    dresidual: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
+
+
+class AddDytGrads(NamedTuple):
+    """`add_normalize_vjp` of ``kind="dyt"``: ``(dx, dresidual, dscale, dbias, dalpha)``."""
+
+    dx: np.ndarray
+    dresidual: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
+    dalpha: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -58,6 +108,7 @@ def check_params(
     """The effective scale ``scale_offset + w`` and the bias for an input of ``shape``, float64.
 
     An absent ``scale`` means its initial value (effective scale 1), an absent ``bias`` zero.
+    With ``offset_dtype="param"`` the sum is rounded to ``scale``'s dtype.
     A parameter the spec does not have, or one of the wrong shape or dtype, raises
     ValueError/TypeError.
     """
@@ -77,6 +128,8 @@ def check_params(
     g = np.ones(param_shape) if scale is None else checked("scale", scale, spec.scale)
     if scale is not None:
         g += spec.scale_offset
+        if spec.offset_dtype == "param":
+            g = dtypes.round_to(g, np.asarray(scale).dtype).astype(np.float64)
     b = np.zeros(param_shape) if bias is None else checked("bias", bias, spec.bias)
     return g, b
 
@@ -92,11 +145,18 @@ class _Statistic:
     dr_ds: np.ndarray
 
 
-def _statistic(rows: np.ndarray, spec: NormSpec) -> _Statistic:
+def _statistic(
+    rows: np.ndarray, spec: NormSpec, moments: tuple[np.ndarray, np.ndarray] | None = None
+) -> _Statistic:
+    """The exact statistic, or the given ``(centered, s)`` (those of ``variance="fast"``)."""
+    assert spec.eps is not None, "a normalization kind has an eps"
     n = rows.shape[1]
     k = spec.stat_size(n)
-    centered = rows - rows.mean(axis=1, keepdims=True) if spec.kind == "layer" else rows
-    s = np.mean(centered[:, :k] ** 2, axis=1)
+    if moments is None:
+        centered = rows - rows.mean(axis=1, keepdims=True) if spec.kind == "layer" else rows
+        s = np.mean(centered[:, :k] ** 2, axis=1)
+    else:
+        centered, s = moments
     with np.errstate(divide="ignore", invalid="ignore"):
         if spec.eps_placement == "inside":
             r = 1.0 / np.sqrt(s + spec.eps)
@@ -110,33 +170,282 @@ def _statistic(rows: np.ndarray, spec: NormSpec) -> _Statistic:
     return _Statistic(centered, k, s, r[:, None], dr_ds[:, None])
 
 
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a spec computes in for inputs of ``dtype``: float32, or float64 for float64."""
+    return dtypes.float64 if dtype == dtypes.float64 else dtypes.float32
+
+
+def _fast_moments(rows: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``variance="fast"``: ``(x - m1, v)`` with ``c`` the compute dtype of ``dtype`` and
+
+        m1 = c(mean(x))    m2 = c(mean(c(x_i^2)))    v = max(0, c(m2 - c(m1^2)))
+
+    where ``c(.)`` rounds to ``c`` once and the means are taken in float64 (the ideal of the
+    float32 reduction: an implementation's summation order adds its own error).
+    """
+    c = _compute_dtype(dtype)
+
+    def rounded(values: np.ndarray) -> np.ndarray:
+        return dtypes.round_to(values, c).astype(np.float64)
+
+    m1 = rounded(rows.mean(axis=1))
+    m2 = rounded(rounded(rows**2).mean(axis=1))
+    v = np.maximum(0.0, rounded(m2 - rounded(m1 * m1)))
+    return rows - m1[:, None], v
+
+
+def _promote(*kinds: np.dtype) -> np.dtype:
+    """The promoted dtype of float dtypes: the widest; float16 with bfloat16 gives float32."""
+    present = set(kinds)
+    if dtypes.float64 in present:
+        return dtypes.float64
+    if dtypes.float32 in present or len(present) > 1:
+        return dtypes.float32
+    return kinds[0]
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The checked parameters in float64 (``g`` the effective scale) and their dtypes."""
+
+    g: np.ndarray
+    b: np.ndarray
+    alpha: np.ndarray
+    scale_dtype: np.dtype | None
+    bias_dtype: np.dtype | None
+    alpha_dtype: np.dtype | None
+
+    def given_dtypes(self) -> tuple[np.dtype, ...]:
+        found = (self.scale_dtype, self.bias_dtype, self.alpha_dtype)
+        return tuple(d for d in found if d is not None)
+
+
+def _check_alpha(spec: NormSpec, alpha: npt.ArrayLike | None) -> tuple[np.ndarray, np.dtype | None]:
+    if spec.kind != "dyt":
+        if alpha is not None:
+            raise ValueError(f"alpha was given but the spec has kind={spec.kind!r} (not 'dyt')")
+        return np.zeros(()), None
+    if alpha is None:
+        assert spec.alpha_init is not None
+        return np.asarray(spec.alpha_init, dtype=np.float64), None
+    arr = _check_input(alpha, "alpha")
+    if arr.shape not in ((), (1,)):
+        raise ValueError(f"alpha has shape {arr.shape}, expected a scalar (shape () or (1,))")
+    return arr.astype(np.float64), arr.dtype
+
+
+def _params(
+    shape: tuple[int, ...],
+    spec: NormSpec,
+    scale: npt.ArrayLike | None,
+    bias: npt.ArrayLike | None,
+    alpha: npt.ArrayLike | None,
+) -> _Params:
+    g, b = check_params(shape, spec, scale, bias)
+    a, alpha_dtype = _check_alpha(spec, alpha)
+    return _Params(
+        g,
+        b,
+        a,
+        None if scale is None else np.asarray(scale).dtype,
+        None if bias is None else np.asarray(bias).dtype,
+        alpha_dtype,
+    )
+
+
+def output_dtype(
+    dtype: npt.DTypeLike,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+    alpha: npt.ArrayLike | None = None,
+) -> np.dtype:
+    """The dtype of ``normalize``'s output for an input of ``dtype`` and these parameters.
+
+    ``output_dtype="input"``: ``dtype``. ``"promote"``: the promoted dtype of ``dtype`` and the
+    dtypes of the parameters given (absent ones take no part): the widest, with float16 and
+    bfloat16 together promoting to float32.
+    """
+    resolved = dtypes.as_float_dtype(dtype, "x")
+    if spec.output_dtype == "input":
+        return resolved
+    given = (v for v in (scale, bias, alpha) if v is not None)
+    return _promote(resolved, *(dtypes.as_float_dtype(np.asarray(v).dtype) for v in given))
+
+
+def _refuse_residual(spec: NormSpec, who: str) -> None:
+    if spec.residual is not None:
+        raise ValueError(
+            f"{who}: the spec has residual={spec.residual!r}, which describes an add and norm; "
+            "use add_normalize / add_normalize_vjp"
+        )
+
+
+def _normalized_rows(
+    rows: np.ndarray, spec: NormSpec, dtype: np.dtype, alpha: np.ndarray, exact: bool
+) -> tuple[np.ndarray, _Statistic | None]:
+    """``y_hat`` per row (and the statistic), for inputs of ``dtype``; ``exact`` ignores the
+    roundings of ``variance="fast"`` (the gradient is that of the exact function)."""
+    if spec.kind == "dyt":
+        return np.tanh(float(alpha.reshape(())) * rows), None
+    fast = spec.variance == "fast" and not exact
+    stat = _statistic(rows, spec, _fast_moments(rows, dtype) if fast else None)
+    return stat.centered * stat.r, stat
+
+
+def _forward(
+    values: np.ndarray, dtype: np.dtype, out: np.dtype, spec: NormSpec, p: _Params
+) -> np.ndarray:
+    """The spec on float64 ``values`` with the dtype policy of inputs of ``dtype``, in ``out``."""
+    layout = _Rows.of(values.shape, spec)
+    normalized, _ = _normalized_rows(layout.split(values), spec, dtype, p.alpha, exact=False)
+    if dtypes.is_half(dtype) and spec.cast == "before_scale":
+        normalized = dtypes.round_to(normalized, dtype).astype(np.float64)
+    y = normalized * p.g.reshape(1, -1) + p.b.reshape(1, -1)
+    return dtypes.round_to(layout.join(y), out)
+
+
 def normalize(
     x: npt.ArrayLike,
     spec: NormSpec,
     scale: npt.ArrayLike | None = None,
     bias: npt.ArrayLike | None = None,
+    alpha: npt.ArrayLike | None = None,
 ) -> np.ndarray:
-    """``spec`` applied to ``x``, computed in float64 and returned in ``x``'s dtype.
+    """``spec`` applied to ``x``, computed in float64 and returned in the output dtype.
 
     For float16 and bfloat16 inputs the casts of ``spec.cast`` are reproduced exactly: with
     ``"before_scale"`` the normalized value is rounded to the input dtype before the affine
-    step, and the output is rounded (to nearest even, once from float64) to the input dtype.
+    step, and the output is rounded (to nearest even, once from float64) to the output dtype
+    (`output_dtype`: ``x``'s, or the promoted one). ``variance="fast"`` reproduces its roundings
+    (see `NormSpec`); ``offset_dtype="param"`` rounds ``scale_offset + w`` to ``scale``'s dtype.
 
     Args:
       x: float16, bfloat16 (ml_dtypes), float32 or float64 array.
-      spec: the norm.
+      spec: the norm; one with a ``residual`` goes to `add_normalize` instead.
       scale: ``w``, of shape ``spec.param_shape(x.shape)``; None means its initial value.
       bias: ``b``, of the same shape; None means zero.
+      alpha: DyT's ``alpha``, a scalar (shape ``()`` or ``(1,)``); None means
+        ``spec.alpha_init``. Only for ``kind="dyt"``.
     """
     arr = _check_input(x, "x")
-    g, b = check_params(arr.shape, spec, scale, bias)
-    layout = _Rows.of(arr.shape, spec)
-    stat = _statistic(layout.split(arr.astype(np.float64)), spec)
-    normalized = stat.centered * stat.r
-    if dtypes.is_half(arr.dtype) and spec.cast == "before_scale":
-        normalized = dtypes.round_to(normalized, arr.dtype).astype(np.float64)
-    y = normalized * g.reshape(1, -1) + b.reshape(1, -1)
-    return dtypes.round_to(layout.join(y), arr.dtype)
+    _refuse_residual(spec, "normalize")
+    p = _params(arr.shape, spec, scale, bias, alpha)
+    out = output_dtype(arr.dtype, spec, scale, bias, alpha)
+    return _forward(arr.astype(np.float64), arr.dtype, out, spec, p)
+
+
+def _round_half(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values`` rounded to ``dtype`` if it is a half dtype (float64 result); else unchanged.
+
+    For sums: a float32 reduction's rounding depends on its order, so it is not modelled."""
+    if not dtypes.is_half(dtype):
+        return values
+    return dtypes.round_to(values, dtype).astype(np.float64)
+
+
+def _round_product(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Elementwise products rounded to ``dtype`` (float64 result), float32 included: an IEEE
+    product is rounded once, whatever the order of evaluation."""
+    return dtypes.round_to(values, dtype).astype(np.float64)
+
+
+def _affine_dtype(dtype: np.dtype, spec: NormSpec, p: _Params) -> np.dtype:
+    """The dtype of the eager program's affine step: that of ``y_hat`` (the input's, after the
+    before-scale cast) promoted with the effective scale's and the bias's."""
+    kinds = [dtype]
+    if p.scale_dtype is not None:
+        in_own_dtype = spec.offset_dtype == "param" or spec.scale_offset == 0
+        kinds.append(p.scale_dtype if in_own_dtype else _promote(dtypes.float32, p.scale_dtype))
+    if p.bias_dtype is not None:
+        kinds.append(p.bias_dtype)
+    return _promote(*kinds)
+
+
+@dataclass(frozen=True)
+class _RawGrads:
+    """Float64 gradients before the final rounding to each array's dtype."""
+
+    dx: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
+    dalpha: np.ndarray
+
+
+def _grads(
+    values: np.ndarray, dtype: np.dtype, dy: np.ndarray, spec: NormSpec, p: _Params
+) -> _RawGrads:
+    r"""The VJP at float64 ``values`` with the dtype policy of inputs of ``dtype``.
+
+    ``backward="autograd"`` with a half input and ``cast="before_scale"`` rounds as autograd
+    through the eager forward does, ``a`` being `_affine_dtype` and ``z`` the rounded ``y_hat``:
+    ``dz = t(a(dy g))``, ``dscale = a(sum_rows a(dy z))``, ``dbias = a(sum_rows dy)``, where
+    ``t(.)`` and ``a(.)`` round to the input and the affine dtype: products always, sums only to
+    a half dtype (a float32 sum's rounding depends on its order).
+    """
+    layout = _Rows.of(values.shape, spec)
+    rows = layout.split(values)
+    dy_rows = layout.split(dy)
+    g = p.g.reshape(1, -1)
+    normalized, stat = _normalized_rows(rows, spec, dtype, p.alpha, exact=True)
+    autograd = (
+        spec.backward == "autograd" and dtypes.is_half(dtype) and spec.cast == "before_scale"
+    )
+    if autograd:
+        a = _affine_dtype(dtype, spec, p)
+        z = _round_half(normalized, dtype)
+        d = _round_half(_round_product(dy_rows * g, a), dtype)
+        dscale = _round_half(np.sum(_round_product(dy_rows * z, a), axis=0), a)
+        dbias = _round_half(np.sum(dy_rows, axis=0), a)
+    else:
+        d = dy_rows * g
+        dscale = np.sum(dy_rows * normalized, axis=0)
+        dbias = np.sum(dy_rows, axis=0)
+    if stat is None:  # dyt: y_hat = tanh(alpha x)
+        slope = 1.0 - normalized**2
+        dx = float(p.alpha.reshape(())) * slope * d
+        dalpha = np.asarray(np.sum(d * rows * slope)).reshape(p.alpha.shape)
+    else:
+        c = stat.centered
+        if spec.kind == "layer":
+            n = c.shape[1]
+            dx = stat.r * (d - d.mean(axis=1, keepdims=True))
+            dx += (2.0 / n) * c * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+        else:
+            dx = stat.r * d
+            k = stat.k
+            dx[:, :k] += (2.0 / k) * c[:, :k] * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+        dalpha = np.zeros(())
+    param_shape = spec.param_shape(values.shape)
+    return _RawGrads(
+        layout.join(dx),
+        dscale.reshape(param_shape) if spec.scale else None,
+        dbias.reshape(param_shape) if spec.bias else None,
+        dalpha,
+    )
+
+
+def _param_grads(
+    raw: _RawGrads, spec: NormSpec, p: _Params
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
+    """The parameters' gradients: float64 (``backward="exact"``) or rounded to the parameters'
+    dtypes (``"autograd"``; float32 for an absent parameter)."""
+    if spec.backward == "exact":
+        return raw.dscale, raw.dbias, raw.dalpha
+
+    def rounded(v: np.ndarray | None, dtype: np.dtype | None) -> np.ndarray | None:
+        return None if v is None else dtypes.round_to(v, dtype or dtypes.float32)
+
+    dalpha = rounded(raw.dalpha, p.alpha_dtype)
+    assert dalpha is not None
+    return rounded(raw.dscale, p.scale_dtype), rounded(raw.dbias, p.bias_dtype), dalpha
+
+
+def _check_grad(value: npt.ArrayLike, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    arr = _check_input(value, name)
+    if arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, expected the shape of x, {shape}")
+    return arr.astype(np.float64)
 
 
 def normalize_vjp(
@@ -145,8 +454,9 @@ def normalize_vjp(
     spec: NormSpec,
     scale: npt.ArrayLike | None = None,
     bias: npt.ArrayLike | None = None,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    r"""The gradients of ``sum(dy * normalize(x, spec, scale, bias))``, analytic, in float64.
+    alpha: npt.ArrayLike | None = None,
+) -> NormGrads | DytGrads:
+    r"""The gradients of ``sum(dy * normalize(x, spec, scale, bias, alpha))``, analytic.
 
     With ``c`` the centered row, ``y_hat = c r(s)``, ``g = scale_offset + w`` and
     ``d = dy * g``::
@@ -154,39 +464,150 @@ def normalize_vjp(
         dw = sum over rows of dy * y_hat            db = sum over rows of dy
         rms, partial_rms:  dx_i = r d_i + [i < k] (2 x_i / k) r'(s) sum_j d_j x_j
         layer:             dx_i = r (d_i - mean(d)) + (2 c_i / n) r'(s) sum_j d_j c_j
+        dyt:               dx_i = alpha (1 - y_hat_i^2) d_i
+                           dalpha = sum over all elements of x_i (1 - y_hat_i^2) d_i
 
-    with ``r'(s) = -r^3 / 2`` (inside) or ``-r^2 / (2 sqrt(s))`` (outside, 0 at s = 0). The
-    roundings of the half-precision policy are not differentiated: the gradient is that of the
-    exact function. Returns ``(dx, dscale, dbias)``, with None for parameters the spec lacks.
+    with ``r'(s) = -r^3 / 2`` (inside) or ``-r^2 / (2 sqrt(s))`` (outside, 0 at s = 0).
+
+    ``backward="exact"`` (default): the roundings of the half-precision policy are not
+    differentiated (``variance="fast"`` has the gradient of ``"two_pass"``); the gradients are
+    those of the exact function, in float64. ``backward="autograd"``: with a half input and
+    ``cast="before_scale"``, ``d`` is rounded as autograd rounds it (see `NormSpec`), and the
+    scale's gradient is summed from products rounded to the affine step's dtype; every gradient
+    is returned rounded to its array's dtype (``x``'s, the parameters'; float32 for an absent
+    parameter).
+
+    Returns `NormGrads` ``(dx, dscale, dbias)`` for the normalization kinds, as before DyT, and
+    `DytGrads` ``(dx, dscale, dbias, dalpha)`` for ``kind="dyt"`` (``dalpha`` of ``alpha``'s
+    shape, ``()`` when it is None); None for parameters the spec lacks.
     """
     arr = _check_input(x, "x")
-    grad = _check_input(dy, "dy")
-    if grad.shape != arr.shape:
-        raise ValueError(f"dy has shape {grad.shape}, expected the shape of x, {arr.shape}")
-    g, _ = check_params(arr.shape, spec, scale, bias)
-    layout = _Rows.of(arr.shape, spec)
-    stat = _statistic(layout.split(arr.astype(np.float64)), spec)
-    dy_rows = layout.split(grad.astype(np.float64))
-    d = dy_rows * g.reshape(1, -1)
-    c = stat.centered
-    if spec.kind == "layer":
-        n = c.shape[1]
-        dx = stat.r * (d - d.mean(axis=1, keepdims=True))
-        dx += (2.0 / n) * c * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+    grad = _check_grad(dy, "dy", arr.shape)
+    _refuse_residual(spec, "normalize_vjp")
+    p = _params(arr.shape, spec, scale, bias, alpha)
+    raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p)
+    dx = raw.dx if spec.backward == "exact" else dtypes.round_to(raw.dx, arr.dtype)
+    dscale, dbias, dalpha = _param_grads(raw, spec, p)
+    if spec.kind == "dyt":
+        return DytGrads(dx, dscale, dbias, dalpha)
+    return NormGrads(dx, dscale, dbias)
+
+
+@dataclass(frozen=True)
+class _Sum:
+    """``x + residual`` as a spec with a residual rounds it: the values the norm reads, ``h``."""
+
+    normalized: np.ndarray
+    h: np.ndarray
+
+
+def _add(x: np.ndarray, residual: np.ndarray, spec: NormSpec) -> _Sum:
+    if spec.residual is None:
+        raise ValueError(
+            "add_normalize needs a spec with a residual rounding (residual='rounded', "
+            "'float32' or 'float32_normalized'), got residual=None"
+        )
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {residual.shape}, expected the shape of x, {x.shape}")
+    c = _compute_dtype(x.dtype)
+    allowed = {x.dtype, c} if spec.residual == "float32" else {x.dtype}
+    if residual.dtype not in allowed:
+        names = " or ".join(sorted(d.name for d in allowed))
+        raise TypeError(
+            f"residual has dtype {residual.dtype.name}; residual={spec.residual!r} with x of "
+            f"dtype {x.dtype.name} needs {names}"
+        )
+    exact = x.astype(np.float64) + residual.astype(np.float64)
+    if spec.residual == "rounded":
+        h = dtypes.round_to(exact, x.dtype)
+        return _Sum(h.astype(np.float64), h)
+    kept = dtypes.round_to(exact, c)
+    h = kept if spec.residual == "float32" else dtypes.round_to(kept, x.dtype)
+    return _Sum(kept.astype(np.float64), h)
+
+
+def add_normalize(
+    x: npt.ArrayLike,
+    residual: npt.ArrayLike,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+    alpha: npt.ArrayLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``h = x + residual`` rounded as ``spec.residual`` says, and ``(normalize(h), h)``.
+
+    With ``t`` the input dtype (``x``'s) and ``c`` the compute dtype (float32; float64 for
+    float64 inputs), ``round_d`` rounding once to nearest even:
+
+        "rounded":             h = round_t(x + residual); y = norm(h)             h in t
+        "float32":             h = round_c(x + residual); y = norm(h)             h in c
+        "float32_normalized":  s = round_c(x + residual); y = norm(s); h = round_t(s)  h in t
+
+    ``norm`` has the dtype policy of inputs of dtype ``t`` whatever dtype ``h`` has (its
+    statistic in float32, its cast points and output dtype those of ``t``). For float32 and
+    float64 inputs the three coincide. ``residual`` has ``x``'s shape and dtype, or with
+    ``"float32"`` may be a ``c`` array (a residual stream kept in float32).
+    """
+    arr = _check_input(x, "x")
+    res = _check_input(residual, "residual")
+    added = _add(arr, res, spec)
+    p = _params(arr.shape, spec, scale, bias, alpha)
+    out = output_dtype(arr.dtype, spec, scale, bias, alpha)
+    return _forward(added.normalized, arr.dtype, out, spec, p), added.h
+
+
+def add_normalize_vjp(
+    x: npt.ArrayLike,
+    residual: npt.ArrayLike,
+    dy: npt.ArrayLike,
+    dh: npt.ArrayLike | None,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+    alpha: npt.ArrayLike | None = None,
+) -> AddNormGrads | AddDytGrads:
+    """The gradients of ``sum(dy * y) + sum(dh * h)`` for ``(y, h) = add_normalize(...)``.
+
+    The rounding of the sum is not differentiated, and the norm's VJP is evaluated at the value
+    the forward normalizes (``h``, or the float32 sum): ``dx = dresidual = dh + dnorm`` with
+    ``dnorm`` the input gradient of `normalize_vjp` there; the parameters' gradients are those
+    of `normalize_vjp`. ``dh`` None means zero. ``backward="autograd"`` reproduces the eager
+    program's roundings: with ``"rounded"`` the norm's input gradient is rounded to the input
+    dtype and added to ``dh`` in it; with the float32 modes both are float32 (not rounded);
+    ``dx`` and ``dresidual`` are then rounded to their arrays' dtypes.
+
+    Returns `AddNormGrads` ``(dx, dresidual, dscale, dbias)``, or `AddDytGrads` with ``dalpha``
+    for ``kind="dyt"``.
+    """
+    arr = _check_input(x, "x")
+    res = _check_input(residual, "residual")
+    added = _add(arr, res, spec)
+    grad = _check_grad(dy, "dy", arr.shape)
+    dh64 = np.zeros(arr.shape) if dh is None else _check_grad(dh, "dh", arr.shape)
+    p = _params(arr.shape, spec, scale, bias, alpha)
+    raw = _grads(added.normalized, arr.dtype, grad, spec, p)
+    if spec.backward == "exact":
+        dx = dres = dh64 + raw.dx
     else:
-        dx = stat.r * d
-        k = stat.k
-        dx[:, :k] += (2.0 / k) * c[:, :k] * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
-    param_shape = spec.param_shape(arr.shape)
-    dscale = np.sum(dy_rows * c * stat.r, axis=0).reshape(param_shape) if spec.scale else None
-    dbias = np.sum(dy_rows, axis=0).reshape(param_shape) if spec.bias else None
-    return layout.join(dx), dscale, dbias
+        if spec.residual == "rounded":
+            total = _round_half(dh64 + _round_half(raw.dx, arr.dtype), arr.dtype)
+        else:
+            total = dh64 + raw.dx
+        dx, dres = dtypes.round_to(total, arr.dtype), dtypes.round_to(total, res.dtype)
+    dscale, dbias, dalpha = _param_grads(raw, spec, p)
+    if spec.kind == "dyt":
+        return AddDytGrads(dx, dres, dscale, dbias, dalpha)
+    return AddNormGrads(dx, dres, dscale, dbias)
 
 
 def scaled_magnitude(
-    x: npt.ArrayLike, spec: NormSpec, scale: npt.ArrayLike | None = None
+    x: npt.ArrayLike,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    alpha: npt.ArrayLike | None = None,
 ) -> np.ndarray:
-    """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that ``cast="before_scale"``
-    rounds at (see `normkit.tolerances`)."""
+    """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that
+    ``cast="before_scale"`` rounds at (see `normkit.tolerances`)."""
     arr = _check_input(x, "x")
-    return np.abs(normalize(arr.astype(np.float64), spec.replace(bias=False), scale))
+    exact = spec.replace(bias=False, residual=None, output_dtype="input")
+    return np.abs(normalize(arr.astype(np.float64), exact, scale, None, alpha))

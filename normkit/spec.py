@@ -13,15 +13,39 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-Kind: TypeAlias = Literal["rms", "partial_rms", "layer"]
+Kind: TypeAlias = Literal["rms", "partial_rms", "layer", "dyt"]
 EpsPlacement: TypeAlias = Literal["inside", "outside"]
 Cast: TypeAlias = Literal["after_scale", "before_scale"]
+Residual: TypeAlias = Literal["rounded", "float32", "float32_normalized"]
+Variance: TypeAlias = Literal["two_pass", "fast"]
+OffsetDtype: TypeAlias = Literal["float32", "param"]
+OutputDtype: TypeAlias = Literal["input", "promote"]
+Backward: TypeAlias = Literal["exact", "autograd"]
 
+# The normalization kinds (a statistic, eps, an eps placement); every adapter implements them.
 KINDS: tuple[Kind, ...] = ("rms", "partial_rms", "layer")
+# Every kind a spec may name: the normalization kinds and DyT, which has no statistic.
+ALL_KINDS: tuple[Kind, ...] = (*KINDS, "dyt")
 EPS_PLACEMENTS: tuple[EpsPlacement, ...] = ("inside", "outside")
 CASTS: tuple[Cast, ...] = ("after_scale", "before_scale")
+RESIDUALS: tuple[Residual, ...] = ("rounded", "float32", "float32_normalized")
+VARIANCES: tuple[Variance, ...] = ("two_pass", "fast")
+OFFSET_DTYPES: tuple[OffsetDtype, ...] = ("float32", "param")
+OUTPUT_DTYPES: tuple[OutputDtype, ...] = ("input", "promote")
+BACKWARDS: tuple[Backward, ...] = ("exact", "autograd")
 
 DEFAULT_EPS = 1e-6
+DEFAULT_ALPHA_INIT = 0.5
+
+# The fields that extend the original spec, with the value that leaves a spec as it was before
+# them; with kind="dyt", what `NormSpec.require_defaults` lets an implementation refuse.
+EXTENDED_DEFAULTS: dict[str, object] = {
+    "residual": None,
+    "variance": "two_pass",
+    "offset_dtype": "float32",
+    "output_dtype": "input",
+    "backward": "exact",
+}
 
 
 def _invalid(field: str, value: object, allowed: str) -> ValueError:
@@ -37,6 +61,7 @@ class NormSpec:
         rms:          s = mean(x ** 2)                 y_hat = x * r(s)
         partial_rms:  s = mean(x[:k] ** 2)             y_hat = x * r(s)    k = max(1, floor(n * p))
         layer:        s = mean((x - mean(x)) ** 2)     y_hat = (x - mean(x)) * r(s)
+        dyt:          (no statistic)                   y_hat = tanh(alpha * x)
 
         r(s) = 1 / sqrt(s + eps)        eps_placement="inside"
         r(s) = 1 / (sqrt(s) + eps)      eps_placement="outside"
@@ -46,49 +71,113 @@ class NormSpec:
     ``w`` (present when ``scale``) and ``b`` (present when ``bias``) have the shape of the input
     over ``axis``, taken in increasing axis order. The initial ``w`` is ``1 - scale_offset`` (ones,
     or zeros with the Gemma offset 1), so a fresh layer has an effective scale of 1; ``b`` starts
-    at zero.
+    at zero. DyT's ``alpha`` is a learned scalar starting at ``alpha_init``.
 
-    Dtype policy: for float16 and bfloat16 inputs the statistic and ``y_hat`` are computed in
-    float32. With ``cast="after_scale"`` the scale and bias are applied in float32 and the result
-    is rounded to the input dtype once; with ``cast="before_scale"`` (the Llama order) ``y_hat`` is
-    rounded to the input dtype first, and the affine result is rounded again. The output dtype is
-    always the input dtype, whatever the parameters' dtype.
+    Dtype policy: for float16 and bfloat16 inputs the statistic and ``y_hat`` (DyT: ``tanh``) are
+    computed in float32. With ``cast="after_scale"`` the scale and bias are applied in float32 and
+    the result is rounded to the output dtype once; with ``cast="before_scale"`` (the Llama order)
+    ``y_hat`` is rounded to the input dtype first, and the affine result is rounded again. The
+    output dtype is the input dtype (``output_dtype="input"``) or the promoted dtype of the input
+    and the parameters (``"promote"``).
 
     Args:
-      kind: ``"rms"`` (RMSNorm), ``"partial_rms"`` (pRMSNorm) or ``"layer"`` (LayerNorm).
-        Default ``"rms"``.
-      eps: the positive constant that keeps ``r`` finite. Default ``1e-6`` for every kind and
-        backend (torch's own LayerNorm uses 1e-5, Keras' LayerNormalization 1e-3: pass them
-        explicitly to match).
+      kind: ``"rms"`` (RMSNorm), ``"partial_rms"`` (pRMSNorm), ``"layer"`` (LayerNorm) or
+        ``"dyt"`` (Dynamic Tanh, no statistic). Default ``"rms"``.
+      eps: the positive constant that keeps ``r`` finite. Default None, which resolves to
+        ``1e-6`` for every normalization kind and backend (torch's own LayerNorm uses 1e-5,
+        Keras' LayerNormalization 1e-3: pass them explicitly to match). DyT has no eps: it must
+        stay None.
       eps_placement: ``"inside"`` the square root (torch, Keras, Flax, Hugging Face) or
         ``"outside"`` it, added to the RMS or standard deviation (the original RMSNorm code).
-        Default ``"inside"``.
+        Default None, which resolves to ``"inside"``; must stay None for DyT.
       p: the partial fraction of ``partial_rms``, ``0 < p <= 1``; required for that kind and
         invalid for the others. Default ``None``.
       axis: the normalized axes, an int or a tuple of ints; negative values count from the end.
-        Default ``-1``. Stored as a tuple.
+        Default ``-1``. Stored as a tuple. For DyT, the axes the parameters ``w`` and ``b`` span.
       scale: whether the layer has the learned scale ``w``. Default ``True``.
       scale_offset: the constant added to ``w`` before multiplying; ``1.0`` is the Gemma
         (zero-centered) convention. Default ``0.0``. Requires ``scale=True`` when non-zero.
       bias: whether the layer has the learned bias ``b``. Default ``None``, which resolves to
-        ``False`` for the RMS kinds and ``True`` for ``"layer"``.
+        ``False`` for the RMS kinds and ``True`` for ``"layer"`` and ``"dyt"``.
       cast: the cast order for half-precision inputs, ``"after_scale"`` (default) or
         ``"before_scale"``. It has no effect on float32 or float64 inputs.
+      residual: a residual added before the norm (``h = x + residual; y = norm(h)``, returning
+        ``(y, h)``; `normkit.reference.add_normalize`), or None (default, no residual). How the
+        sum is rounded: ``"rounded"`` (``h`` rounded to the input dtype and that ``h``
+        normalized: eager model code), ``"float32"`` (``h`` kept, normalized and returned in
+        float32, float64 for float64 inputs: Quack, TransformerEngine) or
+        ``"float32_normalized"`` (the float32 sum normalized, ``h`` returned rounded to the input
+        dtype: FlashInfer). For float32 and float64 inputs the three coincide.
+      variance: how LayerNorm computes its variance: ``"two_pass"`` (``mean((x - mean(x))^2)``)
+        or ``"fast"`` (``max(0, mean(x^2) - mean(x)^2)`` with each step rounded to the compute
+        dtype, float32 for half and float32 inputs: Flax's default). Default None, which resolves
+        to ``"two_pass"`` for the normalization kinds (the only value for the RMS kinds, whose
+        statistic has no mean) and stays None for DyT.
+      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default; at least
+        float32, exact in the reference) or ``"param"`` (in ``w``'s own dtype, rounded there,
+        then upcast). ``"param"`` needs a non-zero ``scale_offset``.
+      output_dtype: ``"input"`` (default: the input dtype, whatever the parameters') or
+        ``"promote"`` (the promoted dtype of the input and the parameters given, as Flax's
+        ``result_type(x, params)``; the final rounding goes to it).
+      alpha_init: DyT's initial ``alpha``, a positive finite float. Default None, which resolves
+        to ``0.5`` (the paper's and Liger's value; x-transformers uses 1.0) for ``"dyt"``; must
+        stay None for the other kinds.
+      backward: the rounding model of the gradients: ``"exact"`` (default: the exact VJP, rounded
+        once to each gradient's dtype) or ``"autograd"`` (what autograd through the eager
+        forward computes in half precision: with ``cast="before_scale"`` the gradient of
+        ``y_hat`` rounded to the input dtype at the cast, and the scale's gradient summed from
+        products rounded to their dtype; Hugging Face Llama's RMSNorm).
     """
 
     kind: Kind = "rms"
-    eps: float = DEFAULT_EPS
-    eps_placement: EpsPlacement = "inside"
+    eps: float | None = None
+    eps_placement: EpsPlacement | None = None
     p: float | None = None
     axis: int | tuple[int, ...] = -1
     scale: bool = True
     scale_offset: float = 0.0
     bias: bool | None = None
     cast: Cast = "after_scale"
+    residual: Residual | None = None
+    variance: Variance | None = None
+    offset_dtype: OffsetDtype = "float32"
+    output_dtype: OutputDtype = "input"
+    alpha_init: float | None = None
+    backward: Backward = "exact"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise _invalid("kind", self.kind, f"expected one of {KINDS}")
+        if self.kind not in ALL_KINDS:
+            raise _invalid("kind", self.kind, f"expected one of {ALL_KINDS}")
+        if self.kind == "dyt":
+            self._check_dyt_fields()
+        else:
+            self._check_norm_fields()
+        object.__setattr__(self, "axis", _normalize_axis(self.axis))
+        if not isinstance(self.scale, bool):
+            raise _invalid("scale", self.scale, "expected True or False")
+        if isinstance(self.scale_offset, bool) or not isinstance(self.scale_offset, (int, float)):
+            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
+        if not math.isfinite(self.scale_offset):
+            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
+        if self.scale_offset != 0 and not self.scale:
+            raise _invalid("scale_offset", self.scale_offset, "a non-zero offset needs scale=True")
+        if self.bias is None:
+            object.__setattr__(self, "bias", self.kind in ("layer", "dyt"))
+        elif not isinstance(self.bias, bool):
+            raise _invalid("bias", self.bias, "expected True, False or None")
+        if self.cast not in CASTS:
+            raise _invalid("cast", self.cast, f"expected one of {CASTS}")
+        object.__setattr__(self, "scale_offset", float(self.scale_offset))
+        self._check_extensions()
+
+    def _check_norm_fields(self) -> None:
+        """eps, eps_placement, p and variance of a normalization kind, defaults resolved."""
+        if self.eps is None:
+            object.__setattr__(self, "eps", DEFAULT_EPS)
+        if self.eps_placement is None:
+            object.__setattr__(self, "eps_placement", "inside")
+        if self.variance is None:
+            object.__setattr__(self, "variance", "two_pass")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
             raise _invalid("eps", self.eps, "expected a positive finite float")
         if not (math.isfinite(self.eps) and self.eps > 0):
@@ -104,25 +193,61 @@ class NormSpec:
                 raise _invalid("p", self.p, "expected 0 < p <= 1")
         elif self.p is not None:
             raise _invalid("p", self.p, f"p applies only to kind='partial_rms', not {self.kind!r}")
-        object.__setattr__(self, "axis", _normalize_axis(self.axis))
-        if not isinstance(self.scale, bool):
-            raise _invalid("scale", self.scale, "expected True or False")
-        if isinstance(self.scale_offset, bool) or not isinstance(self.scale_offset, (int, float)):
-            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
-        if not math.isfinite(self.scale_offset):
-            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
-        if self.scale_offset != 0 and not self.scale:
-            raise _invalid("scale_offset", self.scale_offset, "a non-zero offset needs scale=True")
-        if self.bias is None:
-            object.__setattr__(self, "bias", self.kind == "layer")
-        elif not isinstance(self.bias, bool):
-            raise _invalid("bias", self.bias, "expected True, False or None")
-        if self.cast not in CASTS:
-            raise _invalid("cast", self.cast, f"expected one of {CASTS}")
+        if self.variance not in VARIANCES:
+            raise _invalid("variance", self.variance, f"expected one of {VARIANCES}")
+        if self.variance == "fast" and self.kind != "layer":
+            raise _invalid(
+                "variance", self.variance, f"applies only to kind='layer', not {self.kind!r}"
+            )
+        if self.alpha_init is not None:
+            raise _invalid(
+                "alpha_init", self.alpha_init, f"applies only to kind='dyt', not {self.kind!r}"
+            )
         object.__setattr__(self, "eps", float(self.eps))
-        object.__setattr__(self, "scale_offset", float(self.scale_offset))
         if self.p is not None:
             object.__setattr__(self, "p", float(self.p))
+
+    def _check_dyt_fields(self) -> None:
+        """DyT has no statistic: eps, eps_placement, p and variance must stay None."""
+        for name in ("eps", "eps_placement", "p", "variance"):
+            value = getattr(self, name)
+            if value is not None:
+                raise _invalid(name, value, "kind='dyt' has no statistic; leave it None")
+        if self.alpha_init is None:
+            object.__setattr__(self, "alpha_init", DEFAULT_ALPHA_INIT)
+        alpha = self.alpha_init
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise _invalid("alpha_init", alpha, "expected a positive finite float")
+        if not (math.isfinite(alpha) and alpha > 0):
+            raise _invalid("alpha_init", alpha, "expected a positive finite float")
+        object.__setattr__(self, "alpha_init", float(alpha))
+
+    def _check_extensions(self) -> None:
+        """residual, offset_dtype, output_dtype and backward (every kind)."""
+        if self.residual is not None and self.residual not in RESIDUALS:
+            raise _invalid("residual", self.residual, f"expected None or one of {RESIDUALS}")
+        if self.offset_dtype not in OFFSET_DTYPES:
+            raise _invalid("offset_dtype", self.offset_dtype, f"expected one of {OFFSET_DTYPES}")
+        if self.offset_dtype == "param" and self.scale_offset == 0:
+            raise _invalid(
+                "offset_dtype", self.offset_dtype, "'param' needs a non-zero scale_offset"
+            )
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise _invalid("output_dtype", self.output_dtype, f"expected one of {OUTPUT_DTYPES}")
+        if self.backward not in BACKWARDS:
+            raise _invalid("backward", self.backward, f"expected one of {BACKWARDS}")
+
+    def require_defaults(self, who: str) -> None:
+        """ValueError unless ``who`` can compute this spec: not DyT, and every field of
+        `EXTENDED_DEFAULTS` at its default. The error names the first field that is not."""
+        if self.kind == "dyt":
+            raise ValueError(f"{who} does not support NormSpec.kind='dyt' (only {KINDS})")
+        for name, default in EXTENDED_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != default:
+                raise ValueError(
+                    f"{who} does not support NormSpec.{name}={value!r} (only {default!r})"
+                )
 
     @property
     def scale_init(self) -> float:

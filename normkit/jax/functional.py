@@ -69,6 +69,7 @@ def normalize(
       ValueError: an axis is out of range, a parameter has the wrong shape or is given although
         the spec lacks it, or partial RMS is sharded over several normalized axes.
     """
+    spec.require_defaults("normkit.jax")
     x = jnp.asarray(x)
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     if not jnp.issubdtype(x.dtype, jnp.floating):

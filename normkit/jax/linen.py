@@ -130,4 +130,5 @@ def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | Layer
 
     ``kwargs`` go to the module: ``dtype``, ``param_dtype``, ``axis_name``, ``name``, ``parent``.
     """
+    spec.require_defaults("normkit.jax")
     return _CLASSES[spec.kind](**module_kwargs(spec), **kwargs)

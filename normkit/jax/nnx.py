@@ -178,6 +178,7 @@ def from_spec(
 
     ``shape`` is the input's size over ``spec.axis``; the other arguments are `RMSNorm`'s.
     """
+    spec.require_defaults("normkit.jax")
     cls = _CLASSES[spec.kind]
     return cls(
         shape, **module_kwargs(spec), dtype=dtype, param_dtype=param_dtype, axis_name=axis_name,

@@ -345,4 +345,5 @@ def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | Layer
     """The layer that computes ``spec``; ``kwargs`` go to `keras.layers.Layer` (name, dtype)."""
     if not isinstance(spec, NormSpec):
         raise TypeError(f"from_spec needs a normkit.NormSpec, got {type(spec).__name__}")
+    spec.require_defaults("normkit.tf")
     return _LAYERS[spec.kind](**_spec_kwargs(spec), **kwargs)  # type: ignore[return-value]

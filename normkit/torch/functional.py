@@ -98,6 +98,7 @@ def normalize(
 
     Raises TypeError for a non-float input or parameter, ValueError for a bad axis or shape.
     """
+    spec.require_defaults("normkit.torch")
     _check_tensor(x, "x")
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))

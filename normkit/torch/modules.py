@@ -190,6 +190,7 @@ def from_spec(
       normalized_shape: the trailing dims normalized, the shape of ``weight`` and ``bias``.
       device, dtype: of the parameters.
     """
+    spec.require_defaults("normkit.torch")
     shape = as_shape(normalized_shape)
     trailing = _trailing(shape)
     if tuple(sorted(spec.axis)) != trailing:
