@@ -1,0 +1,115 @@
+"""normkit.torch under torch.distributed on 4 CPU ranks (gloo): sequence and tensor parallelism,
+FSDP2, DTensor inputs, the sharded normalized axis, and training against one process.
+
+Each group of checks (tests/torch/distributed_checks.py) runs in 4 rank processes started once;
+a rank that fails or outlives the deadline stops the group. The single-process error paths of
+normkit.torch.distributed are tested here directly.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+from normkit import NormSpec  # noqa: E402
+from normkit.torch.distributed import normalize_sharded  # noqa: E402
+
+SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
+WORLD = 4
+DEADLINE_S = 300
+
+
+def run_ranks(group: str, logs: pathlib.Path) -> str:
+    """Start the 4 ranks of ``group``; rank 0's output once all exit 0, else AssertionError."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outputs = [logs / f"{group}-rank{rank}.log" for rank in range(WORLD)]
+    procs = []
+    for rank, out in enumerate(outputs):
+        with out.open("w") as f:
+            command = [sys.executable, str(SCRIPT), group, str(rank), str(store.port)]
+            procs.append(subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [out.read_text() for out in outputs]
+    report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{t}" for r, (p, t) in
+                       enumerate(zip(procs, texts, strict=True)))
+    assert all(p.returncode == 0 for p in procs), report
+    return texts[0]
+
+
+def _passed(output: str) -> list[str]:
+    names = re.findall(r"^PASSED (.+?) \(", output, flags=re.MULTILINE)
+    summary = re.search(r"^ALL (\d+) CHECKS PASSED$", output, flags=re.MULTILINE)
+    assert summary is not None and int(summary.group(1)) == len(names), output
+    return names
+
+
+def test_sharded_normalized_axis_every_kind(tmp_path: pathlib.Path) -> None:
+    """The statistic all-reduced over the ranks holding a row: forward and gradients."""
+    names = _passed(run_ranks("sharded", tmp_path))
+    assert len(names) == 29, names
+    for kind in ("rms", "partial_rms p=0.125", "partial_rms p=0.3", "layer"):
+        for placement in ("inside", "outside"):
+            for dtype in ("float32", "bfloat16"):
+                prefix = f"sharded {kind}{'' if 'p=' in kind else ' p=None'} {placement}"
+                assert f"{prefix} torch.{dtype}" in names, names
+
+
+def test_modules_sequence_parallel_fsdp2_and_training(tmp_path: pathlib.Path) -> None:
+    """SequenceParallel, DTensor batch shards, FSDP2, and 5 training steps under TP+SP / FSDP2."""
+    output = run_ranks("models", tmp_path)
+    names = _passed(output)
+    assert len(names) == 17, names
+    assert "train 5 steps tp+sp" in names and "train 5 steps fsdp2" in names, names
+
+
+def test_plain_tensor_needs_torch_distributed_initialized() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
+        normalize_sharded(torch.ones(2, 4), NormSpec())
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((torch.ones(2, 4, dtype=torch.int32), NormSpec()), TypeError, "x has dtype int32"),
+        (("x", NormSpec()), TypeError, "x must be a torch.Tensor, got str"),
+        ((torch.ones(2, 4), NormSpec(), torch.ones(3)), ValueError,
+         r"weight has shape \(3,\), expected \(4,\)"),
+        ((torch.ones(2, 4), NormSpec(scale=False), torch.ones(4)), ValueError,
+         "weight was given but the spec has scale=False"),
+        ((torch.ones(2, 4), NormSpec(), None, torch.ones(4)), ValueError,
+         "bias was given but the spec has bias=False"),
+        ((torch.ones(2, 4, 4), NormSpec(kind="partial_rms", p=0.5, axis=(-2, -1))), ValueError,
+         "needs a single normalized axis"),
+    ],
+)
+def test_bad_input_is_named(args: tuple, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        normalize_sharded(*args)
