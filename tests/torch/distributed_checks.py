@@ -487,7 +487,7 @@ def train(model: Model, x: torch.Tensor, target: torch.Tensor, scale: float) -> 
         loss = ((out - target) ** 2).sum() * scale
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
