@@ -167,7 +167,7 @@ def _apply(
     offset: int,
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """The block ``x`` normalized over ``axes``, elements ``offset..`` of global rows of ``size``."""
+    """The block ``x`` over ``axes``: elements ``offset..`` of global rows of ``size``."""
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     moved = x.movedim(axes, trailing)
     n = math.prod(moved.shape[len(moved.shape) - len(axes) :])
@@ -230,7 +230,7 @@ def normalize_sharded(
     axes = _axes(spec, x.dim())
     param_shape = spec.param_shape(tuple(x.shape))
     _check_param(weight, "weight", spec.scale, param_shape)
-    _check_param(bias, "bias", spec.bias, param_shape)
+    _check_param(bias, "bias", bool(spec.bias), param_shape)
     if not dist.is_initialized():
         raise RuntimeError(
             "normalize_sharded needs torch.distributed initialized "
@@ -284,7 +284,7 @@ def _normalize_dtensor(
         )
     param_shape = spec.param_shape(tuple(x.shape))
     _check_param(weight, "weight", spec.scale, param_shape)
-    _check_param(bias, "bias", spec.bias, param_shape)
+    _check_param(bias, "bias", bool(spec.bias), param_shape)
     size = math.prod(param_shape)
     group, offset = None, 0
     block: tuple[int, int, int] | None = None  # (param dim, start, length) of this rank's block
@@ -323,9 +323,9 @@ def _local_param(
         if mesh_dim == sharded_mesh_dim and block is not None and p == Shard(block[0]):
             grad_placements.append(p)
         elif not p.is_replicate():
+            like_x = "" if block is None or mesh_dim != sharded_mesh_dim else f" or S({block[0]})"
             raise ValueError(
-                f"{name} has the placement {p} on mesh dim {mesh_dim}: expected Replicate"
-                + ("" if mesh_dim != sharded_mesh_dim else f" or Shard({block[0]}), like x")
+                f"{name} has the placement {p} on mesh dim {mesh_dim}: expected Replicate{like_x}"
             )
         elif mesh_dim == sharded_mesh_dim:
             narrow = True

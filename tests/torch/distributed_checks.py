@@ -225,7 +225,6 @@ def check_module_routes_sharded_dtensor(mesh: DeviceMesh) -> None:
 def check_errors(mesh: DeviceMesh, mesh2d: DeviceMesh) -> None:
     spec = NormSpec(kind="rms")
     x = _dist(_randn(4, 8, seed=0), mesh, [Shard(1)])
-    w = _dist(torch.ones(8), mesh, [Replicate()])
     with pytest.raises(ValueError, match="group= is for plain tensors"):
         normalize_sharded(x, spec, group=dist.group.WORLD)
     with pytest.raises(TypeError, match="weight must be a DTensor on x's device mesh"):
@@ -238,7 +237,8 @@ def check_errors(mesh: DeviceMesh, mesh2d: DeviceMesh) -> None:
         normalize_sharded(two, NormSpec(kind="layer", axis=(-2, -1)))
     rows = _dist(_randn(4, 8, seed=2), mesh2d, [Shard(0), Shard(1)])
     wrong = _dist(torch.ones(8), mesh2d, [Shard(0), Shard(0)])
-    with pytest.raises(ValueError, match=r"weight has the placement S\(0\) on mesh dim 0: expected Replicate"):
+    message = r"weight has the placement S\(0\) on mesh dim 0: expected Replicate$"
+    with pytest.raises(ValueError, match=message):
         normalize_sharded(rows, spec, wrong)
     with pytest.raises(ValueError, match="needs a single normalized axis"):
         normalize_sharded(two, NormSpec(kind="partial_rms", p=0.5, axis=(-2, -1)))
@@ -246,14 +246,18 @@ def check_errors(mesh: DeviceMesh, mesh2d: DeviceMesh) -> None:
 
 # A row-wise custom op with the kernels' calling convention, and its backward as an op.
 @torch.library.custom_op("normkit_checks::rms_rows", mutates_args=())
-def rms_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_rows(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     r = torch.rsqrt(x.pow(2).mean(-1) + eps)
     y = x * r[:, None]
     return (y * weight if weight is not None else y), r
 
 
 @rms_rows.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), x.new_empty(x.shape[0])
 
 
@@ -292,7 +296,8 @@ def check_registered_op(mesh: DeviceMesh) -> None:
     spec = NormSpec(kind="rms", eps=1e-5)
     x, dy = _randn(8, 12, seed=3), _randn(8, 12, seed=4)
     w = _randn(12, seed=5) * 0.5 + 1
-    forward, backward = torch.ops.normkit_checks.rms_rows, torch.ops.normkit_checks.rms_rows_backward
+    ops = torch.ops.normkit_checks
+    forward, backward = ops.rms_rows, ops.rms_rows_backward
     with pytest.raises(NotImplementedError, match="rms_rows"):
         forward(_dist(x, mesh, [Shard(0)]), None, 1e-5)
     register_row_sharding(forward.default)
@@ -307,7 +312,8 @@ def check_registered_op(mesh: DeviceMesh) -> None:
         grads = (_grad(xd), _grad(wd), None)
         assert_matches_reference(spec, x, dy, w, None, y, grads, f"custom op {placement}")
     y_plain, _ = forward(_dist(x, mesh, [Shard(0)]), None, spec.eps)
-    tolerances.assert_close(_np(y_plain), reference.normalize(to_numpy(x), spec.replace(scale=False)))
+    expected = reference.normalize(to_numpy(x), spec.replace(scale=False))
+    tolerances.assert_close(_np(y_plain), expected, what="custom op without weight")
 
 
 def group_sharded(checks: Checks) -> None:
@@ -368,7 +374,9 @@ def _module_params(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor
     return value(module.weight), value(module.bias)  # type: ignore[arg-type]
 
 
-def check_sequence_parallel(make: Callable[[int], nn.Module], dtype: torch.dtype, mesh: DeviceMesh) -> None:
+def check_sequence_parallel(
+    make: Callable[[int], nn.Module], dtype: torch.dtype, mesh: DeviceMesh
+) -> None:
     """Input sharded on the sequence dim, weight replicated, weight gradient reduced."""
     module = _module(make, 16, seed=1)
     w, b = _module_params(module)
@@ -401,7 +409,8 @@ def check_batch_sharded(make: Callable[[int], nn.Module], mesh: DeviceMesh) -> N
         module.zero_grad()
         with torch.no_grad():
             y = module(_dist(x, mesh, [placement]))
-        tolerances.assert_close(_np(y), reference.normalize(to_numpy(x), module.spec, _np(w), _np(b)))
+        expected = reference.normalize(to_numpy(x), module.spec, _np(w), _np(b))
+        tolerances.assert_close(_np(y), expected, what=f"no_grad batch {placement}")
 
 
 def check_fsdp(make: Callable[[int], nn.Module], dtype: torch.dtype) -> None:
