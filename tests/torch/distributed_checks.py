@@ -323,6 +323,9 @@ def group_sharded(checks: Checks) -> None:
         layout = [Shard(0)] if i % 3 else [Replicate()]
         with checks.check(f"sharded {spec.kind} p={spec.p} {spec.eps_placement} {dtype}"):
             check_dtensor(spec, dtype, mesh, (3, 5, 64), [Shard(2)], layout, seed=10 * i)
+    with checks.check("rows sharded, not the normalized dim: no reduction"):
+        spec = NormSpec(kind="layer", scale_offset=1.0)
+        check_dtensor(spec, torch.float32, mesh, (8, 16), [Shard(0)], [Replicate()], seed=2)
     uneven = [NormSpec(kind="partial_rms", p=0.5, bias=True), NormSpec(kind="layer")]
     for spec in uneven:  # rows of 30 in blocks of 8, 8, 8, 6; k = 15
         with checks.check(f"uneven blocks {spec.kind}"):

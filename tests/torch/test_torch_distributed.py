@@ -27,6 +27,7 @@ from normkit import NormSpec  # noqa: E402
 from normkit.torch.distributed import normalize_sharded  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "distributed.md"
 WORLD = 4
 DEADLINE_S = 300
 
@@ -72,7 +73,7 @@ def _passed(output: str) -> list[str]:
 def test_sharded_normalized_axis_every_kind(tmp_path: pathlib.Path) -> None:
     """The statistic all-reduced over the ranks holding a row: forward and gradients."""
     names = _passed(run_ranks("sharded", tmp_path))
-    assert len(names) == 27, names
+    assert len(names) == 28, names
     for kind in ("rms", "partial_rms p=0.125", "partial_rms p=0.3", "layer"):
         for placement in ("inside", "outside"):
             for dtype in ("float32", "bfloat16"):
@@ -86,6 +87,23 @@ def test_modules_sequence_parallel_fsdp2_and_training(tmp_path: pathlib.Path) ->
     names = _passed(output)
     assert len(names) == 17, names
     assert "train 5 steps tp+sp" in names and "train 5 steps fsdp2" in names, names
+
+
+def test_docs_example_runs_as_pasted(tmp_path: pathlib.Path) -> None:
+    """The tensor + sequence parallel example of docs/distributed.md, on 2 CPU ranks."""
+    example = re.search(r"## Example.*?```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    assert example is not None
+    script = tmp_path / "tp_example.py"
+    script.write_text(example.group(1))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.findall(r"^step \d: loss ([\d.]+)$", done.stdout, flags=re.MULTILINE)
+    losses = [float(v) for v in found]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], done.stdout
 
 
 def test_plain_tensor_needs_torch_distributed_initialized() -> None:
