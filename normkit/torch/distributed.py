@@ -297,7 +297,11 @@ def _normalize_dtensor(
     local_w = _local_param(weight, "weight", x, sharded, block)
     local_b = _local_param(bias, "bias", x, sharded, block)
     y = _apply(x.to_local(), spec, axes, local_w, local_b, size, offset, group)
-    return DTensor.from_local(y, mesh, x.placements, shape=x.shape, stride=x.stride())
+    # The global strides of the layout `_apply` returns: rows over moved axes, moved back.
+    trailing = tuple(range(x.dim() - len(axes), x.dim()))
+    moved_shape = torch.empty(x.shape, device="meta").movedim(axes, trailing).shape
+    stride = torch.empty(moved_shape, device="meta").movedim(trailing, axes).stride()
+    return DTensor.from_local(y, mesh, x.placements, shape=x.shape, stride=stride)
 
 
 def _local_param(

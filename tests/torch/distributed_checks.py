@@ -558,7 +558,14 @@ def group_models(checks: Checks) -> None:
             check_training(parallel, mesh)
 
 
-GROUPS: dict[str, Callable[[Checks], None]] = {"sharded": group_sharded, "models": group_models}
+def group_all(checks: Checks) -> None:
+    group_sharded(checks)
+    group_models(checks)
+
+
+GROUPS: dict[str, Callable[[Checks], None]] = {
+    "sharded": group_sharded, "models": group_models, "all": group_all
+}
 
 
 def main(group: str, rank: int, port: int) -> None:

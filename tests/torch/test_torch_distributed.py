@@ -30,6 +30,7 @@ SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "distributed.md"
 WORLD = 4
 DEADLINE_S = 300
+MODEL_CHECKS = ("SequenceParallel", "FSDP2", "DTensor batch", "train")
 
 
 def run_ranks(group: str, logs: pathlib.Path) -> str:
@@ -70,23 +71,31 @@ def _passed(output: str) -> list[str]:
     return names
 
 
-def test_sharded_normalized_axis_every_kind(tmp_path: pathlib.Path) -> None:
+@pytest.fixture(scope="module")
+def passed_checks(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Every check of distributed_checks.py, in one start of the 4 ranks (start-up dominates)."""
+    return _passed(run_ranks("all", tmp_path_factory.mktemp("ranks")))
+
+
+def test_sharded_normalized_axis_every_kind(passed_checks: list[str]) -> None:
     """The statistic all-reduced over the ranks holding a row: forward and gradients."""
-    names = _passed(run_ranks("sharded", tmp_path))
-    assert len(names) == 28, names
-    for kind in ("rms", "partial_rms p=0.125", "partial_rms p=0.3", "layer"):
+    sharded = [name for name in passed_checks if not name.startswith(MODEL_CHECKS)]
+    assert len(sharded) == 28, sharded
+    for kind in ("rms p=None", "partial_rms p=0.125", "partial_rms p=0.3", "layer p=None"):
         for placement in ("inside", "outside"):
             for dtype in ("float32", "bfloat16"):
-                prefix = f"sharded {kind}{'' if 'p=' in kind else ' p=None'} {placement}"
-                assert f"{prefix} torch.{dtype}" in names, names
+                assert f"sharded {kind} {placement} torch.{dtype}" in sharded, sharded
 
 
-def test_modules_sequence_parallel_fsdp2_and_training(tmp_path: pathlib.Path) -> None:
+def test_modules_sequence_parallel_fsdp2_and_training(passed_checks: list[str]) -> None:
     """SequenceParallel, DTensor batch shards, FSDP2, and 5 training steps under TP+SP / FSDP2."""
-    output = run_ranks("models", tmp_path)
-    names = _passed(output)
-    assert len(names) == 17, names
-    assert "train 5 steps tp+sp" in names and "train 5 steps fsdp2" in names, names
+    models = [name for name in passed_checks if name.startswith(MODEL_CHECKS)]
+    assert len(models) == 17, models
+    for module in ("RMSNorm", "PartialRMSNorm", "LayerNorm"):
+        for dtype in ("float32", "bfloat16"):
+            assert f"SequenceParallel {module} torch.{dtype}" in models, models
+            assert f"FSDP2 {module} torch.{dtype}" in models, models
+    assert "train 5 steps tp+sp" in models and "train 5 steps fsdp2" in models, models
 
 
 def test_docs_example_runs_as_pasted(tmp_path: pathlib.Path) -> None:
