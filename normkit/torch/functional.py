@@ -12,6 +12,7 @@ compute dtype. The output always has the input's dtype.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -100,6 +101,12 @@ def normalize(
     """
     spec.require_defaults("normkit.torch")
     _check_tensor(x, "x")
+    # A DTensor sharded on a normalized dim: its statistic is reduced across the shards.
+    if "torch.distributed.tensor" in sys.modules:  # only then can x be a DTensor
+        from normkit.torch import distributed
+
+        if distributed.shards_normalized_axis(x, spec):
+            return distributed.normalize_sharded(x, spec, weight, bias)
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes != trailing:

@@ -1,0 +1,383 @@
+"""normkit norms whose normalized axis is sharded across the ranks of a process group.
+
+Each rank holds a block of every row (tensor parallelism over the features, as in the q/k norm
+of a column-parallel projection). The row statistic is all-reduced across the group, so every
+rank gets its block of the unsharded result, with the formulas of `normkit.reference`:
+
+    rms:          s = sum_ranks(sum(x ** 2)) / N
+    partial_rms:  s = sum_ranks(sum(x[global index < k] ** 2)) / k       k = spec.stat_size(N)
+    layer:        mean = sum_ranks(sum(x)) / N,  s = sum_ranks(sum((x - mean) ** 2)) / N
+
+(``N`` the global row size; LayerNorm corrects ``mean`` by the mean of the centered values in
+the same all-reduce as ``s``). The backward all-reduces its row sums (``sum_j d_j c_j``, and
+``sum_j d_j`` for LayerNorm); the weight and bias gradients stay local to each rank's block.
+
+`normalize_sharded` takes a plain tensor and a process group, or a ``DTensor`` (sharded on a
+normalized dim over one mesh dim); `register_row_sharding` gives a row-wise custom op (a kernel)
+a DTensor sharding rule. The collectives run eagerly: no double backward, no ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._ops import OpOverload
+from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+from normkit.spec import NormSpec
+from normkit.torch._autograd import _acc_dtype, _dr_ds, _rstd
+
+__all__ = ["normalize_sharded", "register_row_sharding", "shards_normalized_axis"]
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a rank's block ``(rows, n)`` sits in the global rows of ``size`` elements.
+
+    ``head``: how many of the block's leading elements the partial statistic reads (all ``n``
+    for the other kinds); ``group``: the ranks to reduce over (None: this rank alone).
+    """
+
+    kind: str
+    size: int
+    k: int
+    head: int
+    eps: float
+    outside: bool
+    cast: str
+    group: dist.ProcessGroup | None
+
+
+def _row_sums(value: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """``value`` (rows, j) summed over the group, in place."""
+    if plan.group is not None:
+        dist.all_reduce(value, group=plan.group)
+    return value
+
+
+def _sum_rows(value: torch.Tensor) -> torch.Tensor:
+    return value.sum(dim=-1, keepdim=True)
+
+
+class _ShardedNorm(torch.autograd.Function):
+    """``y`` for a block ``x`` (rows, n) of global rows, with effective scale ``g`` and bias ``b``.
+
+    Saves ``x`` and, per row, ``s`` (and LayerNorm's mean) in the acc dtype.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None, plan: _Plan
+    ) -> torch.Tensor:
+        acc = _acc_dtype(x.dtype)
+        xf = x.to(acc)
+        mean = None
+        if plan.kind == "layer":
+            mean = _row_sums(_sum_rows(xf), plan) / plan.size
+            centered = xf - mean
+            squares = centered * centered
+            sums = _row_sums(torch.cat([_sum_rows(centered), _sum_rows(squares)], -1), plan)
+            shift = sums[:, :1] / plan.size
+            centered = centered - shift
+            mean = mean + shift
+            s = (sums[:, 1:] / plan.size - shift * shift).clamp_min(0)
+        else:
+            centered = xf
+            head = xf[:, : plan.head]
+            s = _row_sums(torch.linalg.vecdot(head, head).unsqueeze(-1), plan) / plan.k
+        y = centered * _rstd(s, plan.eps, plan.outside)
+        if x.dtype != acc and plan.cast == "before_scale":
+            y = y.to(x.dtype).to(acc)
+        if g is not None:
+            y = y * g
+        if b is not None:
+            y = y + b
+        ctx.save_for_backward(x, s, mean, g)
+        ctx.plan, ctx.has_b = plan, b is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, s, mean, g = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        acc = s.dtype
+        centered = x.to(acc) if mean is None else x.to(acc) - mean
+        r = _rstd(s, plan.eps, plan.outside)
+        dyf = dy.to(acc)
+        d = dyf * g if g is not None else dyf
+        if plan.kind == "layer":
+            sums = _row_sums(torch.cat([_sum_rows(d * centered), _sum_rows(d)], -1), plan)
+            dot, d_mean = sums[:, :1], sums[:, 1:] / plan.size
+            d = d - d_mean
+        else:
+            dot = _row_sums(_sum_rows(d * centered), plan)
+        if plan.size <= (2 if plan.kind == "layer" else 1):
+            # A row with no direction left to vary: r + 2 s r'(s) = eps r^3 (inside) or eps r^2
+            # (outside), in closed form rather than as a float32 difference of O(1) terms.
+            dx = plan.eps * r * r * (r if not plan.outside else 1) * d
+        else:
+            coef = _dr_ds(r, s, plan.outside) * dot * (2.0 / plan.k)
+            dx = r * d
+            dx[:, : plan.head] += centered[:, : plan.head] * coef
+        need_x, need_g, need_b = ctx.needs_input_grad[:3]
+        dg = torch.sum(dyf * centered * r, dim=0) if need_g and g is not None else None
+        db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None
+        return (dx.to(x.dtype) if need_x else None), dg, db, None
+
+
+def _check_float(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in _SUPPORTED:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED)
+        raise TypeError(
+            f"{what} has dtype {str(t.dtype).removeprefix('torch.')}; normkit.torch supports "
+            f"{names}"
+        )
+
+
+def _check_param(
+    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
+) -> None:
+    if value is None:
+        return
+    if not present:
+        field = "scale" if name == "weight" else name
+        raise ValueError(f"{name} was given but the spec has {field}=False")
+    _check_float(value, name)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+
+
+def _apply(
+    x: torch.Tensor,
+    spec: NormSpec,
+    axes: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    size: int,
+    offset: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The block ``x`` over ``axes``: elements ``offset..`` of global rows of ``size``."""
+    trailing = tuple(range(x.dim() - len(axes), x.dim()))
+    moved = x.movedim(axes, trailing)
+    n = math.prod(moved.shape[len(moved.shape) - len(axes) :])
+    rows = moved.reshape(math.prod(moved.shape[: moved.dim() - len(axes)]), n)
+    k = spec.stat_size(size)
+    acc = _acc_dtype(x.dtype)
+    g = None if weight is None else weight.to(acc).reshape(n)
+    if g is not None and spec.scale_offset != 0:
+        g = g + spec.scale_offset
+    b = None if bias is None else bias.to(acc).reshape(n)
+    plan = _Plan(
+        kind=spec.kind,
+        size=size,
+        k=k,
+        head=min(max(k - offset, 0), n) if spec.kind == "partial_rms" else n,
+        eps=spec.eps,
+        outside=spec.eps_placement == "outside",
+        cast=spec.cast,
+        group=group,
+    )
+    y = _ShardedNorm.apply(rows.contiguous(), g, b, plan)
+    return y.reshape(moved.shape).movedim(trailing, axes)
+
+
+def normalize_sharded(
+    x: torch.Tensor,
+    spec: NormSpec,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``spec`` applied to rows whose normalized axis is split across the ranks of a group.
+
+    Plain tensors: each of the ``W`` ranks of ``group`` (None: the default group) holds an
+    equal block of ``n`` elements of every row, rank ``i`` the ``i``-th block in group-rank
+    order, so the global row has ``N = n * W`` elements; ``weight`` and ``bias`` are this rank's
+    blocks (shape ``spec.param_shape(x.shape)``). With ``kind="partial_rms"`` the statistic
+    reads the first ``spec.stat_size(N)`` elements of the global row, which needs a single
+    normalized axis.
+
+    DTensors (``group`` must then be None): ``x`` sharded on one normalized dim over one mesh
+    dim (the group is that mesh dim's), possibly unevenly, and on any other dims over other mesh
+    dims; ``weight`` and ``bias`` DTensors of the global parameter shape, sharded alike on that
+    mesh dim or replicated. Returns a DTensor with ``x``'s placements.
+
+    Returns the rank's block of ``normalize(global x)``, in ``x``'s dtype; gradients are those
+    of the global function (``x``'s block; the parameters' blocks, or for replicated parameters
+    their sum over the ranks).
+    """
+    if isinstance(x, DTensor):
+        if group is not None:
+            raise ValueError(
+                "group= is for plain tensors; a DTensor's group is its device mesh dim"
+            )
+        return _normalize_dtensor(x, spec, weight, bias)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_float(x, "x")
+    axes = _axes(spec, x.dim())
+    param_shape = spec.param_shape(tuple(x.shape))
+    _check_param(weight, "weight", spec.scale, param_shape)
+    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "normalize_sharded needs torch.distributed initialized "
+            "(torch.distributed.init_process_group) for a plain tensor"
+        )
+    n = math.prod(param_shape)
+    group = dist.group.WORLD if group is None else group
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    return _apply(x, spec, axes, weight, bias, n * ranks, n * rank, group)
+
+
+def _axes(spec: NormSpec, ndim: int) -> tuple[int, ...]:
+    axes = spec.resolve_axes(ndim)
+    if spec.kind == "partial_rms" and len(axes) != 1:
+        raise ValueError(
+            f"partial RMS over a sharded row needs a single normalized axis, got axes {axes}: "
+            "the global order of the first k elements is undefined otherwise"
+        )
+    return axes
+
+
+def shards_normalized_axis(x: torch.Tensor, spec: NormSpec) -> bool:
+    """Whether ``x`` is a DTensor sharded on one of the dims ``spec`` normalizes."""
+    if not isinstance(x, DTensor):
+        return False
+    axes = spec.resolve_axes(x.dim())
+    return any(isinstance(p, Shard) and p.dim % x.dim() in axes for p in x.placements)
+
+
+def _normalize_dtensor(
+    x: DTensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> DTensor:
+    _check_float(x, "x")
+    axes = _axes(spec, x.dim())
+    mesh = x.device_mesh
+    sharded: list[tuple[int, int]] = []  # (mesh dim, tensor dim) of the normalized axis
+    for mesh_dim, p in enumerate(x.placements):
+        if isinstance(p, Shard) and p.dim % x.dim() in axes:
+            if type(p) is not Shard:
+                raise ValueError(f"x's placement {p} on a normalized dim is not supported")
+            sharded.append((mesh_dim, p.dim % x.dim()))
+        elif p.is_partial():
+            raise ValueError(
+                f"x has the placement {p} on mesh dim {mesh_dim}: redistribute it to Replicate "
+                "or Shard before normalizing"
+            )
+    if len(sharded) > 1:
+        raise ValueError(
+            f"x is sharded on normalized dims over {len(sharded)} mesh dims {sharded}; "
+            "normkit reduces the statistic over one mesh dim"
+        )
+    param_shape = spec.param_shape(tuple(x.shape))
+    _check_param(weight, "weight", spec.scale, param_shape)
+    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    size = math.prod(param_shape)
+    group, offset = None, 0
+    block: tuple[int, int, int] | None = None  # (param dim, start, length) of this rank's block
+    if sharded:
+        mesh_dim, dim = sharded[0]
+        length, start = Shard.local_shard_size_and_offset(
+            x.shape[dim], mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        )
+        group, offset, block = mesh.get_group(mesh_dim), start, (axes.index(dim), start, length)
+    local_w = _local_param(weight, "weight", x, sharded, block)
+    local_b = _local_param(bias, "bias", x, sharded, block)
+    y = _apply(x.to_local(), spec, axes, local_w, local_b, size, offset, group)
+    # The global strides of the layout `_apply` returns: rows over moved axes, moved back.
+    trailing = tuple(range(x.dim() - len(axes), x.dim()))
+    moved_shape = torch.empty(x.shape, device="meta").movedim(axes, trailing).shape
+    stride = torch.empty(moved_shape, device="meta").movedim(trailing, axes).stride()
+    return DTensor.from_local(y, mesh, x.placements, shape=x.shape, stride=stride)
+
+
+def _local_param(
+    value: torch.Tensor | None,
+    name: str,
+    x: DTensor,
+    sharded: list[tuple[int, int]],
+    block: tuple[int, int, int] | None,
+) -> torch.Tensor | None:
+    """This rank's block of a parameter DTensor, its gradient mapped back to ``value``'s layout.
+
+    The gradient is Partial (a sum over ranks) on each mesh dim where ``x`` is sharded on a
+    batch dim, or where the parameter is replicated but ``x``'s normalized dim is sharded.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, DTensor) or value.device_mesh != x.device_mesh:
+        raise TypeError(f"{name} must be a DTensor on x's device mesh when x is a DTensor")
+    sharded_mesh_dim = sharded[0][0] if sharded else None
+    grad_placements: list[Placement] = []
+    narrow = False
+    for mesh_dim, (p, xp) in enumerate(zip(value.placements, x.placements, strict=True)):
+        if mesh_dim == sharded_mesh_dim and block is not None and p == Shard(block[0]):
+            grad_placements.append(p)
+        elif not p.is_replicate():
+            like_x = "" if block is None or mesh_dim != sharded_mesh_dim else f" or S({block[0]})"
+            raise ValueError(
+                f"{name} has the placement {p} on mesh dim {mesh_dim}: expected Replicate{like_x}"
+            )
+        elif mesh_dim == sharded_mesh_dim:
+            narrow = True
+            grad_placements.append(Partial())
+        else:
+            grad_placements.append(Partial() if isinstance(xp, Shard) else Replicate())
+    local = value.to_local(grad_placements=grad_placements)
+    if narrow and block is not None:
+        local = local.narrow(*block)
+    return local
+
+
+def register_row_sharding(
+    op: OpOverload,
+    *,
+    params: Collection[str] = ("weight", "bias"),
+    summed_outputs: Collection[int] = (),
+) -> None:
+    """Register how DTensor runs ``op``, a row-wise op on rows ``(rows, n)`` (a norm kernel).
+
+    Rows are independent, so ``op`` runs on each rank's rows: the tensor arguments named in
+    ``params`` (per-feature vectors) are replicated, every other tensor argument and every
+    output is sharded on dim 0 (the rows) like the input, except the outputs whose indices are
+    in ``summed_outputs`` (a parameter gradient: a sum over rows), which are Partial. The other
+    accepted layout is everything replicated. A row sharded on its features has no rule here:
+    DTensor gathers it first (`normalize_sharded` reduces the statistic instead).
+    """
+    arguments = op._schema.arguments
+    n_outputs = len(op._schema.returns)
+    tensors = [_is_tensor_type(a.type) for a in arguments]
+
+    def strategies(*args: object, **kwargs: object) -> Sequence[tuple[list[Any], list[Any]]]:
+        values = list(args) + [kwargs.get(a.name) for a in arguments[len(args) :]]
+        present = [t and v is not None for t, v in zip(tensors, values, strict=True)]
+        replicated: list[Any] = [Replicate() if p else None for p in present]
+        row_inputs: list[Any] = [
+            (Replicate() if a.name in params else Shard(0)) if p else None
+            for a, p in zip(arguments, present, strict=True)
+        ]
+        row_outputs: list[Any] = [
+            Partial() if i in summed_outputs else Shard(0) for i in range(n_outputs)
+        ]
+        return [([Replicate()] * n_outputs, replicated), (row_outputs, row_inputs)]
+
+    register_sharding(op)(strategies)
+
+
+def _is_tensor_type(t: Any) -> bool:
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
