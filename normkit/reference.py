@@ -127,6 +127,14 @@ def normalize(
       spec: the norm.
       scale: ``w``, of shape ``spec.param_shape(x.shape)``; None means its initial value.
       bias: ``b``, of the same shape; None means zero.
+
+    Examples:
+      >>> import numpy as np
+      >>> from normkit import NormSpec
+      >>> normalize(np.array([[3.0, 4.0]]), NormSpec("rms")).round(4)  # [3, 4] / sqrt(12.5)
+      array([[0.8485, 1.1314]])
+      >>> normalize(np.array([[1.0, 3.0]]), NormSpec("layer"), [2.0, 2.0], [0.5, 0.5]).round(4)
+      array([[-1.5,  2.5]])
     """
     arr = _check_input(x, "x")
     g, b = check_params(arr.shape, spec, scale, bias)

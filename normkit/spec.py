@@ -74,6 +74,15 @@ class NormSpec:
         ``False`` for the RMS kinds and ``True`` for ``"layer"``.
       cast: the cast order for half-precision inputs, ``"after_scale"`` (default) or
         ``"before_scale"``. It has no effect on float32 or float64 inputs.
+
+    Examples:
+      >>> llama = NormSpec("rms", eps=1e-5, cast="before_scale")
+      >>> llama.bias, llama.axis, llama.scale_init
+      (False, (-1,), 1.0)
+      >>> NormSpec("partial_rms", p=0.0625).stat_size(4096)
+      256
+      >>> NormSpec("layer").bias
+      True
     """
 
     kind: Kind = "rms"

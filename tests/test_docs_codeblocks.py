@@ -1,5 +1,6 @@
 """The docs as a reader meets them: every ```python block in README.md and docs/ runs as pasted,
-and every relative link points at a file of the repository.
+the examples in the main docstrings pass as doctests, and every relative link points at a file
+of the repository.
 
 Each block runs in a fresh namespace, in a temporary working directory (blocks may write files).
 A block whose frameworks are not installed is skipped with the missing one named; which
@@ -11,6 +12,8 @@ runnable is preceded by the line ``<!-- not run: REASON -->`` and reported as sk
 from __future__ import annotations
 
 import ast
+import doctest
+import importlib
 import importlib.util
 import os
 import re
@@ -100,13 +103,33 @@ def test_the_pages_have_python_blocks():
 def test_python_block_runs_as_pasted(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     if block.not_run is not None:
         pytest.skip(f"marked not run: {block.not_run}")
-    missing = [name for name in needed_modules(block.source) if importlib.util.find_spec(name) is None]
+    needed = needed_modules(block.source)
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         extras = sorted({EXTRA.get(name, name) for name in missing})
         pytest.skip(f"needs {', '.join(missing)}: pip install '.[{','.join(extras)}]'")
     monkeypatch.chdir(tmp_path)
     code = compile(block.source, block.name, "exec")
-    exec(code, {"__name__": "__docs__"})
+    exec(code, {"__name__": "__docs__"})  # noqa: S102 (running the docs' own examples)
+
+
+DOCTESTED = ["normkit.spec", "normkit.reference", "normkit.torch.modules", "normkit.tf.layers",
+             "normkit.jax.linen", "normkit.jax.nnx"]
+
+
+@pytest.mark.parametrize("module_name", DOCTESTED)
+def test_docstring_examples_pass(module_name: str):
+    missing = [name for name in needed_modules(f"import {module_name}")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    module = importlib.import_module(module_name)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(module):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted > 0, f"{module_name} has no docstring examples"
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {module_name} failed"
 
 
 def heading_anchors(page: Path) -> set[str]:
