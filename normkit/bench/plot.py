@@ -128,7 +128,8 @@ def ratio_figure(rows: Sequence[Row], title: str = "") -> Figure:
     ax.set_xscale("log", base=2)
     ax.set_xlim(low / 1.15, high * 1.15)
     first, last = math.floor(math.log2(low / 1.15)), math.ceil(math.log2(high * 1.15))
-    ticks = [2.0**k for k in range(first, last + 1, max(1, math.ceil((last - first) / 8)))]
+    step = max(1, math.ceil((last - first) / 8))  # at most about 8 ticks, 1x always among them
+    ticks = [2.0**k for k in range(first, last + 1) if k % step == 0]
     ax.set_xticks(ticks, [f"{t:g}x" if t >= 1 else f"1/{1 / t:g}x" for t in ticks], fontsize=8.5)
     several = any(len(v) > 1 for values in table.values() for v in values.values())
     summary = "; marker: geometric mean over hidden sizes, bar: their range" if several else ""
