@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # the library itself accepts torch >= 2.4.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test conformance
+.PHONY: install test conformance docs
 
 install: $(VENV)/.installed
 
@@ -20,10 +20,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[all,test]'
 	touch $@
 
-test: install
+test: install docs
 	$(BIN)/python -m pytest
 
 conformance: install
 	$(BIN)/normkit info
 	mkdir -p out
 	$(BIN)/normkit conformance --json out/conformance.json --markdown out/conformance.md
+
+# The docs site with the API reference from the docstrings; --strict fails on a broken reference.
+docs: $(VENV)/.docs-installed
+	$(BIN)/mkdocs build --strict --quiet
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@

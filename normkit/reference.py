@@ -327,6 +327,14 @@ def normalize(
       bias: ``b``, of the same shape; None means zero.
       alpha: DyT's ``alpha``, a scalar (shape ``()`` or ``(1,)``); None means
         ``spec.alpha_init``. Only for ``kind="dyt"``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from normkit import NormSpec
+      >>> normalize(np.array([[3.0, 4.0]]), NormSpec("rms")).round(4)  # [3, 4] / sqrt(12.5)
+      array([[0.8485, 1.1314]])
+      >>> normalize(np.array([[1.0, 3.0]]), NormSpec("layer"), [2.0, 2.0], [0.5, 0.5]).round(4)
+      array([[-1.5,  2.5]])
     """
     arr = _check_input(x, "x")
     _refuse_residual(spec, "normalize")

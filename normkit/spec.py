@@ -127,6 +127,15 @@ class NormSpec:
         forward computes in half precision: with ``cast="before_scale"`` the gradient of
         ``y_hat`` rounded to the input dtype at the cast, and the scale's gradient summed from
         products rounded to their dtype; Hugging Face Llama's RMSNorm).
+
+    Examples:
+      >>> llama = NormSpec("rms", eps=1e-5, cast="before_scale")
+      >>> llama.bias, llama.axis, llama.scale_init
+      (False, (-1,), 1.0)
+      >>> NormSpec("partial_rms", p=0.0625).stat_size(4096)
+      256
+      >>> NormSpec("layer").bias
+      True
     """
 
     kind: Kind = "rms"

@@ -19,12 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", action="append", help="only this device (repeatable): cpu, cuda:0, gpu:0, ...")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable); default float32 and bfloat16, float16 too off the CPU")
     parser.add_argument("--json", metavar="PATH", help="write every row, with every field, as JSON")
-    parser.add_argument("--plot", metavar="PATH.png", help="plot GB/s against hidden size (PNG)")
+    parser.add_argument("--plot", metavar="PATH.png", help="speed ratios figure (PNG); GB/s beside it in NAME-gbps.png")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write the files; 1 if a backend failed, else 0."""
     import normkit
+    from normkit.bench import plot
     from normkit.bench import report as out
     from normkit.bench import run as bench
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                        skipped=result.skipped, errors=result.errors, seconds=result.seconds)
     if args.plot:
         if result.rows:
-            out.plot(args.plot, result.rows)
+            plot.plot(args.plot, result.rows)
         else:
             print("no rows: no plot written", file=sys.stderr)
             return 1

@@ -87,6 +87,15 @@ class RMSNorm(_Norm):
       param_dtype: the parameters' dtype. Default float32.
       axis_name: the mesh axis the normalized axes are sharded over (inside ``shard_map``); the
         statistics are reduced across it. Default None.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> norm = RMSNorm()
+      >>> x = jnp.array([[3.0, 4.0]])
+      >>> params = norm.init(jax.random.key(0), x)  # {"params": {"scale": ones(2)}}
+      >>> [round(float(v), 4) for v in norm.apply(params, x)[0]]  # [3, 4] / sqrt(12.5)
+      [0.8485, 1.1314]
     """
 
     kind: ClassVar[Kind] = "rms"

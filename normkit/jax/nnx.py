@@ -77,6 +77,12 @@ class RMSNorm(_Norm):
       param_dtype: the parameters' dtype. Default float32.
       axis_name: the mesh axis the normalized axes are sharded over (inside ``shard_map``).
       rngs: accepted for Flax's calling convention and unused: the initial values are constants.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> norm = RMSNorm(2)
+      >>> [round(float(v), 4) for v in norm(jnp.array([[3.0, 4.0]]))[0]]  # [3, 4] / sqrt(12.5)
+      [0.8485, 1.1314]
     """
 
     def __init__(

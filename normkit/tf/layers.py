@@ -223,6 +223,15 @@ class RMSNorm(_Norm):
       cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
         ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+
+    Examples:
+      >>> import numpy as np
+      >>> layer = RMSNorm()
+      >>> y = layer(np.array([[3.0, 4.0]], dtype="float32"))  # [3, 4] / sqrt(12.5)
+      >>> [round(float(v), 4) for v in keras.ops.convert_to_numpy(y)[0]]
+      [0.8485, 1.1314]
+      >>> [tuple(w.shape) for w in layer.get_weights()]
+      [(2,)]
     """
 
     def __init__(

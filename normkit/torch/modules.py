@@ -81,6 +81,14 @@ class RMSNorm(_Norm):
       cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
         default) or ``"before_scale"`` (Llama: round the normalized value, then the affine).
       device, dtype: of the parameters. The output dtype is always the input's.
+
+    Examples:
+      >>> import torch
+      >>> norm = RMSNorm(2)
+      >>> [round(v, 4) for v in norm(torch.tensor([[3.0, 4.0]]))[0].tolist()]  # / sqrt(12.5)
+      [0.8485, 1.1314]
+      >>> norm(torch.ones(8, 2, dtype=torch.bfloat16)).dtype
+      torch.bfloat16
     """
 
     def __init__(
@@ -115,6 +123,12 @@ class PartialRMSNorm(_Norm):
       p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
       eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype: as in
         `RMSNorm`.
+
+    Examples:
+      >>> import torch
+      >>> norm = PartialRMSNorm(4, p=0.5)  # the statistic reads the first 2 of 4 elements
+      >>> [round(v, 4) for v in norm(torch.tensor([[3.0, 4.0, 6.0, 8.0]]))[0].tolist()]
+      [0.8485, 1.1314, 1.6971, 2.2627]
     """
 
     def __init__(
@@ -151,6 +165,14 @@ class LayerNorm(_Norm):
       bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
         torch's, it does not depend on ``elementwise_affine``.
       eps_placement, elementwise_affine, scale_offset, cast, device, dtype: as in `RMSNorm`.
+
+    Examples:
+      >>> import torch
+      >>> norm = LayerNorm(2)
+      >>> [round(v, 4) for v in norm(torch.tensor([[1.0, 3.0]]))[0].tolist()]
+      [-1.0, 1.0]
+      >>> sorted(norm.state_dict())
+      ['bias', 'weight']
     """
 
     def __init__(
