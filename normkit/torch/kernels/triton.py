@@ -44,7 +44,7 @@ from torch.library import triton_op, wrap_triton
 
 from normkit.torch._autograd import NormFunction
 
-__all__ = ["norm_rows", "add_norm_rows", "RESIDUAL_ROUNDINGS", "MAX_FUSED_BLOCK", "LOOP_BLOCK"]
+__all__ = ["LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS", "add_norm_rows", "norm_rows"]
 
 MAX_FUSED_BLOCK = 16384
 """Rows of at most this many elements are held whole in one program; longer rows loop."""
@@ -118,7 +118,8 @@ def _moments_block(x, cols, n, k, LAYER: tl.constexpr):
         c0 = tl.where(cols < n, x - m, 0.0)
         total = tl.sum(c0, axis=0)
         m2 = total / n
-        s = tl.maximum((tl.sum(c0 * c0, axis=0) - total * m2) / n, 0.0)
+        s = (tl.sum(c0 * c0, axis=0) - total * m2) / n
+        s = tl.where(s < 0.0, 0.0, s)  # not tl.maximum, which drops a NaN
     else:
         m = tl.full([], 0.0, tl.float32)
         m2 = tl.full([], 0.0, tl.float32)
@@ -147,7 +148,8 @@ def _moments_looped(X, RES, row_off, sigma, n, k, LAYER: tl.constexpr, RESIDUAL:
             acc_sq += c0 * c0
         total = tl.sum(acc_c, axis=0)
         m2 = total / n
-        s = tl.maximum((tl.sum(acc_sq, axis=0) - total * m2) / n, 0.0)
+        s = (tl.sum(acc_sq, axis=0) - total * m2) / n
+        s = tl.where(s < 0.0, 0.0, s)  # not tl.maximum, which drops a NaN
     else:
         m = tl.full([], 0.0, tl.float32)
         m2 = tl.full([], 0.0, tl.float32)
@@ -522,9 +524,14 @@ def _backward_op(
             NEED_DW=need_dw, NEED_DB=need_db, HAS_DH=dh is not None, RESIDUAL=rounding,
             SINGLE=single, BLOCK=block, num_warps=num_warps,
         )
-    empty = torch.empty((0,), dtype=torch.float32, device=x.device)
-    dw = _sum_parts(dw_part, weight.dtype) if need_dw and weight is not None else empty
-    db = _sum_parts(db_part, bias_dtype) if need_db and bias_dtype is not None else empty
+    if need_dw and weight is not None:
+        dw = _sum_parts(dw_part, weight.dtype)
+    else:
+        dw = torch.empty((0,), dtype=torch.float32, device=x.device)
+    if need_db and bias_dtype is not None:
+        db = _sum_parts(db_part, bias_dtype)
+    else:
+        db = torch.empty((0,), dtype=torch.float32, device=x.device)
     return dx, dw, db
 
 
@@ -595,7 +602,7 @@ def _backward_norm(
 
 def _setup_add_norm(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     x, residual, weight, bias, kind, k, eps, outside, scale_offset, _, rounding = inputs
-    y, h, r = output
+    _, h, r = output
     # The float32_normalized rounding normalizes a sum it does not return: keep its terms.
     if rounding == 3:
         ctx.save_for_backward(x, residual, r, weight)
