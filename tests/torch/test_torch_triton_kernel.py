@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -297,6 +299,34 @@ def test_bad_arguments_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="n <= 2"):
         kernels.add_norm_rows(x[:, :2].contiguous(), x[:, :2].contiguous(), None, None, **layer,
                               residual_rounding="rounded")
+
+
+def test_backward_saves_the_input_and_one_float32_statistic_per_row() -> None:
+    spec = NormSpec(kind="layer")
+    x = _randn(6, 24, seed=0, dtype=torch.bfloat16).requires_grad_(True)
+    weight, bias = (p.requires_grad_(True) for p in _params(spec, 24, torch.float32, seed=0)
+                    if p is not None)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kernels.norm_rows(x, weight, bias, **_options(spec, 24))
+    extra = [t for t in saved if t is not x and t is not weight]
+    assert x in saved
+    assert [(tuple(t.shape), t.dtype) for t in extra] == [((6,), torch.float32)]
+
+
+def test_a_missing_triton_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import normkit.torch.kernels.triton"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install normkit[triton]" in done.stderr
 
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

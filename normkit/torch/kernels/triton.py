@@ -38,9 +38,16 @@ import os
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError as error:
+    raise ImportError(
+        f"normkit's Triton kernels need triton and torch>=2.6 ({error}): "
+        "pip install normkit[triton]"
+    ) from error
 
 from normkit.torch._autograd import NormFunction
 
@@ -430,7 +437,7 @@ def _launch_config(n: int) -> tuple[bool, int, int]:
     """(single, block, num_warps) for rows of n."""
     single = n <= MAX_FUSED_BLOCK
     block = triton.next_power_of_2(n) if single else LOOP_BLOCK
-    num_warps = 4 if block < 2048 else 8 if block < 8192 else 16
+    num_warps = min(32, max(4, block // 512))
     return single, block, num_warps
 
 
