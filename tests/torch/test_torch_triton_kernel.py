@@ -179,6 +179,21 @@ def test_rows_whose_statistic_overflows_float32(
     _check_norm(spec, x, *_params(spec, 20, torch.float32, seed=11))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+def test_partial_rms_overflowing_head_and_an_infinite_tail(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """The statistic reads the first k elements only: an infinity after them stays infinite."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    spec = NormSpec(kind="partial_rms", p=0.5, scale=False)
+    x = _randn(2, 20, seed=12) * 1e30
+    x[:, 15] = float("inf")
+    y = kernels.norm_rows(x, None, None, **_options(spec, 20))
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), spec))
+
+
 def test_layer_norm_rows_with_a_large_mean() -> None:
     spec = NormSpec(kind="layer")
     x = (_randn(4, 300, seed=5).double() + 1e6).float()

@@ -96,17 +96,18 @@ def _load_row(X, RES, offs, mask, RESIDUAL: tl.constexpr):
 
 @triton.jit
 def _inv_pow2(amax):
-    """The power of two that brings ``amax`` (finite, >= 2**-1) into [2, 4)."""
+    """The power of two that brings ``amax`` (finite and normal) into [2, 4)."""
     biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return ((255 - biased) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _rs(s, eps, OUTSIDE: tl.constexpr):
+    """r(s), correctly rounded (once per row, so the approximate GPU forms save nothing)."""
     if OUTSIDE:
-        return 1.0 / (tl.sqrt(s) + eps)
+        return tl.div_rn(1.0, tl.sqrt_rn(s) + eps)
     else:
-        return 1.0 / tl.sqrt(s + eps)
+        return tl.div_rn(1.0, tl.sqrt_rn(s + eps))
 
 
 @triton.jit
@@ -170,11 +171,12 @@ def _moments_looped(X, RES, row_off, sigma, n, k, LAYER: tl.constexpr, RESIDUAL:
 
 
 @triton.jit
-def _absmax_looped(X, RES, row_off, n, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _absmax_looped(X, RES, row_off, k, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """max |x| over the first k elements of the row, those the statistic reads."""
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):
-        mask = start + cols < n
+    for start in range(0, k, BLOCK):
+        mask = start + cols < k
         acc = tl.maximum(acc, tl.abs(_load_row(X, RES, row_off + start + cols, mask, RESIDUAL)))
     return tl.max(acc, axis=0)
 
@@ -184,7 +186,9 @@ def _statistic(X, RES, row_off, x, cols, n, k, LAYER: tl.constexpr, RESIDUAL: tl
                SINGLE: tl.constexpr, BLOCK: tl.constexpr):
     """(sigma, m, m2, s) of a row: the moments, rescaled by sigma where they overflow.
 
-    SINGLE: ``x`` is the whole row in registers; else the row is read from X (and RES).
+    sigma comes from the elements the statistic reads (the first k; k = n for layer), so an
+    infinity after them leaves the statistic as it is. SINGLE: ``x`` is the whole row in
+    registers; else the row is read from X (and RES).
     """
     sigma = tl.full([], 1.0, tl.float32)
     if SINGLE:
@@ -193,9 +197,9 @@ def _statistic(X, RES, row_off, x, cols, n, k, LAYER: tl.constexpr, RESIDUAL: tl
         m, m2, s = _moments_looped(X, RES, row_off, sigma, n, k, LAYER, RESIDUAL, BLOCK)
     if (s >= _INF) | (s != s):
         if SINGLE:
-            amax = tl.max(tl.abs(x), axis=0)
+            amax = tl.max(tl.where(cols < k, tl.abs(x), 0.0), axis=0)
         else:
-            amax = _absmax_looped(X, RES, row_off, n, RESIDUAL, BLOCK)
+            amax = _absmax_looped(X, RES, row_off, k, RESIDUAL, BLOCK)
         if amax < _INF:
             sigma = _inv_pow2(amax)
             if SINGLE:
@@ -294,7 +298,7 @@ def _row_factors(X, RES, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexp
             eps_s = _eps_scaled(eps, sigma, OUTSIDE)
             rs = _rs(s, eps_s, OUTSIDE)
     if OUTSIDE:
-        v_scale = tl.where(s > 0, 1.0 / tl.sqrt(tl.where(s > 0, s, 1.0)), 0.0)
+        v_scale = tl.where(s > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(s > 0, s, 1.0))), 0.0)
     else:
         v_scale = rs
     return sigma, m, m2, rs, eps_s, v_scale
