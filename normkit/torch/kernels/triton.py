@@ -446,12 +446,16 @@ def _launch_config(n: int) -> tuple[bool, int, int]:
 
 
 def _programs(x: torch.Tensor, rows: int) -> int:
-    """How many programs the backward runs: a few per multiprocessor on a GPU."""
+    """How many programs the backward runs: a few per multiprocessor on a GPU.
+
+    Each takes at least two rows, so the (programs, n) float32 buffer of weight and bias
+    partial sums is at most half the size of the rows in float32.
+    """
     if x.device.type == "cuda":
         per_device = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
     else:
         per_device = 4
-    return max(1, min(rows, per_device))
+    return max(1, min(rows // 2, per_device))
 
 
 def _forward(
@@ -467,7 +471,11 @@ def _forward(
     cast: str,
     rounding: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, r): h is an empty tensor without a residual."""
+    """(y, h, r): h is an empty tensor without a residual.
+
+    ``rounding``: 0 without a residual, else 1 + the index of the rounding in
+    `RESIDUAL_ROUNDINGS` (1 rounded, 2 float32, 3 float32_normalized).
+    """
     rows, n = x.shape
     y = torch.empty_like(x)
     h_dtype = torch.float32 if rounding == 2 else x.dtype
