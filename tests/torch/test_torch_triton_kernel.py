@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -341,6 +342,61 @@ def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(ImportError, match=r"need triton .*pip install normkit\[triton\]"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+# Compiles kernel variants with every feature on, through Triton's whole compiler (to PTX and
+# a cubin for sm_90, with the ptxas bundled in triton's wheel): no GPU is needed to compile.
+_COMPILE_FOR_SM90 = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from normkit.torch.kernels import triton as kernels
+
+def options(names, pointers, scalars, constexprs):
+    signature = {name: pointers.get(name, scalars.get(name, "constexpr")) for name in names}
+    return signature, constexprs
+
+forward = ["X", "RES", "W", "B", "Y", "H", "R", "n", "k", "eps", "scale_offset", "LAYER",
+           "OUTSIDE", "HAS_W", "HAS_B", "BEFORE_SCALE", "RESIDUAL", "SINGLE", "BLOCK"]
+backward = ["X", "RES", "R", "DY", "DH", "W", "DX", "DW_PART", "DB_PART", "rows", "n", "k",
+            "eps", "scale_offset", "LAYER", "OUTSIDE", "HAS_W", "NEED_DW", "NEED_DB", "HAS_DH",
+            "RESIDUAL", "SINGLE", "BLOCK"]
+scalars = {"n": "i32", "k": "i32", "rows": "i32", "eps": "fp32", "scale_offset": "fp32"}
+half = {name: "*bf16" for name in ("X", "RES", "B", "Y", "DY", "DH", "DX")}
+floats = {name: "*fp32" for name in ("W", "H", "R", "DW_PART", "DB_PART")}
+cases = []
+for single, block in ((True, 1024), (False, 4096)):
+    cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars, dict(
+        LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True, RESIDUAL=3,
+        SINGLE=single, BLOCK=block))))
+    for layer in (True, False):
+        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
+            dict(LAYER=layer, OUTSIDE=layer, HAS_W=True, NEED_DW=True, NEED_DB=True,
+                 HAS_DH=True, RESIDUAL=3 if layer else 0, SINGLE=single, BLOCK=block))))
+cases.append((kernels._sum_parts_kernel, *options(
+    ["PART", "OUT", "parts", "n", "BLOCK_P", "BLOCK_N"], {"PART": "*fp32", "OUT": "*bf16"},
+    {"parts": "i32", "n": "i32"}, dict(BLOCK_P=32, BLOCK_N=256))))
+for fn, signature, constexprs in cases:
+    compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], fn.__name__
+print("compiled", len(cases))
+"""
+
+
+def test_every_kernel_compiles_for_a_gpu_without_one() -> None:
+    """The interpreter does not type-check a kernel the way the compiler does: compile them.
+
+    In a fresh interpreter without TRITON_INTERPRET, so that triton.jit gives compilable
+    kernels.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 7" in done.stdout
 
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
