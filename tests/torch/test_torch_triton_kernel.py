@@ -344,13 +344,44 @@ def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-# Compiles kernel variants with every feature on, through Triton's whole compiler (to PTX and
-# a cubin for sm_90, with the ptxas bundled in triton's wheel): no GPU is needed to compile.
-_COMPILE_FOR_SM90 = """
+# Traces forward and backward with fake tensors (what torch.compile does) and captures the
+# forward with dynamo's fullgraph; then compiles kernel variants with every feature on through
+# Triton's whole compiler (to PTX and a cubin for sm_90, with the ptxas bundled in triton's
+# wheel). None of it needs a GPU.
+_TRACE_AND_COMPILE = """
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from normkit.torch.kernels import triton as kernels
+
+keywords = dict(kind="layer", k=64, eps=1e-6, outside=True, scale_offset=1.0,
+                cast="before_scale")
+x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+
+def step(x, w, b, dy):
+    return torch.autograd.grad(kernels.norm_rows(x, w, b, **keywords), (x, w, b), dy)
+
+traced = make_fx(step, tracing_mode="fake")(x, w, b, torch.randn(8, 64, dtype=torch.bfloat16))
+assert "normkit.triton_norm_rows.default" in traced.code, traced.code
+assert "normkit.triton_norm_rows_backward.default" in traced.code, traced.code
+
+class Captured(Exception):
+    pass
+
+def capture(graph, example_inputs):
+    raise Captured(graph.code)
+
+try:
+    torch.compile(lambda x, w, b: kernels.norm_rows(x, w, b, **keywords), fullgraph=True,
+                  backend=capture)(x, w, b)
+except Exception as error:
+    assert "Captured" in str(error) and "triton_norm_rows.default" in str(error), error
+else:
+    raise AssertionError("dynamo did not call the backend")
+print("traced")
 
 def options(names, pointers, scalars, constexprs):
     signature = {name: pointers.get(name, scalars.get(name, "constexpr")) for name in names}
@@ -383,19 +414,20 @@ print("compiled", len(cases))
 """
 
 
-def test_every_kernel_compiles_for_a_gpu_without_one() -> None:
-    """The interpreter does not type-check a kernel the way the compiler does: compile them.
+def test_the_ops_trace_and_every_kernel_compiles_without_a_gpu() -> None:
+    """torch.compile's tracing, and Triton's compiler, which type-checks and lowers kernels
+    as the interpreter does not.
 
-    In a fresh interpreter without TRITON_INTERPRET, so that triton.jit gives compilable
-    kernels.
+    In a fresh Python without TRITON_INTERPRET, so that triton.jit gives compilable kernels.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", _TRACE_AND_COMPILE], capture_output=True, text=True, env=env,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "traced" in done.stdout
     assert "compiled 7" in done.stdout
 
 
