@@ -353,7 +353,7 @@ def _backward_kernel(
             y_hat = c * rs
             d = dy * g
             dot = tl.sum(d * c, axis=0) * v_scale
-            mean_d = tl.sum(d, axis=0) / n
+            mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
             dx = _dx_values(d, c, y_hat, cols, sigma, rs, dot, mean_d, n, k, LAYER)
             if not LAYER:
                 if k == 1:
@@ -390,8 +390,10 @@ def _backward_kernel(
                 if HAS_W:
                     d *= tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
                 acc_dot += d * c
-                acc_d += d
-                acc_rest += tl.where(offs >= 1, d * c, 0.0)
+                if LAYER:
+                    acc_d += d
+                else:
+                    acc_rest += tl.where(offs >= 1, d * c, 0.0)
             dot = tl.sum(acc_dot, axis=0) * v_scale
             mean_d = tl.sum(acc_d, axis=0) / n
             rest = tl.sum(acc_rest, axis=0)
