@@ -1,0 +1,497 @@
+"""The Triton kernels against normkit.reference: every option and dtype, forward and backward.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
+here before triton is imported); with one they are compiled and run on it. Shapes stay small:
+the interpreter executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the Triton kernels need triton: pip install normkit[triton]")
+
+from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit.torch.conformance import to_numpy  # noqa: E402
+from normkit.torch.kernels import triton as kernels  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and TRITON_INTERPRET is not 1 (Triton's interpreter is off)",
+                allow_module_level=True)
+
+KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.3), dict(kind="layer")]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROUNDINGS = kernels.RESIDUAL_ROUNDINGS
+
+
+def _every_option() -> Iterator[NormSpec]:
+    for kind, placement, offset, bias, cast in itertools.product(
+        KINDS, ("inside", "outside"), (0.0, 1.0), (False, True), ("after_scale", "before_scale")
+    ):
+        yield NormSpec(**kind, eps_placement=placement, scale_offset=offset, bias=bias, cast=cast)
+
+
+SPECS = list(_every_option()) + [NormSpec(**kind, scale=False) for kind in KINDS]
+
+
+def _label(spec: NormSpec) -> str:
+    """A short test id: kind, eps placement, offset, affine parameters, cast order."""
+    affine = ("w" if spec.scale else "") + ("b" if spec.bias else "")
+    return "-".join([
+        spec.kind if spec.p is None else f"{spec.kind}{spec.p:g}", spec.eps_placement,
+        f"offset{spec.scale_offset:g}", affine or "noaffine", spec.cast,
+    ])
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _params(
+    spec: NormSpec, n: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    weight = _randn(n, seed=seed + 1) * 0.5 + spec.scale_init if spec.scale else None
+    bias = _randn(n, seed=seed + 2) * 0.5 if spec.bias else None
+    return (
+        None if weight is None else weight.to(dtype),
+        None if bias is None else bias.to(dtype),
+    )
+
+
+def _options(spec: NormSpec, n: int) -> dict[str, object]:
+    return dict(
+        kind=spec.kind, k=spec.stat_size(n), eps=spec.eps,
+        outside=spec.eps_placement == "outside", scale_offset=spec.scale_offset, cast=spec.cast,
+    )
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else to_numpy(t)
+
+
+def _leaves(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def _check_norm(
+    spec: NormSpec, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    seed: int = 7,
+) -> None:
+    """norm_rows and its gradients against reference.normalize and normalize_vjp."""
+    xl, wl, bl = _leaves(x, weight, bias)
+    y = kernels.norm_rows(xl, wl, bl, **_options(spec, x.shape[1]))
+    dy = _randn(*x.shape, seed=seed, dtype=x.dtype)
+    y.backward(dy)
+    xn, wn, bn = _np(x), _np(weight), _np(bias)
+    assert y.dtype == x.dtype
+    tolerances.assert_close(
+        to_numpy(y), reference.normalize(xn, spec, wn, bn), cast=spec.cast, what="y",
+        magnitude=reference.scaled_magnitude(xn, spec, wn),
+    )
+    want = reference.normalize_vjp(xn, to_numpy(dy), spec, wn, bn)
+    for name, leaf, expected in zip(("dx", "dweight", "dbias"), (xl, wl, bl), want, strict=True):
+        if leaf is None:
+            continue
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        tolerances.assert_close(to_numpy(leaf.grad), expected, quantity="grad", what=name)
+
+
+# The cast order applies to half inputs only: float32 is checked with "after_scale".
+SPEC_DTYPES = [
+    (spec, dtype) for spec in SPECS for dtype in DTYPES
+    if dtype != torch.float32 or spec.cast == "after_scale"
+]
+
+
+@pytest.mark.parametrize(
+    "spec, dtype", SPEC_DTYPES, ids=[f"{_label(s)}-{d}" for s, d in SPEC_DTYPES]
+)
+def test_every_option_and_dtype(spec: NormSpec, dtype: torch.dtype) -> None:
+    """Parameters in float32 and in the input dtype, alternately across cases."""
+    case = SPECS.index(spec) + DTYPES.index(dtype)
+    n = (7, 24)[case % 2]
+    param_dtype = (torch.float32, dtype)[case // 2 % 2]
+    x = _randn(3, n, seed=case, dtype=dtype)
+    _check_norm(spec, x, *_params(spec, n, param_dtype, seed=case))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
+def test_row_lengths(kind: dict, dtype: torch.dtype, n: int) -> None:
+    """n = 1 and 2 included: LayerNorm hands such rows to the composite path."""
+    spec = NormSpec(**kind, bias=True)
+    _check_norm(spec, _randn(5, n, seed=n, dtype=dtype), *_params(spec, n, torch.float32, seed=n))
+
+
+@pytest.fixture
+def looped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows longer than 16 elements take the looped variant, in blocks of 8."""
+    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 16)
+    monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        NormSpec(bias=True, scale_offset=1.0),
+        NormSpec(kind="partial_rms", p=0.3, eps_placement="outside", cast="before_scale"),
+        NormSpec(kind="partial_rms", p=0.01),
+        NormSpec(kind="layer", eps_placement="outside"),
+        NormSpec(kind="layer", cast="before_scale", scale=False),
+    ],
+    ids=_label,
+)
+def test_looped_variant(looped: None, spec: NormSpec, dtype: torch.dtype) -> None:
+    n = 37
+    _check_norm(spec, _randn(4, n, seed=3, dtype=dtype), *_params(spec, n, dtype, seed=3))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
+def test_rows_whose_statistic_overflows_float32(
+    monkeypatch: pytest.MonkeyPatch, kind: dict, fused: bool
+) -> None:
+    """|x| near the float32 maximum: the reference's values near +-1, not zeros or NaN."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    spec = NormSpec(**kind, eps_placement="outside" if kind["kind"] == "layer" else "inside")
+    x = _randn(4, 20, seed=11)
+    x[0] *= 1e20
+    x[1] = x[1].sign() * 3e38
+    x[2, 3] = 3.4e38
+    _check_norm(spec, x, *_params(spec, 20, torch.float32, seed=11))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+def test_partial_rms_overflowing_head_and_an_infinite_tail(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """The statistic reads the first k elements only: an infinity after them stays infinite."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    spec = NormSpec(kind="partial_rms", p=0.5, scale=False)
+    x = _randn(2, 20, seed=12) * 1e30
+    x[:, 15] = float("inf")
+    y = kernels.norm_rows(x, None, None, **_options(spec, 20))
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), spec))
+
+
+def test_layer_norm_rows_with_a_large_mean() -> None:
+    spec = NormSpec(kind="layer")
+    x = (_randn(4, 300, seed=5).double() + 1e6).float()
+    _check_norm(spec, x, *_params(spec, 300, torch.float32, seed=5))
+
+
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+def test_partial_rms_first_element_gradient_with_k_1(placement: str) -> None:
+    """x_0 large against eps: dx_0 = r^3 (eps d_0 - x_0 sum_{j>=1} x_j d_j), no cancellation."""
+    spec = NormSpec(kind="partial_rms", p=0.05, eps_placement=placement)
+    x = _randn(3, 16, seed=2) * 1e3
+    assert spec.stat_size(16) == 1
+    _check_norm(spec, x, *_params(spec, 16, torch.float32, seed=2))
+
+
+def test_a_long_row_stays_within_the_float32_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2**14 elements in blocks of 256: per-lane sums, then a tree, not one running sum."""
+    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 256)
+    monkeypatch.setattr(kernels, "LOOP_BLOCK", 256)
+    spec = NormSpec(kind="layer")
+    x = _randn(1, 2**14, seed=9) * 3 + 2
+    _check_norm(spec, x, *_params(spec, 2**14, torch.float32, seed=9))
+
+
+def _add_norm_expected(
+    x: np.ndarray, residual: np.ndarray, dy: np.ndarray, dh: np.ndarray, spec: NormSpec,
+    rounding: str, scale: np.ndarray | None, bias: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(y, h, dx): h = x + residual as ``rounding`` says, normalized in float64 by the reference.
+
+    The half-precision cast order and y's dtype follow x's dtype, whatever h's.
+    """
+    exact = x.astype(np.float64) + residual.astype(np.float64)
+    half = dtypes.is_half(x.dtype)
+    normalized_h = dtypes.round_to(exact, x.dtype if rounding == "rounded" else np.float32)
+    returned_h = normalized_h if rounding != "float32_normalized" else dtypes.round_to(
+        exact, x.dtype
+    )
+    unit = spec.replace(scale=False, bias=False, scale_offset=0.0)
+    y_hat = reference.normalize(normalized_h.astype(np.float64), unit)
+    if half and spec.cast == "before_scale":
+        y_hat = dtypes.round_to(y_hat, x.dtype).astype(np.float64)
+    g, b = reference.check_params(x.shape, spec, scale, bias)
+    y = dtypes.round_to(y_hat * g + b, x.dtype)
+    dx, _, _ = reference.normalize_vjp(normalized_h, dy, spec, scale, bias)
+    return y, returned_h, dx + dh.astype(np.float64)
+
+
+# Every rounding and dtype in one block; the looped variant on bfloat16.
+ADD_NORM_CASES = [
+    (spec, dtype, rounding, fused)
+    for spec in (NormSpec(cast="before_scale", scale_offset=1.0), NormSpec(kind="layer"))
+    for dtype in DTYPES
+    for rounding in ROUNDINGS
+    for fused in (True, False)
+    if fused or dtype == torch.bfloat16
+]
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, rounding, fused",
+    ADD_NORM_CASES,
+    ids=[
+        f"{_label(s)}-{d}-{r}-{'one-block' if f else 'looped'}" for s, d, r, f in ADD_NORM_CASES
+    ],
+)
+def test_add_norm_rows(
+    monkeypatch: pytest.MonkeyPatch, spec: NormSpec, dtype: torch.dtype, rounding: str,
+    fused: bool,
+) -> None:
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    n = 24
+    x, residual = _randn(3, n, seed=1, dtype=dtype), _randn(3, n, seed=2, dtype=dtype) * 4
+    weight, bias = _params(spec, n, torch.float32, seed=3)
+    xl, rl, wl, bl = _leaves(x, residual, weight, bias)
+    y, h = kernels.add_norm_rows(
+        xl, rl, wl, bl, **_options(spec, n), residual_rounding=rounding
+    )
+    assert y.dtype == dtype
+    assert h.dtype == (torch.float32 if rounding == "float32" else dtype)
+    dy = _randn(3, n, seed=4, dtype=dtype)
+    dh = _randn(3, n, seed=5, dtype=h.dtype)
+    torch.autograd.backward((y, h), (dy, dh))
+    want_y, want_h, want_dx = _add_norm_expected(
+        to_numpy(x), to_numpy(residual), to_numpy(dy), to_numpy(dh), spec, rounding,
+        _np(weight), _np(bias),
+    )
+    tolerances.assert_close(to_numpy(y), want_y, cast=spec.cast, what="y")
+    tolerances.assert_close(to_numpy(h), want_h, what="h")
+    assert xl.grad is not None and rl.grad is not None
+    tolerances.assert_close(to_numpy(xl.grad), want_dx, quantity="grad", what="dx")
+    tolerances.assert_close(to_numpy(rl.grad), want_dx, quantity="grad", what="dresidual")
+    assert wl is not None and wl.grad is not None
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    x = _randn(2, 8, seed=0)
+    opts = _options(NormSpec(), 8)
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        kernels.norm_rows(x.t(), None, None, **opts)
+    with pytest.raises(TypeError, match="float64 takes the composite path"):
+        kernels.norm_rows(x.double(), None, None, **opts)
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        kernels.norm_rows(x, _randn(7, seed=0), None, **opts)
+    with pytest.raises(ValueError, match="k=3 is invalid for kind='rms'"):
+        kernels.norm_rows(x, None, None, **{**opts, "k": 3})
+    with pytest.raises(ValueError, match="kind='group' is invalid"):
+        kernels.norm_rows(x, None, None, **{**opts, "kind": "group"})
+    with pytest.raises(ValueError, match="cast='late' is invalid"):
+        kernels.norm_rows(x, None, None, **{**opts, "cast": "late"})
+    with pytest.raises(ValueError, match="residual_rounding='half' is invalid"):
+        kernels.add_norm_rows(x, x, None, None, **opts, residual_rounding="half")
+    with pytest.raises(ValueError, match="residual must be contiguous with x's shape"):
+        kernels.add_norm_rows(x, x[:1], None, None, **opts, residual_rounding="rounded")
+    layer = _options(NormSpec(kind="layer"), 2)
+    with pytest.raises(ValueError, match="n <= 2"):
+        kernels.add_norm_rows(x[:, :2].contiguous(), x[:, :2].contiguous(), None, None, **layer,
+                              residual_rounding="rounded")
+
+
+def test_backward_saves_the_input_and_one_float32_statistic_per_row() -> None:
+    spec = NormSpec(kind="layer")
+    x = _randn(6, 24, seed=0, dtype=torch.bfloat16).requires_grad_(True)
+    weight, bias = (p.requires_grad_(True) for p in _params(spec, 24, torch.float32, seed=0)
+                    if p is not None)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kernels.norm_rows(x, weight, bias, **_options(spec, 24))
+    extra = [t for t in saved if t is not x and t is not weight]
+    assert x in saved
+    assert [(tuple(t.shape), t.dtype) for t in extra] == [((6,), torch.float32)]
+
+
+def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's code run again, as a new module, with triton hidden."""
+    spec = importlib.util.spec_from_file_location("normkit_triton_copy", kernels.__file__)
+    assert spec is not None and spec.loader is not None
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ImportError, match=r"need triton .*pip install normkit\[triton\]"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+# Traces forward and backward with fake tensors (what torch.compile does) and captures the
+# forward with dynamo's fullgraph; then compiles kernel variants with every feature on through
+# Triton's whole compiler (to PTX and a cubin for sm_90, with the ptxas bundled in triton's
+# wheel). None of it needs a GPU.
+_TRACE_AND_COMPILE = """
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from normkit.torch.kernels import triton as kernels
+
+keywords = dict(kind="layer", k=64, eps=1e-6, outside=True, scale_offset=1.0,
+                cast="before_scale")
+x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+
+def step(x, w, b, dy):
+    return torch.autograd.grad(kernels.norm_rows(x, w, b, **keywords), (x, w, b), dy)
+
+traced = make_fx(step, tracing_mode="fake")(x, w, b, torch.randn(8, 64, dtype=torch.bfloat16))
+assert "normkit.triton_norm_rows.default" in traced.code, traced.code
+assert "normkit.triton_norm_rows_backward.default" in traced.code, traced.code
+
+class Captured(Exception):
+    pass
+
+def capture(graph, example_inputs):
+    raise Captured(graph.code)
+
+try:
+    torch.compile(lambda x, w, b: kernels.norm_rows(x, w, b, **keywords), fullgraph=True,
+                  backend=capture)(x, w, b)
+except Exception as error:
+    assert "Captured" in str(error) and "triton_norm_rows.default" in str(error), error
+else:
+    raise AssertionError("dynamo did not call the backend")
+print("traced")
+
+def options(names, pointers, scalars, constexprs):
+    signature = {name: pointers.get(name, scalars.get(name, "constexpr")) for name in names}
+    return signature, constexprs
+
+forward = ["X", "RES", "W", "B", "Y", "H", "R", "n", "k", "eps", "scale_offset", "LAYER",
+           "OUTSIDE", "HAS_W", "HAS_B", "BEFORE_SCALE", "RESIDUAL", "SINGLE", "BLOCK"]
+backward = ["X", "RES", "R", "DY", "DH", "W", "DX", "DW_PART", "DB_PART", "rows", "n", "k",
+            "eps", "scale_offset", "LAYER", "OUTSIDE", "HAS_W", "NEED_DW", "NEED_DB", "HAS_DH",
+            "RESIDUAL", "SINGLE", "BLOCK"]
+scalars = {"n": "i32", "k": "i32", "rows": "i32", "eps": "fp32", "scale_offset": "fp32"}
+half = {name: "*bf16" for name in ("X", "RES", "B", "Y", "DY", "DH", "DX")}
+floats = {name: "*fp32" for name in ("W", "H", "R", "DW_PART", "DB_PART")}
+cases = []
+for single, block in ((True, 1024), (False, 4096)):
+    cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars, dict(
+        LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True, RESIDUAL=3,
+        SINGLE=single, BLOCK=block))))
+    for layer in (True, False):
+        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
+            dict(LAYER=layer, OUTSIDE=layer, HAS_W=True, NEED_DW=True, NEED_DB=True,
+                 HAS_DH=True, RESIDUAL=3 if layer else 0, SINGLE=single, BLOCK=block))))
+cases.append((kernels._sum_parts_kernel, *options(
+    ["PART", "OUT", "parts", "n", "BLOCK_P", "BLOCK_N"], {"PART": "*fp32", "OUT": "*bf16"},
+    {"parts": "i32", "n": "i32"}, dict(BLOCK_P=32, BLOCK_N=256))))
+for fn, signature, constexprs in cases:
+    compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], fn.__name__
+print("compiled", len(cases))
+"""
+
+
+def test_the_ops_trace_and_every_kernel_compiles_without_a_gpu() -> None:
+    """torch.compile's tracing, and Triton's compiler, which type-checks and lowers kernels
+    as the interpreter does not.
+
+    In a fresh Python without TRITON_INTERPRET, so that triton.jit gives compilable kernels.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACE_AND_COMPILE], capture_output=True, text=True, env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "traced" in done.stdout
+    assert "compiled 7" in done.stdout
+
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    "spec", [NormSpec(cast="before_scale"), NormSpec(kind="layer")], ids=_label
+)
+def test_compile_fullgraph_traces_through_the_kernels(spec: NormSpec) -> None:
+    n = 4096
+    x = _randn(8, n, seed=0, dtype=torch.bfloat16)
+    weight, bias = _params(spec, n, torch.float32, seed=0)
+    xl, wl, bl = _leaves(x, weight, bias)
+    opts = _options(spec, n)
+
+    def step(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        return kernels.norm_rows(x, w, b, **opts).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    compiled(xl, wl, bl).backward()
+    eager = _leaves(x, weight, bias)
+    step(*eager).backward()
+    for got, want in zip((xl, wl, bl), eager, strict=True):
+        if got is not None and want is not None:
+            assert got.grad is not None and want.grad is not None
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_capture_replays_forward_and_backward() -> None:
+    spec = NormSpec(kind="partial_rms", p=0.5, scale_offset=1.0, bias=True)
+    n = 2048
+    x = _randn(16, n, seed=0, dtype=torch.bfloat16).requires_grad_(True)
+    weight, bias = (p.requires_grad_(True) for p in _params(spec, n, torch.float32, seed=0)
+                    if p is not None)
+    dy = _randn(16, n, seed=1, dtype=torch.bfloat16)
+    opts = _options(spec, n)
+
+    def step() -> torch.Tensor:
+        y = kernels.norm_rows(x, weight, bias, **opts)
+        y.backward(dy)
+        return y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            x.grad = weight.grad = bias.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = weight.grad = bias.grad = None
+    with torch.cuda.graph(graph):
+        y = step()
+    x.data.copy_(_randn(16, n, seed=2, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.grad is not None
+    xn = to_numpy(x)
+    tolerances.assert_close(to_numpy(y), reference.normalize(xn, spec, _np(weight), _np(bias)))
+    want_dx, _, _ = reference.normalize_vjp(xn, to_numpy(dy), spec, _np(weight), _np(bias))
+    tolerances.assert_close(to_numpy(x.grad), want_dx, quantity="grad")
