@@ -1,5 +1,6 @@
 """Test configuration shared by every test file."""
 
+import importlib.util
 import os
 
 from hypothesis import settings
@@ -9,3 +10,9 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# TensorFlow and Triton each carry their own LLVM: importing Triton after TensorFlow aborts the
+# process ("Option ... registered more than once"), while the other order works. Tests of every
+# backend share one pytest process (and transformers imports Triton), so Triton goes first.
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: F401
