@@ -1,0 +1,300 @@
+"""normkit's CPU kernel: the numba row kernels as torch custom ops, with autograd and vmap rules.
+
+``norm_rows`` is the kernel interface of `normkit.torch.kernels`. The ops are
+``normkit::cpu_norm`` (forward) and ``normkit::cpu_norm_backward``; both have fake
+implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph. The forward saves
+only ``x`` (and the parameters): the backward recomputes each row's statistic in the pass that
+reads the row anyway.
+
+The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
+If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
+and warn once; with ``strict`` they raise instead. Launches hold a lock (numba's workqueue
+threading layer, chosen because it survives ``fork``, is not reentrant) and run on
+``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from normkit.torch._autograd import NormFunction
+
+__all__ = ["norm_rows", "load", "unavailable_reason", "KINDS", "CODES"]
+
+KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BLOCK_ROWS = 256
+INSTALL = "pip install 'normkit[torch]' (numba)"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"module": None, "reason": None, "warned": False}
+
+
+def load() -> ModuleType | None:
+    """The compiled numba kernels, or None (with `unavailable_reason` set) if they cannot load."""
+    if _state["module"] is not None or _state["reason"] is not None:
+        return _state["module"]
+    with _lock:
+        if _state["module"] is None and _state["reason"] is None:
+            try:
+                _configure_numba()
+                from normkit.torch.kernels import _cpu_numba
+
+                _state["module"] = _cpu_numba
+            except Exception as exc:  # an ImportError, or any failure of numba's compiler
+                _state["reason"] = f"{type(exc).__name__}: {exc}"
+    return _state["module"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels could not load (after `load` failed), else None."""
+    return _state["reason"]
+
+
+def _configure_numba() -> None:
+    """Choose numba's fork-safe workqueue threading layer unless the user chose one."""
+    import numba
+
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        try:
+            numba.threading_layer()
+        except ValueError:  # no parallel region has run yet: the layer can still be chosen
+            numba.config.THREADING_LAYER = "workqueue"
+
+
+def _kernels(strict: bool) -> ModuleType | None:
+    module = load()
+    if module is None:
+        message = (
+            f"normkit's CPU kernel is unavailable ({unavailable_reason()}); "
+            f"using the composite path. Install it with {INSTALL}."
+        )
+        if strict:
+            raise RuntimeError(message)
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return module
+
+
+def _threads() -> int:
+    import numba
+
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def _rows(t: torch.Tensor, code: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(float32 rows, half-bit rows)`` numpy views of ``t``; the unused one is empty."""
+    if code == 0:
+        return t.numpy(), np.empty((0, 0), np.uint16)
+    return np.empty((0, 0), np.float32), t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _block(rows: int) -> int:
+    return max(1, min(BLOCK_ROWS, math.ceil(rows / max(1, torch.get_num_threads()))))
+
+
+@torch.library.custom_op("normkit::cpu_norm", mutates_args=(), device_types="cpu")
+def cpu_norm(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, cast: str, strict: bool,
+) -> torch.Tensor:
+    """``y`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32, n)."""
+    module = _kernels(strict)
+    if module is None:
+        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        return y
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    code = CODES[x.dtype]
+    xf, xh = _rows(x, code)
+    yf, yh = _rows(y, code)
+    with _lock:
+        import numba
+
+        numba.set_num_threads(_threads())
+        module.forward(
+            xf, xh, g.contiguous().numpy(), b.contiguous().numpy(), yf, yh, KINDS[kind], k,
+            eps, outside, cast == "before_scale", code, _block(x.shape[0]),
+        )
+    return y
+
+
+@cpu_norm.register_fake
+def _cpu_norm_fake(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, cast: str, strict: bool,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("normkit::cpu_norm_backward", mutates_args=(), device_types="cpu")
+def cpu_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
+    (the sums over rows of ``dy * y_hat`` and ``dy``)."""
+    module = _kernels(strict)
+    if module is None:
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(), g.detach().requires_grad_()]
+            bias = torch.zeros_like(g, requires_grad=True)
+            y, _ = NormFunction.apply(*leaves, bias, kind, k, eps, outside, "after_scale")
+            dx, dg, db = torch.autograd.grad(y, [*leaves, bias], dy)
+        return dx, dg, db
+    x = x.contiguous()
+    dy = dy.contiguous()
+    rows, n = x.shape
+    dx = torch.empty_like(x)
+    code = CODES[x.dtype]
+    block = _block(rows)
+    blocks = math.ceil(rows / block)
+    dg_blocks = torch.zeros(blocks, n, dtype=torch.float32)
+    db_blocks = torch.zeros(blocks, n, dtype=torch.float32)
+    xf, xh = _rows(x, code)
+    dyf, dyh = _rows(dy, code)
+    dxf, dxh = _rows(dx, code)
+    with _lock:
+        import numba
+
+        numba.set_num_threads(_threads())
+        module.backward(
+            xf, xh, dyf, dyh, g.contiguous().numpy(), dxf, dxh, dg_blocks.numpy(),
+            db_blocks.numpy(), KINDS[kind], k, eps, outside, code, block,
+        )
+    return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
+
+
+def _sum_blocks(partial: torch.Tensor) -> torch.Tensor:
+    """The per-block partial sums added up in float64, returned in float32."""
+    return partial.sum(dim=0, dtype=torch.float64).to(torch.float32)
+
+
+@cpu_norm_backward.register_fake
+def _cpu_norm_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, g, b, kind, k, eps, outside, cast, strict = inputs
+    ctx.save_for_backward(x, g, b)
+    ctx.options = (kind, k, eps, outside, cast, strict)
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, g, b = ctx.saved_tensors
+    kind, k, eps, outside, cast, strict = ctx.options
+    if torch.is_grad_enabled():
+        # A graph for double backward: differentiate the composite path, which supports it.
+        dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
+    else:
+        dx, dg, db = cpu_norm_backward(dy, x, g, kind, k, eps, outside, strict)
+    need_x, need_g, need_b = ctx.needs_input_grad[:3]
+    return (
+        dx if need_x else None, dg if need_g else None, db if need_b else None,
+        None, None, None, None, None, None,
+    )
+
+
+def _composite_vjp(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, cast: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The vector-Jacobian product through `NormFunction`, as a differentiable graph."""
+    inputs = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, g, b)]
+    y, _ = NormFunction.apply(*inputs, kind, k, eps, outside, cast)
+    dx, dg, db = torch.autograd.grad(y, inputs, dy, create_graph=True)
+    return dx, dg, db
+
+
+torch.library.register_autograd("normkit::cpu_norm", _backward, setup_context=_setup_context)
+
+
+def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]) -> Any:
+    """Apply ``fn`` to each slice of the batch and stack the results (vmap's fallback)."""
+    size = info.batch_size
+    outputs = []
+    for i in range(size):
+        sliced = [
+            a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)
+        ]
+        outputs.append(fn(*sliced))
+    if isinstance(outputs[0], tuple):
+        stacked = tuple(torch.stack(parts) for parts in zip(*outputs))
+        return stacked, tuple(0 for _ in stacked)
+    return torch.stack(outputs), 0
+
+
+@torch.library.register_vmap("normkit::cpu_norm")
+def _cpu_norm_vmap(
+    info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+    kind: str, k: int, eps: float, outside: bool, cast: str, strict: bool,
+) -> tuple[torch.Tensor, int]:
+    x_dim, g_dim, b_dim = in_dims[:3]
+    if x_dim is not None and g_dim is None and b_dim is None:
+        moved = x.movedim(x_dim, 0)
+        y = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, kind, k, eps, outside, cast,
+                     strict)
+        return y.reshape(moved.shape), 0
+
+    def one(xi: torch.Tensor, gi: torch.Tensor, bi: torch.Tensor) -> torch.Tensor:
+        return cpu_norm(xi, gi, bi, kind, k, eps, outside, cast, strict)
+
+    result: tuple[torch.Tensor, int] = _batched(info, in_dims[:3], one, (x, g, b))
+    return result
+
+
+@torch.library.register_vmap("normkit::cpu_norm_backward")
+def _cpu_norm_backward_vmap(
+    info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor,
+    kind: str, k: int, eps: float, outside: bool, strict: bool,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    def one(dyi: torch.Tensor, xi: torch.Tensor, gi: torch.Tensor) -> Any:
+        return cpu_norm_backward(dyi, xi, gi, kind, k, eps, outside, strict)
+
+    result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
+        info, in_dims[:3], one, (dy, x, g)
+    )
+    return result
+
+
+def norm_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    kind: str,
+    k: int,
+    eps: float,
+    outside: bool,
+    scale_offset: float,
+    cast: str,
+    strict: bool = False,
+) -> torch.Tensor:
+    """``y`` for rows ``x`` (rows, n): the `normkit.torch.kernels` interface, on the CPU kernel.
+
+    ``weight`` and ``bias`` (n,) of any float dtype or None; the effective scale is
+    ``scale_offset + float32(weight)``. Their gradients come back in their own dtype.
+    """
+    n = x.shape[-1]
+    if weight is None:
+        g = torch.ones(n, dtype=torch.float32)
+    else:
+        g = weight.to(torch.float32)
+        if scale_offset != 0:
+            g = g + scale_offset
+    b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.to(torch.float32)
+    y: torch.Tensor = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
+    return y
