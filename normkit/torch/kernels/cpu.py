@@ -2,7 +2,8 @@
 
 ``norm_rows`` is the kernel interface of `normkit.torch.kernels`. The ops are
 ``normkit::cpu_norm`` (forward) and ``normkit::cpu_norm_backward``; both have fake
-implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph. The forward saves
+implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
+`CpuNormFunction` joins them for autograd and torch.func. The forward saves
 only ``x`` (and the parameters): the backward recomputes each row's statistic in the pass that
 reads the row anyway.
 
@@ -187,25 +188,43 @@ def _cpu_norm_backward_fake(
     return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, g, b, kind, k, eps, outside, cast, strict = inputs
-    ctx.save_for_backward(x, g, b)
-    ctx.options = (kind, k, eps, outside, cast, strict)
+class CpuNormFunction(torch.autograd.Function):
+    """`cpu_norm` with its backward, as an autograd.Function so that torch.func transforms apply
+    (torch.library's own autograd registration does not support them).
 
+    ``apply(x, g, b, kind, k, eps, outside, cast, strict)``; under ``create_graph`` (double
+    backward) the gradient is the composite path's, which is differentiable.
+    """
 
-def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    x, g, b = ctx.saved_tensors
-    kind, k, eps, outside, cast, strict = ctx.options
-    if torch.is_grad_enabled():
-        # A graph for double backward: differentiate the composite path, which supports it.
-        dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
-    else:
-        dx, dg, db = cpu_norm_backward(dy, x, g, kind, k, eps, outside, strict)
-    need_x, need_g, need_b = ctx.needs_input_grad[:3]
-    return (
-        dx if need_x else None, dg if need_g else None, db if need_b else None,
-        None, None, None, None, None, None,
-    )
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+        outside: bool, cast: str, strict: bool,
+    ) -> torch.Tensor:
+        y: torch.Tensor = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, g, b, kind, k, eps, outside, cast, strict = inputs
+        ctx.save_for_backward(x, g, b)
+        ctx.options = (kind, k, eps, outside, cast, strict)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, g, b = ctx.saved_tensors
+        kind, k, eps, outside, cast, strict = ctx.options
+        if torch.is_grad_enabled():
+            dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
+        else:
+            dx, dg, db = cpu_norm_backward(dy, x, g, kind, k, eps, outside, strict)
+        need_x, need_g, need_b = ctx.needs_input_grad[:3]
+        return (
+            dx if need_x else None, dg if need_g else None, db if need_b else None,
+            None, None, None, None, None, None,
+        )
 
 
 def _composite_vjp(
@@ -213,13 +232,14 @@ def _composite_vjp(
     eps: float, outside: bool, cast: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The vector-Jacobian product through `NormFunction`, as a differentiable graph."""
-    inputs = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, g, b)]
-    y, _ = NormFunction.apply(*inputs, kind, k, eps, outside, cast)
-    dx, dg, db = torch.autograd.grad(y, inputs, dy, create_graph=True)
+
+    def composite(xc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = NormFunction.apply(xc, gc, bc, kind, k, eps, outside, cast)[0]
+        return y
+
+    _, vjp = torch.func.vjp(composite, x, g, b)
+    dx, dg, db = vjp(dy)
     return dx, dg, db
-
-
-torch.library.register_autograd("normkit::cpu_norm", _backward, setup_context=_setup_context)
 
 
 def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]) -> Any:
@@ -296,5 +316,5 @@ def norm_rows(
         if scale_offset != 0:
             g = g + scale_offset
     b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.to(torch.float32)
-    y: torch.Tensor = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
+    y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)
     return y
