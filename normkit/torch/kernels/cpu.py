@@ -28,36 +28,41 @@ import torch
 
 from normkit.torch._autograd import NormFunction
 
-__all__ = ["norm_rows", "load", "unavailable_reason", "KINDS", "CODES"]
+__all__ = ["CpuNormFunction", "norm_rows", "load", "unavailable_reason"]
 
 KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
-CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 256
 INSTALL = "pip install 'normkit[torch]' (numba)"
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"module": None, "reason": None, "warned": False}
+_state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
 
 
-def load() -> ModuleType | None:
-    """The compiled numba kernels, or None (with `unavailable_reason` set) if they cannot load."""
-    if _state["module"] is not None or _state["reason"] is not None:
-        return _state["module"]
-    with _lock:
-        if _state["module"] is None and _state["reason"] is None:
-            try:
-                _configure_numba()
-                from normkit.torch.kernels import _cpu_numba
+def load(dtype: torch.dtype = torch.float32) -> ModuleType | None:
+    """The numba kernels, compiled for rows of ``dtype`` (or loaded from the disk cache), or
+    None, with `unavailable_reason` set, if numba cannot be imported or fails to compile."""
+    if _state["reason"] is None and dtype not in _state["compiled"]:
+        with _lock:
+            if _state["reason"] is None and dtype not in _state["compiled"]:
+                try:
+                    _configure_numba()
+                    from normkit.torch.kernels import _cpu_numba
 
-                _state["module"] = _cpu_numba
-            except Exception as exc:  # an ImportError, or any failure of numba's compiler
-                _state["reason"] = f"{type(exc).__name__}: {exc}"
-    return _state["module"]
+                    forward_sig, backward_sig = _cpu_numba.signatures(_NAMES[dtype])
+                    _cpu_numba.forward.compile(forward_sig)
+                    _cpu_numba.backward.compile(backward_sig)
+                    _state["module"] = _cpu_numba
+                    _state["compiled"].add(dtype)
+                except Exception as exc:  # an ImportError, or any failure of numba's compiler
+                    _state["reason"] = f"{type(exc).__name__}: {exc}"
+    return _state["module"] if _state["reason"] is None else None
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels could not load (after `load` failed), else None."""
-    return _state["reason"]
+    reason: str | None = _state["reason"]
+    return reason
 
 
 def _configure_numba() -> None:
@@ -71,8 +76,8 @@ def _configure_numba() -> None:
             numba.config.THREADING_LAYER = "workqueue"
 
 
-def _kernels(strict: bool) -> ModuleType | None:
-    module = load()
+def _kernels(dtype: torch.dtype, strict: bool) -> ModuleType | None:
+    module = load(dtype)
     if module is None:
         message = (
             f"normkit's CPU kernel is unavailable ({unavailable_reason()}); "
@@ -92,11 +97,12 @@ def _threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def _rows(t: torch.Tensor, code: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(float32 rows, half-bit rows)`` numpy views of ``t``; the unused one is empty."""
-    if code == 0:
-        return t.numpy(), np.empty((0, 0), np.uint16)
-    return np.empty((0, 0), np.float32), t.view(torch.int16).numpy().view(np.uint16)
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``: float32, or the bits of bfloat16 as int16, of float16 as uint16."""
+    if t.dtype == torch.float32:
+        return t.numpy()
+    bits = t.view(torch.int16).numpy()
+    return bits if t.dtype == torch.bfloat16 else bits.view(np.uint16)
 
 
 def _block(rows: int) -> int:
@@ -109,22 +115,19 @@ def cpu_norm(
     outside: bool, cast: str, strict: bool,
 ) -> torch.Tensor:
     """``y`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32, n)."""
-    module = _kernels(strict)
+    module = _kernels(x.dtype, strict)
     if module is None:
         y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
         return y
     x = x.contiguous()
     y = torch.empty_like(x)
-    code = CODES[x.dtype]
-    xf, xh = _rows(x, code)
-    yf, yh = _rows(y, code)
     with _lock:
         import numba
 
         numba.set_num_threads(_threads())
         module.forward(
-            xf, xh, g.contiguous().numpy(), b.contiguous().numpy(), yf, yh, KINDS[kind], k,
-            eps, outside, cast == "before_scale", code, _block(x.shape[0]),
+            _rows(x), g.contiguous().numpy(), b.contiguous().numpy(), _rows(y), KINDS[kind], k,
+            eps, outside, cast == "before_scale", _block(x.shape[0]),
         )
     return y
 
@@ -144,7 +147,7 @@ def cpu_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
     (the sums over rows of ``dy * y_hat`` and ``dy``)."""
-    module = _kernels(strict)
+    module = _kernels(x.dtype, strict)
     if module is None:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(), g.detach().requires_grad_()]
@@ -156,21 +159,17 @@ def cpu_norm_backward(
     dy = dy.contiguous()
     rows, n = x.shape
     dx = torch.empty_like(x)
-    code = CODES[x.dtype]
     block = _block(rows)
     blocks = math.ceil(rows / block)
     dg_blocks = torch.zeros(blocks, n, dtype=torch.float32)
     db_blocks = torch.zeros(blocks, n, dtype=torch.float32)
-    xf, xh = _rows(x, code)
-    dyf, dyh = _rows(dy, code)
-    dxf, dxh = _rows(dx, code)
     with _lock:
         import numba
 
         numba.set_num_threads(_threads())
         module.backward(
-            xf, xh, dyf, dyh, g.contiguous().numpy(), dxf, dxh, dg_blocks.numpy(),
-            db_blocks.numpy(), KINDS[kind], k, eps, outside, code, block,
+            _rows(x), _rows(dy), g.contiguous().numpy(), _rows(dx), dg_blocks.numpy(),
+            db_blocks.numpy(), KINDS[kind], k, eps, outside, block,
         )
     return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
 
