@@ -230,12 +230,11 @@ def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
 
 
 @njit(cache=True, fastmath=_REDUCE)
-def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, lo: int, hi: int, m0: float
-                ) -> tuple[float, float]:
-    """``sum(d)`` and ``sum(d * (x - m0))`` over ``[lo, hi)``, ``d = dy * g``."""
+def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float) -> tuple[float, float]:
+    """``sum(d)`` and ``sum(d * (x - m0))``, ``d = dy * g``."""
     sd = 0.0
     sdc = 0.0
-    for j in range(lo, hi):
+    for j in range(row.size):
         d = np.float64(_load(dy, j) * g[j])
         sd += d
         sdc += d * (np.float64(_load(row, j)) - m0)
@@ -344,6 +343,20 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
 
 
 @njit(cache=True)
+def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                   dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
+                   m_hi: float, m_lo: float) -> None:
+    """``dx = r (dy g - mean_d) + c q``, ``dg += dy c r``, ``db += dy`` in float32, with
+    ``c = (x - m_hi) - m_lo``."""
+    for j in range(x.size):
+        c = (_load(x, j) - m_hi) - m_lo
+        dyj = _load(dy, j)
+        dg[j] += dyj * (c * r)
+        db[j] += dyj
+        _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+
+
+@njit(cache=True)
 def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
                   outside: bool) -> None:
@@ -356,15 +369,17 @@ def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
     n = x.size
     if kind == LAYER:
         mean, s, m0 = _layer_moments(x)
-        sd, sdc0 = _dot_scaled(x, dy, g, 0, n, m0)
+        sd, sdc0 = _dot_scaled(x, dy, g, m0)
         dot = sdc0 - (mean - m0) * sd
         mean_d = sd / n
         tail = 0.0
     else:
         mean = 0.0
         s = _sum_square(x, k) / k
-        _, head = _dot_scaled(x, dy, g, 0, k, 0.0)
-        _, tail = _dot_scaled(x, dy, g, k, n, 0.0)
+        # Slices, so that every loop starts at 0: numba then drops its negative-index check,
+        # which would keep LLVM from vectorizing.
+        _, head = _dot_scaled(x[:k], dy[:k], g[:k], 0.0)
+        _, tail = _dot_scaled(x[k:], dy[k:], g[k:], 0.0)
         dot = head + tail
         mean_d = 0.0
     r = _rstd(s, eps, outside)
@@ -375,18 +390,9 @@ def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
         q32 = np.float32(q)
         md32 = np.float32(mean_d)
         m_hi, m_lo = _split(mean)
-        for j in range(k):
-            c = (_load(x, j) - m_hi) - m_lo
-            dyj = _load(dy, j)
-            dg[j] += dyj * (c * r32)
-            db[j] += dyj
-            _store(dx, j, r32 * (dyj * g[j] - md32) + c * q32)
-        for j in range(k, n):
-            c = (_load(x, j) - m_hi) - m_lo
-            dyj = _load(dy, j)
-            dg[j] += dyj * (c * r32)
-            db[j] += dyj
-            _store(dx, j, r32 * (dyj * g[j] - md32))
+        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo)
+        _gradient_span(x[k:], dy[k:], dx[k:], g[k:], dg[k:], db[k:], r32, np.float32(0.0), md32,
+                       m_hi, m_lo)
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
