@@ -39,10 +39,11 @@ def signatures(dtype: str) -> tuple[str, str]:
     rows = f"{np.dtype(ROW_DTYPES[dtype]).name}[:, ::1]"
     vec = "float32[::1]"
     forward_sig = (
-        f"void({rows}, {vec}, {vec}, {rows}, int64, int64, float64, boolean, boolean, int64)"
+        f"void({rows}, {vec}, {vec}, {rows}, {vec}, int64, int64, float64, boolean, boolean, "
+        "int64)"
     )
     backward_sig = (
-        f"void({rows}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], "
+        f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], "
         "int64, int64, float64, boolean, int64)"
     )
     return forward_sig, backward_sig
@@ -288,9 +289,9 @@ def _split(mean: float) -> tuple[float, float]:
 
 @njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                 k: int, eps: float, outside: bool, before_scale: bool) -> None:
-    """``y = (x - mean) * r * g + b`` for one row; with ``before_scale`` the normalized value
-    is rounded to the row's dtype before the affine step."""
+                 k: int, eps: float, outside: bool, before_scale: bool) -> float:
+    """``y = (x - mean) * r * g + b`` for one row, returning ``r``; with ``before_scale`` the
+    normalized value is rounded to the row's dtype before the affine step."""
     n = x.size
     if kind == LAYER:
         mean, s, _ = _layer_moments(x)
@@ -314,18 +315,21 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
             if before_scale:
                 v = np.float64(_round_like(x, np.float32(v)))
             _store(y, j, np.float32(v * g[j] + b[j]))
+    return r
 
 
 @njit(parallel=True, cache=True)
-def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, kind: int, k: int,
-            eps: float, outside: bool, before_scale: bool, block: int) -> None:
-    """``y = normalize(x)`` for rows ``x`` into ``y`` (same dtype); ``g`` the effective scale,
-    ``b`` the bias (float32); tasks of ``block`` rows."""
+def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
+            kind: int, k: int, eps: float, outside: bool, before_scale: bool, block: int
+            ) -> None:
+    """``y = normalize(x)`` for rows ``x`` into ``y`` (same dtype) and ``r(s)`` of each row
+    into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32); tasks of
+    ``block`` rows."""
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
         for i in range(blk * block, min(rows, (blk + 1) * block)):
-            _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
+            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -357,10 +361,13 @@ def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
 
 
 @njit(cache=True)
-def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
                   outside: bool) -> None:
     """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``.
+
+    The forward's float32 ``r`` serves where it determines ``r'(s)`` (the RMS kinds, eps
+    inside, r in float32's comfortable range); elsewhere the statistic is recomputed.
 
     ``dx_j = r (d_j - mean(d)) + [j < k] c_j (2/k) r'(s) sum_i d_i c_i`` with ``d = dy * g``
     and ``c`` the centered row (``mean(d)`` only for layer); for k = 1 element 0 takes the
@@ -375,14 +382,16 @@ def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
         tail = 0.0
     else:
         mean = 0.0
-        s = _sum_square(x, k) / k
+        s = 0.0 if not outside and _fast(saved_r) else _sum_square(x, k) / k
         # Slices, so that every loop starts at 0: numba then drops its negative-index check,
         # which would keep LLVM from vectorizing.
         _, head = _dot_scaled(x[:k], dy[:k], g[:k], 0.0)
         _, tail = _dot_scaled(x[k:], dy[k:], g[k:], 0.0)
         dot = head + tail
         mean_d = 0.0
-    r = _rstd(s, eps, outside)
+    r = np.float64(saved_r) if kind != LAYER and not outside and _fast(saved_r) else _rstd(
+        s, eps, outside
+    )
     q = (2.0 / k) * _dr_ds(r, s, outside) * dot
     if (_fast(r) and abs(q) < _FAST_HIGH and abs(mean_d) < _FAST_HIGH
             and (mean == 0.0 or _fast(mean))):
@@ -408,13 +417,15 @@ def _backward_row(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
 
 
 @njit(parallel=True, cache=True)
-def backward(x: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray, dg: np.ndarray,
-             db: np.ndarray, kind: int, k: int, eps: float, outside: bool, block: int) -> None:
-    """``dx`` of rows ``x`` for the cotangent ``dy`` (all of one dtype); row block ``i`` adds its
+def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
+             dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
+             block: int) -> None:
+    """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
+    dtype); row block ``i`` adds its
     rows' ``dy * y_hat`` to ``dg[i]`` and ``dy`` to ``db[i]`` (float32 partial sums, zero on
     entry)."""
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
         for i in range(blk * block, min(rows, (blk + 1) * block)):
-            _backward_row(x[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside)
+            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside)

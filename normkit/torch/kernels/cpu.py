@@ -4,8 +4,7 @@
 ``normkit::cpu_norm`` (forward) and ``normkit::cpu_norm_backward``; both have fake
 implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
 `CpuNormFunction` joins them for autograd and torch.func. The forward saves
-only ``x`` (and the parameters): the backward recomputes each row's statistic in the pass that
-reads the row anyway.
+``x`` and each row's ``r(s)`` in float32 (and the parameters).
 
 The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
 If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
@@ -113,37 +112,39 @@ def _block(rows: int) -> int:
 def cpu_norm(
     x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
     outside: bool, cast: str, strict: bool,
-) -> torch.Tensor:
-    """``y`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32, n)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32,
+    n); ``r`` is each row's ``r(s)`` in float32."""
     module = _kernels(x.dtype, strict)
     if module is None:
-        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
-        return y
+        y, r = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        return y, r
     x = x.contiguous()
     y = torch.empty_like(x)
+    r = torch.empty(x.shape[0], dtype=torch.float32)
     with _lock:
         import numba
 
         numba.set_num_threads(_threads())
         module.forward(
-            _rows(x), g.contiguous().numpy(), b.contiguous().numpy(), _rows(y), KINDS[kind], k,
-            eps, outside, cast == "before_scale", _block(x.shape[0]),
+            _rows(x), g.contiguous().numpy(), b.contiguous().numpy(), _rows(y), r.numpy(),
+            KINDS[kind], k, eps, outside, cast == "before_scale", _block(x.shape[0]),
         )
-    return y
+    return y, r
 
 
 @cpu_norm.register_fake
 def _cpu_norm_fake(
     x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
     outside: bool, cast: str, strict: bool,
-) -> torch.Tensor:
-    return torch.empty_like(x)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("normkit::cpu_norm_backward", mutates_args=(), device_types="cpu")
 def cpu_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor, kind: str, k: int, eps: float,
-    outside: bool, strict: bool,
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
     (the sums over rows of ``dy * y_hat`` and ``dy``)."""
@@ -168,7 +169,7 @@ def cpu_norm_backward(
 
         numba.set_num_threads(_threads())
         module.backward(
-            _rows(x), _rows(dy), g.contiguous().numpy(), _rows(dx), dg_blocks.numpy(),
+            _rows(x), r.contiguous().numpy(), _rows(dy), g.contiguous().numpy(), _rows(dx), dg_blocks.numpy(),
             db_blocks.numpy(), KINDS[kind], k, eps, outside, block,
         )
     return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
@@ -181,8 +182,8 @@ def _sum_blocks(partial: torch.Tensor) -> torch.Tensor:
 
 @cpu_norm_backward.register_fake
 def _cpu_norm_backward_fake(
-    dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor, kind: str, k: int, eps: float,
-    outside: bool, strict: bool,
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
 
@@ -201,24 +202,29 @@ class CpuNormFunction(torch.autograd.Function):
     def forward(
         x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
         outside: bool, cast: str, strict: bool,
-    ) -> torch.Tensor:
-        y: torch.Tensor = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
-        return y
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, r = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
+        return y, r
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
         x, g, b, kind, k, eps, outside, cast, strict = inputs
-        ctx.save_for_backward(x, g, b)
+        ctx.save_for_backward(x, output[1], g, b)
+        ctx.mark_non_differentiable(output[1])
         ctx.options = (kind, k, eps, outside, cast, strict)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, g, b = ctx.saved_tensors
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, r, g, b = ctx.saved_tensors
         kind, k, eps, outside, cast, strict = ctx.options
         if torch.is_grad_enabled():
             dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
         else:
-            dx, dg, db = cpu_norm_backward(dy, x, g, kind, k, eps, outside, strict)
+            dx, dg, db = cpu_norm_backward(dy, x, r, g, kind, k, eps, outside, strict)
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
         return (
             dx if need_x else None, dg if need_g else None, db if need_b else None,
@@ -250,41 +256,41 @@ def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]
             a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)
         ]
         outputs.append(fn(*sliced))
-    if isinstance(outputs[0], tuple):
-        stacked = tuple(torch.stack(parts) for parts in zip(*outputs))
-        return stacked, tuple(0 for _ in stacked)
-    return torch.stack(outputs), 0
+    stacked = tuple(torch.stack(parts) for parts in zip(*outputs))
+    return stacked, tuple(0 for _ in stacked)
 
 
 @torch.library.register_vmap("normkit::cpu_norm")
 def _cpu_norm_vmap(
     info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
     kind: str, k: int, eps: float, outside: bool, cast: str, strict: bool,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
     x_dim, g_dim, b_dim = in_dims[:3]
     if x_dim is not None and g_dim is None and b_dim is None:
         moved = x.movedim(x_dim, 0)
-        y = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, kind, k, eps, outside, cast,
-                     strict)
-        return y.reshape(moved.shape), 0
+        y, r = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, kind, k, eps, outside, cast,
+                        strict)
+        return (y.reshape(moved.shape), r.reshape(moved.shape[:-1])), (0, 0)
 
-    def one(xi: torch.Tensor, gi: torch.Tensor, bi: torch.Tensor) -> torch.Tensor:
+    def one(xi: torch.Tensor, gi: torch.Tensor, bi: torch.Tensor) -> Any:
         return cpu_norm(xi, gi, bi, kind, k, eps, outside, cast, strict)
 
-    result: tuple[torch.Tensor, int] = _batched(info, in_dims[:3], one, (x, g, b))
+    result: tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]] = _batched(
+        info, in_dims[:3], one, (x, g, b)
+    )
     return result
 
 
 @torch.library.register_vmap("normkit::cpu_norm_backward")
 def _cpu_norm_backward_vmap(
-    info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor,
-    kind: str, k: int, eps: float, outside: bool, strict: bool,
+    info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor,
+    g: torch.Tensor, kind: str, k: int, eps: float, outside: bool, strict: bool,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    def one(dyi: torch.Tensor, xi: torch.Tensor, gi: torch.Tensor) -> Any:
-        return cpu_norm_backward(dyi, xi, gi, kind, k, eps, outside, strict)
+    def one(dyi: torch.Tensor, xi: torch.Tensor, ri: torch.Tensor, gi: torch.Tensor) -> Any:
+        return cpu_norm_backward(dyi, xi, ri, gi, kind, k, eps, outside, strict)
 
     result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
-        info, in_dims[:3], one, (dy, x, g)
+        info, in_dims[:4], one, (dy, x, r, g)
     )
     return result
 
@@ -315,5 +321,5 @@ def norm_rows(
         if scale_offset != 0:
             g = g + scale_offset
     b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.to(torch.float32)
-    y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)
+    y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
     return y
