@@ -18,13 +18,13 @@ import importlib
 import importlib.util
 import warnings
 from types import ModuleType
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
 
 import torch
 
 from normkit.torch.kernels import cpu
 
-__all__ = ["KERNELS", "Kernel", "check_kernel", "resolve", "module"]
+__all__ = ["KERNELS", "Kernel", "check_kernel", "module", "resolve"]
 
 Kernel: TypeAlias = Literal["auto", "composite", "cpu", "triton"]
 KERNELS: tuple[str, ...] = ("auto", "composite", "cpu", "triton")
@@ -34,11 +34,11 @@ _NUMBA = importlib.util.find_spec("numba") is not None
 _warned = {"auto": False}
 
 
-def check_kernel(kernel: object) -> str:
+def check_kernel(kernel: object) -> Kernel:
     """``kernel`` if it names a kernel, else ValueError listing them."""
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is invalid: expected one of {KERNELS}")
-    return kernel
+    return cast(Kernel, kernel)
 
 
 def _degenerate(kind: str, n: int) -> bool:

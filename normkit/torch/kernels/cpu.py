@@ -27,7 +27,7 @@ import torch
 
 from normkit.torch._autograd import NormFunction
 
-__all__ = ["CpuNormFunction", "norm_rows", "load", "unavailable_reason"]
+__all__ = ["CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
 KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -53,7 +53,7 @@ def load(dtype: torch.dtype = torch.float32) -> ModuleType | None:
                     _cpu_numba.backward.compile(backward_sig)
                     _state["module"] = _cpu_numba
                     _state["compiled"].add(dtype)
-                except Exception as exc:  # an ImportError, or any failure of numba's compiler
+                except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
                     _state["reason"] = f"{type(exc).__name__}: {exc}"
     return _state["module"] if _state["reason"] is None else None
 
@@ -72,7 +72,7 @@ def _configure_numba() -> None:
         try:
             numba.threading_layer()
         except ValueError:  # no parallel region has run yet: the layer can still be chosen
-            numba.config.THREADING_LAYER = "workqueue"
+            numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 
 
 def _kernels(dtype: torch.dtype, strict: bool) -> ModuleType | None:
@@ -93,7 +93,8 @@ def _kernels(dtype: torch.dtype, strict: bool) -> ModuleType | None:
 def _threads() -> int:
     import numba
 
-    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    limit: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    return max(1, min(torch.get_num_threads(), limit))
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:
@@ -242,7 +243,7 @@ def _composite_vjp(
         y: torch.Tensor = NormFunction.apply(xc, gc, bc, kind, k, eps, outside, cast)[0]
         return y
 
-    _, vjp = torch.func.vjp(composite, x, g, b)
+    vjp = torch.func.vjp(composite, x, g, b)[1]
     dx, dg, db = vjp(dy)
     return dx, dg, db
 
