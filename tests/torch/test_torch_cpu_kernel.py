@@ -396,6 +396,7 @@ def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -
 def broken_jit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """numba's module cannot be imported (as when numba is broken or fails to compile)."""
     monkeypatch.setitem(sys.modules, "normkit.torch.kernels._cpu_numba", None)
+    monkeypatch.delattr(kernels, "_cpu_numba", raising=False)
     fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
     monkeypatch.setattr(cpu, "_state", fresh)
     yield
