@@ -120,6 +120,19 @@ def _f16_bits(v: float) -> int:
     return np.uint16(sign | np.uint32((scaled + _TWO_P23) - _TWO_P23))
 
 
+@njit(cache=True)
+def _round_to_odd(v: float) -> float:
+    """The float64 ``v`` as float32, rounded to odd: a later rounding to a half format is then
+    the correct rounding of ``v`` itself (no double-rounding error)."""
+    f = np.float32(v)
+    if np.float64(f) != v and np.isfinite(f):
+        u = _bits_of_float(f)
+        if (u & 1) == 0:
+            u = u - 1 if abs(np.float64(f)) > abs(v) else u + 1
+            f = _float_from_bits(u)
+    return f
+
+
 def _load(row: np.ndarray, j: int) -> float:
     """Element ``j`` of a row as float32 (bfloat16 / float16 bits widened exactly)."""
     raise NotImplementedError
@@ -131,7 +144,7 @@ def _store(row: np.ndarray, j: int, v: float) -> None:
 
 
 def _round_like(row: np.ndarray, v: float) -> float:
-    """``v`` rounded to the row's dtype and back to float32."""
+    """The float64 ``v`` rounded once to the row's dtype, as float32."""
     raise NotImplementedError
 
 
@@ -186,18 +199,18 @@ def _round_like_impl(row: Any, v: Any) -> Any:
     if row.dtype == types.int16:
 
         def round_bf16(row: Any, v: Any) -> Any:
-            return _bf16_value(_bf16_bits(v))
+            return _bf16_value(_bf16_bits(_round_to_odd(v)))
 
         return round_bf16
     if row.dtype == types.uint16:
 
         def round_f16(row: Any, v: Any) -> Any:
-            return _f16_value(_f16_bits(v))
+            return _f16_value(_f16_bits(_round_to_odd(v)))
 
         return round_f16
 
     def round_f32(row: Any, v: Any) -> Any:
-        return v
+        return np.float32(v)
 
     return round_f32
 
@@ -307,8 +320,9 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
         r32 = np.float32(r)
         m_hi, m_lo = _split(mean)
         if before_scale:
+            # y_hat in float64, rounded once: its rounding is that of the reference.
             for j in range(n):
-                v = _round_like(x, ((_load(x, j) - m_hi) - m_lo) * r32)
+                v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
                 _store(y, j, v * g[j] + b[j])
         else:
             for j in range(n):
@@ -317,7 +331,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
         for j in range(n):
             v = (np.float64(_load(x, j)) - mean) * r
             if before_scale:
-                v = np.float64(_round_like(x, np.float32(v)))
+                v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
     return r
 
