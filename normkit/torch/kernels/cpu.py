@@ -109,8 +109,17 @@ def _block(rows: int) -> int:
     return max(1, min(BLOCK_ROWS, math.ceil(rows / max(1, torch.get_num_threads()))))
 
 
-@torch.library.custom_op("normkit::cpu_norm", mutates_args=(), device_types="cpu")
-def cpu_norm(
+def _eager() -> bool:
+    """Whether to call the kernels directly rather than through their custom ops.
+
+    In plain eager mode the ops add nothing, and a custom op's first call imports torch._dynamo,
+    hence triton, which aborts a process that has loaded TensorFlow or JAX (their LLVM options
+    clash with triton's).
+    """
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
+def _norm(
     x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
     outside: bool, cast: str, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +143,9 @@ def cpu_norm(
     return y, r
 
 
+cpu_norm = torch.library.custom_op("normkit::cpu_norm", _norm, mutates_args=(), device_types="cpu")
+
+
 @cpu_norm.register_fake
 def _cpu_norm_fake(
     x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
@@ -142,8 +154,7 @@ def _cpu_norm_fake(
     return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("normkit::cpu_norm_backward", mutates_args=(), device_types="cpu")
-def cpu_norm_backward(
+def _norm_backward(
     dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
     eps: float, outside: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,6 +187,11 @@ def cpu_norm_backward(
     return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
 
 
+cpu_norm_backward = torch.library.custom_op(
+    "normkit::cpu_norm_backward", _norm_backward, mutates_args=(), device_types="cpu"
+)
+
+
 def _sum_blocks(partial: torch.Tensor) -> torch.Tensor:
     """The per-block partial sums added up in float64, returned in float32."""
     return partial.sum(dim=0, dtype=torch.float64).to(torch.float32)
@@ -204,7 +220,8 @@ class CpuNormFunction(torch.autograd.Function):
         x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
         outside: bool, cast: str, strict: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, r = cpu_norm(x, g, b, kind, k, eps, outside, cast, strict)
+        op = _norm if _eager() else cpu_norm
+        y, r = op(x, g, b, kind, k, eps, outside, cast, strict)
         return y, r
 
     @staticmethod
@@ -225,7 +242,8 @@ class CpuNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
         else:
-            dx, dg, db = cpu_norm_backward(dy, x, r, g, kind, k, eps, outside, strict)
+            op = _norm_backward if _eager() else cpu_norm_backward
+            dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, strict)
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
         return (
             dx if need_x else None, dg if need_g else None, db if need_b else None,
