@@ -88,7 +88,8 @@ def test_half_before_scale_rounding_flip_is_within_the_policy() -> None:
     x = rng.standard_normal((4, 16384)).astype(np.float16)
     scale = (rng.standard_normal(16384) * 0.5 + 1).astype(np.float32)
     bias = rng.standard_normal(16384).astype(np.float32)
-    y, *_ = conformance.evaluate(spec, x, x, scale, bias)
+    # The composite path: the CPU kernel rounds y_hat once from float64, so it does not flip.
+    y, *_ = conformance.evaluate(spec, x, x, scale, bias, kernel="composite")
     expected = reference.normalize(x, spec, scale, bias)
     assert tolerances.measure(y, expected, cast=spec.cast).max_ulp > 2  # per element of y
     magnitude = reference.scaled_magnitude(x, spec, scale)

@@ -25,6 +25,8 @@ __all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
 EAGER, COMPILED = "eager", "torch.compile"
 QUICK_COMPILED = ("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
 NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)",)
+# On the CPU "auto" runs normkit's numba kernel; these rows time the torch-ops path beside it.
+COMPOSITE = ("normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')")
 
 
 class LlamaRMSNorm(nn.Module):
@@ -53,6 +55,10 @@ def _modules(n: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
         "normkit.torch.PartialRMSNorm(p=0.0625)": PartialRMSNorm(n, 0.0625, EPS, **kw),
         "normkit.torch.LayerNorm": LayerNorm(n, EPS, **kw),
         "torch.nn.LayerNorm": nn.LayerNorm(n, EPS, **kw),
+        **({
+            COMPOSITE[0]: RMSNorm(n, EPS, kernel="composite", **kw),
+            COMPOSITE[1]: LayerNorm(n, EPS, kernel="composite", **kw),
+        } if device == "cpu" else {}),
     }
 
 
@@ -111,7 +117,12 @@ def _peak_bytes(fn: Callable[[], object], device: str) -> int:
 
 def versions() -> dict[str, str]:
     """The versions and threads this benchmark ran with."""
-    return {"torch": torch.__version__, "threads": str(torch.get_num_threads())}
+    found = {"torch": torch.__version__, "threads": str(torch.get_num_threads())}
+    try:
+        import numba
+    except ImportError:
+        return found
+    return {**found, "numba": numba.__version__}
 
 
 def plan(sweep: Sweep) -> list[Group]:
@@ -136,7 +147,7 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     extras: dict[str, dict[str, Any]] = {}
     if group.mode == COMPILED:
         torch._dynamo.reset()  # each group compiles afresh: without this, the groups' shapes and dtypes exhaust the recompile limit
-        names = QUICK_COMPILED if sweep.quick else [k for k in modules if k not in NOT_COMPILED]
+        names = QUICK_COMPILED if sweep.quick else [k for k in modules if k not in NOT_COMPILED + COMPOSITE]
         calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: torch.compile(modules[k], fullgraph=True) for k in names}
     else:
         calls = dict(modules)

@@ -14,6 +14,7 @@ import torch
 
 from normkit import reference
 from normkit.spec import NormSpec
+from normkit.torch import kernels
 from normkit.torch.functional import normalize
 from normkit.torch.modules import from_spec
 
@@ -66,13 +67,17 @@ def evaluate(
       device: one of `devices`.
       variant: ``api="module"`` (`from_spec`, the default when ``spec.axis`` is the trailing
         axes of ``x``) or ``api="functional"`` (`normalize`, the default otherwise);
-        ``compiled=True`` runs it under ``torch.compile(fullgraph=True)``.
+        ``compiled=True`` runs it under ``torch.compile(fullgraph=True)``; ``kernel=`` one of
+        `normkit.torch.kernels.KERNELS` (default ``"auto"``).
 
     Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
     """
-    unknown = sorted(set(variant) - {"api", "compiled"})
+    unknown = sorted(set(variant) - {"api", "compiled", "kernel"})
     if unknown:
-        raise ValueError(f"unknown variant options {unknown}; allowed: ['api', 'compiled']")
+        raise ValueError(
+            f"unknown variant options {unknown}; allowed: ['api', 'compiled', 'kernel']"
+        )
+    kernel = kernels.check_kernel(variant.get("kernel", "auto"))
     axes = spec.resolve_axes(x.ndim)
     trailing = axes == tuple(range(x.ndim - len(axes), x.ndim))
     api = variant.get("api", "module" if trailing else "functional")
@@ -99,14 +104,14 @@ def evaluate(
     fn: Callable[[torch.Tensor], torch.Tensor]
     if api == "module":
         trailing_spec = spec.replace(axis=tuple(range(-len(axes), 0)))
-        module = from_spec(trailing_spec, shape, device, param_dtype)
+        module = from_spec(trailing_spec, shape, device, param_dtype, kernel=kernel)
         for name, param in params.items():
             if param is not None:
                 setattr(module, name, param)
         fn = module
     else:
         def fn(t: torch.Tensor) -> torch.Tensor:
-            return normalize(t, spec, params["weight"], params["bias"])
+            return normalize(t, spec, params["weight"], params["bias"], kernel=kernel)
 
     if variant.get("compiled", False):
         fn = torch.compile(fn, fullgraph=True)

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.torch import kernels
 from normkit.torch._autograd import NormFunction, _acc_dtype
+from normkit.torch.kernels import Kernel
 
 __all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm", "SUPPORTED_DTYPES"]
 
@@ -87,6 +89,8 @@ def normalize(
     spec: NormSpec,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    *,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """``spec`` applied to ``x``: ``y = y_hat(x) * (spec.scale_offset + weight) + bias``.
 
@@ -96,11 +100,16 @@ def normalize(
       weight: ``w``, of shape ``spec.param_shape(x.shape)``, or None for its initial value
         (an effective scale of 1). Only if ``spec.scale``.
       bias: ``b``, of the same shape, or None for zero. Only if ``spec.bias``.
+      kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch ops elsewhere),
+        ``"composite"`` (torch ops), ``"cpu"`` (the numba kernel) or ``"triton"``; see
+        `normkit.torch.kernels`.
 
-    Raises TypeError for a non-float input or parameter, ValueError for a bad axis or shape.
+    Raises TypeError for a non-float input or parameter, ValueError for a bad axis, shape or
+    kernel name, RuntimeError for a kernel that cannot run here.
     """
     spec.require_defaults("normkit.torch")
     _check_tensor(x, "x")
+    kernels.check_kernel(kernel)
     # A DTensor sharded on a normalized dim: its statistic is reduced across the shards.
     if "torch.distributed.tensor" in sys.modules:  # only then can x be a DTensor
         from normkit.torch import distributed
@@ -110,9 +119,10 @@ def normalize(
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes != trailing:
-        y = _normalize_trailing(x.movedim(axes, trailing), spec, len(axes), weight, bias)
+        moved = x.movedim(axes, trailing)
+        y = _normalize_trailing(moved, spec, len(axes), weight, bias, kernel)
         return y.movedim(trailing, axes)
-    return _normalize_trailing(x, spec, len(axes), weight, bias)
+    return _normalize_trailing(x, spec, len(axes), weight, bias, kernel)
 
 
 def _normalize_trailing(
@@ -121,12 +131,23 @@ def _normalize_trailing(
     m: int,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    kernel: str,
 ) -> torch.Tensor:
     shape = tuple(x.shape[x.dim() - m :])
     n = math.prod(shape)
     k = spec.stat_size(n)
     weight = _param(weight, "weight", spec.scale, shape)
     bias = _param(bias, "bias", spec.bias, shape)
+    chosen = kernels.resolve(kernel, x, spec.kind, n)
+    if chosen != "composite":
+        y = kernels.module(chosen).norm_rows(
+            x.reshape(x.numel() // n, n),
+            None if weight is None else weight.reshape(n),
+            None if bias is None else bias.reshape(n),
+            kind=spec.kind, k=k, eps=spec.eps, outside=spec.eps_placement == "outside",
+            scale_offset=spec.scale_offset, cast=spec.cast,
+        )
+        return y.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
     g = None if weight is None else weight.to(acc)
     if g is not None and spec.scale_offset != 0:
@@ -172,6 +193,7 @@ def rms_norm(
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """RMSNorm over the trailing ``normalized_shape``: ``x / sqrt(mean(x^2) + eps) * w + b``.
 
@@ -184,12 +206,13 @@ def rms_norm(
       eps_placement: ``"inside"`` or ``"outside"`` the square root.
       scale_offset: added to ``w`` (1.0 for Gemma's ``1 + w``); needs ``weight``.
       cast: half-precision cast order, ``"after_scale"`` or ``"before_scale"`` (Llama).
+      kernel: which implementation computes it (see `normalize`). Default ``"auto"``.
     """
     spec = _trailing_spec(
         x, normalized_shape, kind="rms", eps=eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias)
+    return normalize(x, spec, weight, bias, kernel=kernel)
 
 
 def partial_rms_norm(
@@ -203,6 +226,7 @@ def partial_rms_norm(
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """Partial RMSNorm: `rms_norm` whose statistic reads only the first ``k`` elements of a row.
 
@@ -214,7 +238,7 @@ def partial_rms_norm(
         x, normalized_shape, kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias)
+    return normalize(x, spec, weight, bias, kernel=kernel)
 
 
 def layer_norm(
@@ -227,6 +251,7 @@ def layer_norm(
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """LayerNorm: ``(x - mean(x)) / sqrt(var(x) + eps) * w + b`` (population variance).
 
@@ -236,4 +261,4 @@ def layer_norm(
         x, normalized_shape, kind="layer", eps=eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias)
+    return normalize(x, spec, weight, bias, kernel=kernel)

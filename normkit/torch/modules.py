@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.torch import kernels
 from normkit.torch.functional import ShapeLike, as_shape, check_trailing, normalize
+from normkit.torch.kernels import Kernel
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
 
@@ -23,10 +25,12 @@ class _Norm(nn.Module):
         spec: NormSpec,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        kernel: Kernel,
     ) -> None:
         super().__init__()
         self.normalized_shape = as_shape(normalized_shape)
         self._spec = spec
+        self.kernel = kernels.check_kernel(kernel)
         factory = {"device": device, "dtype": dtype}
         for name, present in (("weight", spec.scale), ("bias", spec.bias)):
             if present:
@@ -51,7 +55,7 @@ class _Norm(nn.Module):
         """The norm of ``x`` over its trailing ``normalized_shape``, in ``x``'s dtype."""
         if isinstance(x, torch.Tensor):
             check_trailing(x, self.normalized_shape)
-        return normalize(x, self._spec, self.weight, self.bias)
+        return normalize(x, self._spec, self.weight, self.bias, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         s = self._spec
@@ -61,7 +65,8 @@ class _Norm(nn.Module):
         text += f", elementwise_affine={s.scale}, bias={s.bias}"
         if s.scale_offset:
             text += f", scale_offset={s.scale_offset:g}"
-        return text + f", cast={s.cast!r}"
+        text += f", cast={s.cast!r}"
+        return text if self.kernel == "auto" else text + f", kernel={self.kernel!r}"
 
 
 class RMSNorm(_Norm):
@@ -81,6 +86,8 @@ class RMSNorm(_Norm):
       cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
         default) or ``"before_scale"`` (Llama: round the normalized value, then the affine).
       device, dtype: of the parameters. The output dtype is always the input's.
+      kernel: the implementation: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch
+        ops elsewhere), ``"composite"``, ``"cpu"`` or ``"triton"`` (`normkit.torch.kernels`).
 
     Examples:
       >>> import torch
@@ -103,12 +110,13 @@ class RMSNorm(_Norm):
         cast: Cast = "after_scale",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
             kind="rms", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
             scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
         )
-        super().__init__(normalized_shape, spec, device, dtype)
+        super().__init__(normalized_shape, spec, device, dtype, kernel)
 
 
 class PartialRMSNorm(_Norm):
@@ -121,8 +129,8 @@ class PartialRMSNorm(_Norm):
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
       p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
-      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype: as in
-        `RMSNorm`.
+      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype, kernel:
+        as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -144,13 +152,14 @@ class PartialRMSNorm(_Norm):
         cast: Cast = "after_scale",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
             kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
             axis=_trailing(normalized_shape), scale=elementwise_affine,
             scale_offset=scale_offset, bias=bias, cast=cast,
         )
-        super().__init__(normalized_shape, spec, device, dtype)
+        super().__init__(normalized_shape, spec, device, dtype, kernel)
 
 
 class LayerNorm(_Norm):
@@ -164,7 +173,8 @@ class LayerNorm(_Norm):
       eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-6.
       bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
         torch's, it does not depend on ``elementwise_affine``.
-      eps_placement, elementwise_affine, scale_offset, cast, device, dtype: as in `RMSNorm`.
+      eps_placement, elementwise_affine, scale_offset, cast, device, dtype, kernel: as in
+        `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -187,12 +197,13 @@ class LayerNorm(_Norm):
         cast: Cast = "after_scale",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
             kind="layer", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
             scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
         )
-        super().__init__(normalized_shape, spec, device, dtype)
+        super().__init__(normalized_shape, spec, device, dtype, kernel)
 
 
 def _trailing(normalized_shape: ShapeLike) -> tuple[int, ...]:
@@ -204,6 +215,8 @@ def from_spec(
     normalized_shape: ShapeLike,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    kernel: Kernel = "auto",
 ) -> RMSNorm | PartialRMSNorm | LayerNorm:
     """The module (`RMSNorm`, `PartialRMSNorm` or `LayerNorm`) implementing ``spec``.
 
@@ -211,6 +224,7 @@ def from_spec(
       spec: the norm; its ``axis`` must be the last ``len(normalized_shape)`` axes.
       normalized_shape: the trailing dims normalized, the shape of ``weight`` and ``bias``.
       device, dtype: of the parameters.
+      kernel: the implementation (see `RMSNorm`). Default ``"auto"``.
     """
     spec.require_defaults("normkit.torch")
     shape = as_shape(normalized_shape)
@@ -224,7 +238,7 @@ def from_spec(
     options = {
         "eps": spec.eps, "eps_placement": spec.eps_placement, "elementwise_affine": spec.scale,
         "scale_offset": spec.scale_offset, "bias": spec.bias, "cast": spec.cast,
-        "device": device, "dtype": dtype,
+        "device": device, "dtype": dtype, "kernel": kernel,
     }
     if spec.kind == "partial_rms":
         return PartialRMSNorm(shape, spec.p, **options)  # type: ignore[arg-type]

@@ -1,0 +1,344 @@
+"""normkit's CPU kernel: the numba row kernels as torch custom ops, with autograd and vmap rules.
+
+``norm_rows`` is the kernel interface of `normkit.torch.kernels`. The ops are
+``normkit::cpu_norm`` (forward) and ``normkit::cpu_norm_backward``; both have fake
+implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
+`CpuNormFunction` joins them for autograd and torch.func. The forward saves
+``x`` and each row's ``r(s)`` in float32 (and the parameters).
+
+The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
+If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
+and warn once; with ``strict`` they raise instead. Launches hold a lock (numba's workqueue
+threading layer, chosen because it survives ``fork``, is not reentrant) and run on
+``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from normkit.torch._autograd import NormFunction
+
+__all__ = ["CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
+
+KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+BLOCK_ROWS = 256
+INSTALL = "pip install 'normkit[torch]' (numba)"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
+
+
+def load(dtype: torch.dtype = torch.float32) -> ModuleType | None:
+    """The numba kernels, compiled for rows of ``dtype`` (or loaded from the disk cache), or
+    None, with `unavailable_reason` set, if numba cannot be imported or fails to compile."""
+    if _state["reason"] is None and dtype not in _state["compiled"]:
+        with _lock:
+            if _state["reason"] is None and dtype not in _state["compiled"]:
+                try:
+                    _configure_numba()
+                    from normkit.torch.kernels import _cpu_numba
+
+                    forward_sig, backward_sig = _cpu_numba.signatures(_NAMES[dtype])
+                    _cpu_numba.forward.compile(forward_sig)
+                    _cpu_numba.backward.compile(backward_sig)
+                    _state["module"] = _cpu_numba
+                    _state["compiled"].add(dtype)
+                except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
+                    _state["reason"] = f"{type(exc).__name__}: {exc}"
+    return _state["module"] if _state["reason"] is None else None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels could not load (after `load` failed), else None."""
+    reason: str | None = _state["reason"]
+    return reason
+
+
+def _configure_numba() -> None:
+    """Choose numba's fork-safe workqueue threading layer unless the user chose one."""
+    import numba
+
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        try:
+            numba.threading_layer()
+        except ValueError:  # no parallel region has run yet: the layer can still be chosen
+            numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
+
+
+def _kernels(dtype: torch.dtype, strict: bool) -> ModuleType | None:
+    module = load(dtype)
+    if module is None:
+        message = (
+            f"normkit's CPU kernel is unavailable ({unavailable_reason()}); "
+            f"using the composite path. Install it with {INSTALL}."
+        )
+        if strict:
+            raise RuntimeError(message)
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return module
+
+
+def _threads() -> int:
+    import numba
+
+    limit: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    return max(1, min(torch.get_num_threads(), limit))
+
+
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``: float32, or the bits of bfloat16 as int16, of float16 as uint16."""
+    if t.dtype == torch.float32:
+        return t.numpy()
+    bits = t.view(torch.int16).numpy()
+    return bits if t.dtype == torch.bfloat16 else bits.view(np.uint16)
+
+
+def _block(rows: int) -> int:
+    return max(1, min(BLOCK_ROWS, math.ceil(rows / max(1, torch.get_num_threads()))))
+
+
+def _eager() -> bool:
+    """Whether to call the kernels directly rather than through their custom ops.
+
+    In plain eager mode the ops add nothing, and a custom op's first call imports torch._dynamo,
+    hence triton, which aborts a process that has loaded TensorFlow or JAX (their LLVM options
+    clash with triton's).
+    """
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
+def _norm(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, cast: str, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32,
+    n); ``r`` is each row's ``r(s)`` in float32."""
+    module = _kernels(x.dtype, strict)
+    if module is None:
+        y, r = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        return y, r
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    r = torch.empty(x.shape[0], dtype=torch.float32)
+    with _lock:
+        import numba
+
+        numba.set_num_threads(_threads())
+        module.forward(
+            _rows(x), g.contiguous().numpy(), b.contiguous().numpy(), _rows(y), r.numpy(),
+            KINDS[kind], k, eps, outside, cast == "before_scale", _block(x.shape[0]),
+        )
+    return y, r
+
+
+cpu_norm = torch.library.custom_op("normkit::cpu_norm", _norm, mutates_args=(), device_types="cpu")
+
+
+@cpu_norm.register_fake
+def _cpu_norm_fake(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+    outside: bool, cast: str, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+def _norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
+    (the sums over rows of ``dy * y_hat`` and ``dy``)."""
+    module = _kernels(x.dtype, strict)
+    if module is None:
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(), g.detach().requires_grad_()]
+            bias = torch.zeros_like(g, requires_grad=True)
+            y, _ = NormFunction.apply(*leaves, bias, kind, k, eps, outside, "after_scale")
+            dx, dg, db = torch.autograd.grad(y, [*leaves, bias], dy)
+        return dx, dg, db
+    x = x.contiguous()
+    dy = dy.contiguous()
+    rows, n = x.shape
+    dx = torch.empty_like(x)
+    block = _block(rows)
+    blocks = math.ceil(rows / block)
+    dg_blocks = torch.zeros(blocks, n, dtype=torch.float32)
+    db_blocks = torch.zeros(blocks, n, dtype=torch.float32)
+    with _lock:
+        import numba
+
+        numba.set_num_threads(_threads())
+        module.backward(
+            _rows(x), r.contiguous().numpy(), _rows(dy), g.contiguous().numpy(), _rows(dx), dg_blocks.numpy(),
+            db_blocks.numpy(), KINDS[kind], k, eps, outside, block,
+        )
+    return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
+
+
+cpu_norm_backward = torch.library.custom_op(
+    "normkit::cpu_norm_backward", _norm_backward, mutates_args=(), device_types="cpu"
+)
+
+
+def _sum_blocks(partial: torch.Tensor) -> torch.Tensor:
+    """The per-block partial sums added up in float64, returned in float32."""
+    return partial.sum(dim=0, dtype=torch.float64).to(torch.float32)
+
+
+@cpu_norm_backward.register_fake
+def _cpu_norm_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
+
+
+class CpuNormFunction(torch.autograd.Function):
+    """`cpu_norm` with its backward, as an autograd.Function so that torch.func transforms apply
+    (torch.library's own autograd registration does not support them).
+
+    ``apply(x, g, b, kind, k, eps, outside, cast, strict)``; under ``create_graph`` (double
+    backward) the gradient is the composite path's, which is differentiable.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
+        outside: bool, cast: str, strict: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        op = _norm if _eager() else cpu_norm
+        y, r = op(x, g, b, kind, k, eps, outside, cast, strict)
+        return y, r
+
+    @staticmethod
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        x, g, b, kind, k, eps, outside, cast, strict = inputs
+        ctx.save_for_backward(x, output[1], g, b)
+        ctx.mark_non_differentiable(output[1])
+        ctx.options = (kind, k, eps, outside, cast, strict)
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, r, g, b = ctx.saved_tensors
+        kind, k, eps, outside, cast, strict = ctx.options
+        if torch.is_grad_enabled():
+            dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
+        else:
+            op = _norm_backward if _eager() else cpu_norm_backward
+            dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, strict)
+        need_x, need_g, need_b = ctx.needs_input_grad[:3]
+        return (
+            dx if need_x else None, dg if need_g else None, db if need_b else None,
+            None, None, None, None, None, None,
+        )
+
+
+def _composite_vjp(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, kind: str, k: int,
+    eps: float, outside: bool, cast: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The vector-Jacobian product through `NormFunction`, as a differentiable graph."""
+
+    def composite(xc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = NormFunction.apply(xc, gc, bc, kind, k, eps, outside, cast)[0]
+        return y
+
+    vjp = torch.func.vjp(composite, x, g, b)[1]
+    dx, dg, db = vjp(dy)
+    return dx, dg, db
+
+
+def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]) -> Any:
+    """Apply ``fn`` to each slice of the batch and stack the results (vmap's fallback)."""
+    size = info.batch_size
+    outputs = []
+    for i in range(size):
+        sliced = [
+            a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)
+        ]
+        outputs.append(fn(*sliced))
+    stacked = tuple(torch.stack(parts) for parts in zip(*outputs))
+    return stacked, tuple(0 for _ in stacked)
+
+
+@torch.library.register_vmap("normkit::cpu_norm")
+def _cpu_norm_vmap(
+    info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+    kind: str, k: int, eps: float, outside: bool, cast: str, strict: bool,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+    x_dim, g_dim, b_dim = in_dims[:3]
+    if x_dim is not None and g_dim is None and b_dim is None:
+        moved = x.movedim(x_dim, 0)
+        y, r = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, kind, k, eps, outside, cast,
+                        strict)
+        return (y.reshape(moved.shape), r.reshape(moved.shape[:-1])), (0, 0)
+
+    def one(xi: torch.Tensor, gi: torch.Tensor, bi: torch.Tensor) -> Any:
+        return cpu_norm(xi, gi, bi, kind, k, eps, outside, cast, strict)
+
+    result: tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]] = _batched(
+        info, in_dims[:3], one, (x, g, b)
+    )
+    return result
+
+
+@torch.library.register_vmap("normkit::cpu_norm_backward")
+def _cpu_norm_backward_vmap(
+    info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor,
+    g: torch.Tensor, kind: str, k: int, eps: float, outside: bool, strict: bool,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    def one(dyi: torch.Tensor, xi: torch.Tensor, ri: torch.Tensor, gi: torch.Tensor) -> Any:
+        return cpu_norm_backward(dyi, xi, ri, gi, kind, k, eps, outside, strict)
+
+    result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
+        info, in_dims[:4], one, (dy, x, r, g)
+    )
+    return result
+
+
+def norm_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    kind: str,
+    k: int,
+    eps: float,
+    outside: bool,
+    scale_offset: float,
+    cast: str,
+    strict: bool = False,
+) -> torch.Tensor:
+    """``y`` for rows ``x`` (rows, n): the `normkit.torch.kernels` interface, on the CPU kernel.
+
+    ``weight`` and ``bias`` (n,) of any float dtype or None; the effective scale is
+    ``scale_offset + float32(weight)``. Their gradients come back in their own dtype.
+    """
+    n = x.shape[-1]
+    if weight is None:
+        g = torch.ones(n, dtype=torch.float32)
+    else:
+        g = weight.to(torch.float32)
+        if scale_offset != 0:
+            g = g + scale_offset
+    b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.to(torch.float32)
+    y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
+    return y

@@ -1,0 +1,442 @@
+"""normkit's CPU kernel (numba) against the reference: every option and dtype, forward and
+backward; the edges of float32; threads, fork, torch.compile, torch.func; the kernel switch and
+its fallback."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from normkit import dtypes, reference, tolerances
+from normkit.spec import Kind, NormSpec
+from normkit.torch import kernels
+from normkit.torch.conformance import to_numpy, to_torch
+from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
+from normkit.torch.kernels import cpu
+from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+
+pytest.importorskip("numba")
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPECS = {
+    "rms": NormSpec(kind="rms"),
+    "partial": NormSpec(kind="partial_rms", p=0.25),
+    "partial_k1": NormSpec(kind="partial_rms", p=0.01),
+    "layer": NormSpec(kind="layer"),
+}
+SIZES = (1, 2, 7, 256)
+
+
+class Spy:
+    """Counts the numba kernels' launches, forwarding them."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls = {"forward": 0, "backward": 0}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.module, name)
+        if name in self.calls:
+            def counted(*args: Any) -> Any:
+                self.calls[name] += 1
+                return attr(*args)
+
+            return counted
+        return attr
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    """The kernels, compiled, with their launches counted."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert cpu.load(dtype) is not None, cpu.unavailable_reason()
+    counting = Spy(cpu._state["module"])
+    monkeypatch.setitem(cpu._state, "module", counting)
+    return counting
+
+
+def _arrays(shape: tuple[int, ...], dtype: str, seed: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    d = dtypes.DTYPE_NAMES[dtype]
+    return tuple(rng.standard_normal(shape).astype(d) for _ in range(2))
+
+
+def _check(spec: NormSpec, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
+           bias: np.ndarray | None, what: str) -> None:
+    """normkit.torch with kernel='cpu' against the reference, forward and backward."""
+    xt = to_torch(x).requires_grad_()
+    params = [None if p is None else to_torch(p).requires_grad_() for p in (scale, bias)]
+    y = normalize(xt, spec, params[0], params[1], kernel="cpu")
+    y.backward(to_torch(dy))
+    mag = reference.scaled_magnitude(x, spec, scale)
+    tolerances.assert_close(to_numpy(y), reference.normalize(x, spec, scale, bias), cast=spec.cast,
+                            what=f"{what} y", magnitude=mag)
+    expected = reference.normalize_vjp(x, dy, spec, scale, bias)
+    actual = [xt.grad] + [None if p is None else p.grad for p in params]
+    given = (x, scale, bias)
+    for name, got, want, arg in zip(("dx", "dscale", "dbias"), actual, expected, given):
+        if arg is not None:
+            assert got is not None and want is not None, f"{what}: no {name}"
+            tolerances.assert_close(to_numpy(got), want, quantity="grad", what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["inside", "outside"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_option_matches_the_reference(name: str, dtype: str, outside: bool,
+                                            spy: Spy) -> None:
+    """Offset, bias, cast order and parameter dtype, at n = 1, 2, 7, 256."""
+    failures = []
+    options = itertools.product((0.0, 1.0), (False, True), ("after_scale", "before_scale"),
+                                ("float32", dtype), SIZES)
+    for seed, (offset, bias, cast, param_dtype, n) in enumerate(options):
+        spec = SPECS[name].replace(eps_placement="outside" if outside else "inside",
+                                   scale_offset=offset, bias=bias, cast=cast)
+        x, dy = _arrays((3, 5, n), dtype, seed)
+        rng = np.random.default_rng(seed)
+        pd = dtypes.DTYPE_NAMES[param_dtype]
+        scale = (rng.standard_normal(n) + spec.scale_init).astype(pd)
+        b = rng.standard_normal(n).astype(pd) if bias else None
+        try:
+            _check(spec, x, dy, scale, b, f"{spec} params {param_dtype} n={n}")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
+    assert spy.calls["forward"] > 0 and spy.calls["backward"] > 0
+
+
+def test_parameterless_and_trailing_multi_axis_rows(spy: Spy) -> None:
+    x, dy = _arrays((4, 3, 8), "bfloat16", 7)
+    _check(NormSpec(scale=False), x, dy, None, None, "no scale")
+    rng = np.random.default_rng(8)
+    for axis in ((-2, -1), 0):
+        spec = NormSpec(kind="layer", axis=axis)
+        shape = spec.param_shape(x.shape)
+        scale, bias = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+        _check(spec, x, dy, scale, bias, f"axis {axis}")
+
+
+@pytest.mark.parametrize(
+    "name, x",
+    [
+        ("1e20 rows", np.random.default_rng(0).standard_normal((2, 8)) * 1e20),
+        ("+-3e38", np.array([[3e38, -3e38, 1e38, 2.0], [-3e38, 1.0, 0.0, 3e38]])),
+        ("mean 1e6", np.random.default_rng(1).standard_normal((4, 64)) + 1e6),
+        ("zeros", np.zeros((2, 8))),
+        ("tiny", np.random.default_rng(2).standard_normal((2, 8)) * 1e-30),
+    ],
+)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("outside", [False, True], ids=["inside", "outside"])
+def test_float32_edges(name: str, x: np.ndarray, kind: Kind, outside: bool, spy: Spy) -> None:
+    """Overflowing statistics, a large mean, zero and tiny rows: the reference's values."""
+    spec = NormSpec(kind=kind, eps_placement="outside" if outside else "inside")
+    dy = np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
+    _check(spec, x.astype(np.float32), dy, None, None, name)
+
+
+def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
+    x = np.array([[np.nan, 1, 2, 3], [np.inf, 1, 2, 3], [1, 2, 3, 4]], np.float32)
+    dy = np.ones_like(x)
+    with np.errstate(invalid="ignore"):
+        _check(NormSpec(), x, dy, None, None, "nan/inf")
+
+
+def test_eps_below_float32_outside_the_root(spy: Spy) -> None:
+    """r = 1/eps = 1e39 overflows float32; a zero row is still zero, its gradient dy/eps."""
+    x = np.zeros((2, 8), np.float32)
+    dy = np.full_like(x, 1e-35)
+    _check(NormSpec(eps=1e-39, eps_placement="outside"), x, dy, None, None, "eps 1e-39")
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["inside", "outside"])
+def test_partial_k1_gradient_is_free_of_cancellation(outside: bool, spy: Spy) -> None:
+    """x_0 large against sqrt(eps): dx_0 is eps * d_0 - x_0 S_1 times a power of r."""
+    x = np.array([[1e3, 0.5, -0.25, 2.0], [-3e2, 1.0, 1.0, -1.0]], np.float32)
+    dy = np.array([[0.5, 1e3, -2e3, 1.0], [1.0, 3e2, 0.0, 2.0]], np.float32)
+    spec = NormSpec(kind="partial_rms", p=0.25, eps_placement="outside" if outside else "inside")
+    _check(spec, x, dy, None, None, "k=1")
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_row_of_2_20_elements(kind: Kind, spy: Spy) -> None:
+    """Accumulated in float64: within the float32 bound where one running float32 sum is not."""
+    x, dy = _arrays((1, 2**20), "float32", 11)
+    _check(NormSpec(kind=kind), x + np.float32(3.0), dy, None, None, "n=2**20")
+
+
+def test_half_conversions_match_torch() -> None:
+    """Every float16 / bfloat16 bit pattern widens exactly; float32 values round like torch."""
+    from numba import njit
+
+    from normkit.torch.kernels import _cpu_numba as jit
+
+    @njit
+    def widen(bits: np.ndarray, out: np.ndarray) -> None:
+        for j in range(bits.size):
+            out[j] = jit._load(bits, j)
+
+    @njit
+    def narrow(values: np.ndarray, out: np.ndarray) -> None:
+        for j in range(values.size):
+            jit._store(out, j, values[j])
+
+    all_bits = np.arange(2**16, dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 6e-8,
+                         2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 3e38, 1e-45], np.float32)
+    values = np.concatenate([
+        specials,
+        rng.standard_normal(20000).astype(np.float32) * np.float32(1e3),
+        (rng.integers(0, 2**32, 20000, dtype=np.uint64)).astype(np.uint32).view(np.float32),
+    ])
+    for torch_dtype, view in ((torch.bfloat16, np.int16), (torch.float16, np.uint16)):
+        widened = np.empty(2**16, np.float32)
+        widen(all_bits.view(view), widened)
+        expected = torch.from_numpy(all_bits.view(np.int16)).view(torch_dtype).float().numpy()
+        np.testing.assert_array_equal(widened, expected)
+        rounded = np.empty(values.size, view)
+        narrow(values, rounded)
+        want = torch.from_numpy(values).to(torch_dtype).view(torch.int16).numpy().view(view)
+        got_f = torch.from_numpy(rounded.view(np.int16)).view(torch_dtype).float().numpy()
+        want_f = torch.from_numpy(want.view(np.int16)).view(torch_dtype).float().numpy()
+        np.testing.assert_array_equal(got_f, want_f)
+
+
+# ---- threads, fork, compile, torch.func ------------------------------------------------------
+
+
+def test_four_python_threads_at_once(spy: Spy) -> None:
+    module = RMSNorm(64, kernel="cpu")
+    inputs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    expected = [module(x) for x in inputs]
+    results: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        barrier.wait()
+        results[i] = [module(inputs[i]) for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        for y in results[i]:
+            torch.testing.assert_close(y, expected[i], rtol=0, atol=0)
+    tolerances.assert_close(to_numpy(expected[0]),
+                            reference.normalize(inputs[0].numpy(), NormSpec()))
+
+
+def test_uses_torchs_thread_count(spy: Spy) -> None:
+    import numba
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        RMSNorm(8, kernel="cpu")(torch.randn(4, 8))
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    RMSNorm(8, kernel="cpu")(torch.randn(4, 8))
+    limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    assert numba.get_num_threads() == min(before, limit)
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        assert numba.threading_layer() == "workqueue"
+
+
+class _Normalized(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.module = LayerNorm(16, kernel="cpu")
+        self.x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(self.x[i])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method: Linux")
+def test_forked_dataloader_worker(spy: Spy) -> None:
+    """The parent has run the kernel's thread pool before forking; the worker runs it again."""
+    data = _Normalized()
+    expected = torch.stack([data[i] for i in range(4)])
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=1,
+                                         multiprocessing_context="fork")
+    (batch,) = list(loader)
+    torch.testing.assert_close(batch, expected, rtol=0, atol=0)
+    tolerances.assert_close(to_numpy(batch), reference.normalize(data.x.numpy(),
+                                                                   NormSpec(kind="layer")))
+
+
+def test_torch_compile_fullgraph_runs_the_kernel(spy: Spy) -> None:
+    torch._dynamo.reset()
+    module = PartialRMSNorm(32, 0.25, bias=True, kernel="cpu")
+    compiled = torch.compile(module, fullgraph=True)
+    x, dy = _arrays((6, 32), "bfloat16", 9)
+    xt = to_torch(x).requires_grad_()
+    y = compiled(xt)
+    y.backward(to_torch(dy))
+    assert spy.calls["forward"] == 1 and spy.calls["backward"] == 1
+    spec = module.spec
+    tolerances.assert_close(to_numpy(y), reference.normalize(x, spec))
+    dx, dscale, dbias = reference.normalize_vjp(x, dy, spec)
+    assert xt.grad is not None and module.weight is not None and module.bias is not None
+    assert module.weight.grad is not None and module.bias.grad is not None
+    assert dscale is not None and dbias is not None
+    tolerances.assert_close(to_numpy(xt.grad), dx, quantity="grad")
+    tolerances.assert_close(to_numpy(module.weight.grad), dscale, quantity="grad")
+    tolerances.assert_close(to_numpy(module.bias.grad), dbias, quantity="grad")
+
+
+def test_torch_func_grad_and_vmap(spy: Spy) -> None:
+    from torch.func import functional_call, grad, vmap
+
+    module = LayerNorm(16, kernel="cpu")
+    spec = module.spec
+    x, dy = _arrays((3, 4, 16), "float32", 13)
+    xt, dyt = to_torch(x), to_torch(dy)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], xx: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
+        return (functional_call(module, p, (xx,)) * dd).sum()
+
+    grads = grad(loss, argnums=(0, 1))(params, xt, dyt)
+    dx, dscale, dbias = reference.normalize_vjp(x, dy, spec)
+    assert dscale is not None and dbias is not None
+    tolerances.assert_close(to_numpy(grads[1]), dx, quantity="grad")
+    tolerances.assert_close(to_numpy(grads[0]["weight"]), dscale, quantity="grad")
+    tolerances.assert_close(to_numpy(grads[0]["bias"]), dbias, quantity="grad")
+    ys = vmap(module)(xt)
+    tolerances.assert_close(to_numpy(ys), reference.normalize(x, spec))
+    per_sample = vmap(grad(loss, argnums=1), in_dims=(None, 0, 0))(params, xt, dyt)
+    tolerances.assert_close(to_numpy(per_sample), dx, quantity="grad")
+    assert spy.calls["forward"] > 0
+
+
+def test_double_backward_through_the_composite_graph(spy: Spy) -> None:
+    x = torch.randn(4, 8, dtype=torch.float32, requires_grad=True)
+    (gx,) = torch.autograd.grad(RMSNorm(8, kernel="cpu")(x).pow(2).sum(), x, create_graph=True)
+    (ggx,) = torch.autograd.grad(gx.sum(), x)
+    x2 = x.detach().requires_grad_()
+    (gx2,) = torch.autograd.grad(RMSNorm(8, kernel="composite")(x2).pow(2).sum(), x2,
+                                 create_graph=True)
+    (ggx2,) = torch.autograd.grad(gx2.sum(), x2)
+    torch.testing.assert_close(ggx, ggx2)
+
+
+# ---- the switch ------------------------------------------------------------------------------
+
+
+def test_auto_picks_the_kernel_on_cpu_for_every_covered_dtype(spy: Spy) -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        RMSNorm(8, dtype=dtype)(torch.randn(2, 8, dtype=dtype))
+    assert spy.calls["forward"] == 3
+    RMSNorm(8, dtype=torch.float64)(torch.randn(2, 8, dtype=torch.float64))
+    RMSNorm(1)(torch.randn(2, 1))
+    LayerNorm(2)(torch.randn(2, 2))
+    layer_norm(torch.randn(2, 8), 8, kernel="composite")
+    assert spy.calls["forward"] == 3
+
+
+def test_kernel_keyword_on_every_function_and_module(spy: Spy) -> None:
+    x = torch.randn(3, 8)
+    rms_norm(x, 8, kernel="cpu")
+    partial_rms_norm(x, 8, 0.5, kernel="cpu")
+    layer_norm(x, 8, kernel="cpu")
+    normalize(x, NormSpec(), kernel="cpu")
+    module = from_spec(NormSpec(kind="layer"), 8, kernel="cpu")
+    module(x)
+    assert spy.calls["forward"] == 5
+    assert module.kernel == "cpu" and "kernel='cpu'" in repr(module)
+    for fn in (rms_norm, partial_rms_norm, layer_norm, normalize, from_spec, RMSNorm,
+               PartialRMSNorm, LayerNorm):
+        parameter = inspect.signature(fn).parameters["kernel"]
+        assert parameter.kind == inspect.Parameter.KEYWORD_ONLY and parameter.default == "auto"
+
+
+def test_bad_kernel_names_and_unavailable_kernels() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"kernel='numba' is invalid: expected one of"):
+        rms_norm(x, 8, kernel="numba")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kernel='fast' is invalid"):
+        RMSNorm(8, kernel="fast")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="kernel='triton' runs on CUDA tensors; x is on cpu"):
+        rms_norm(x, 8, kernel="triton")
+
+
+def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_NUMBA", False)
+    monkeypatch.setitem(kernels._warned, "auto", False)
+    x = torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match=r"needs numba, which is not installed.*normkit\[torch\]"):
+        y = RMSNorm(8)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RMSNorm(8)(x)
+    tolerances.assert_close(y.detach().numpy(), reference.normalize(x.numpy(), NormSpec()))
+    with pytest.raises(RuntimeError, match=r"kernel='cpu' needs numba.*pip install 'normkit\[torch\]'"):
+        rms_norm(x, 8, kernel="cpu")
+
+
+@pytest.fixture
+def broken_jit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """numba's module cannot be imported (as when numba is broken or fails to compile)."""
+    monkeypatch.setitem(sys.modules, "normkit.torch.kernels._cpu_numba", None)
+    monkeypatch.delattr(kernels, "_cpu_numba", raising=False)
+    fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
+    monkeypatch.setattr(cpu, "_state", fresh)
+    yield
+
+
+def test_compile_failure_falls_back_with_one_warning(broken_jit: None) -> None:
+    spec = NormSpec(kind="layer")
+    x, dy = _arrays((3, 8), "bfloat16", 17)
+    with pytest.warns(RuntimeWarning, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
+        _check(spec, x, dy, None, None, "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(spec, x, dy, None, None, "fallback again")
+
+
+def test_compile_failure_is_an_error_when_strict(broken_jit: None) -> None:
+    with pytest.raises(RuntimeError, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
+        cpu.norm_rows(torch.randn(2, 8), None, None, kind="rms", k=8, eps=1e-6, outside=False,
+                      scale_offset=0.0, cast="after_scale", strict=True)
+
+
+def test_cache_goes_to_the_user_cache_folder_when_the_package_is_read_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """numba's locators: in-tree first; where that is not writable, the user-wide folder
+    (XDG_CACHE_HOME here); NUMBA_CACHE_DIR, when set, wins."""
+    from numba.core import caching
+
+    from normkit.torch.kernels import _cpu_numba as jit
+
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(caching.config, "CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+
+    def read_only(self: Any) -> None:
+        raise PermissionError(f"read-only: {self.get_cache_path()}")
+
+    monkeypatch.setattr(caching.InTreeCacheLocator, "ensure_cache_path", read_only)
+    impl = caching.CompileResultCacheImpl(jit.forward.py_func)
+    path = impl.locator.get_cache_path()
+    assert isinstance(impl.locator, caching.UserWideCacheLocator)
+    assert path.startswith(str(tmp_path / "user-cache" / "numba")), path
+    assert os.path.isdir(path)
