@@ -139,7 +139,10 @@ def _normalize_trailing(
     weight = _param(weight, "weight", spec.scale, shape)
     bias = _param(bias, "bias", spec.bias, shape)
     chosen = kernels.resolve(kernel, x, spec.kind, n)
-    if chosen != "composite":
+    kernel_dtypes = (torch.float32, x.dtype)
+    if chosen != "composite" and all(
+        p is None or p.dtype in kernel_dtypes for p in (weight, bias)
+    ):
         y = kernels.module(chosen).norm_rows(
             x.reshape(x.numel() // n, n),
             None if weight is None else weight.reshape(n),

@@ -3,11 +3,12 @@
 - ``"composite"``: torch ops (`normkit.torch._autograd.NormFunction` and torch's fused
   LayerNorm where it computes the spec).
 - ``"cpu"``: normkit's numba kernel (`normkit.torch.kernels.cpu`), CPU tensors only.
-- ``"triton"``: normkit's Triton kernels (`normkit.torch.kernels.triton`), CUDA tensors only.
+- ``"triton"``: normkit's Triton kernels (`normkit.torch.kernels.triton`), CUDA tensors (CPU
+  tensors too under ``TRITON_INTERPRET=1``, Triton's interpreter: slow, for testing).
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
   (with one warning); ``"composite"`` on every other device.
 
-float64 inputs and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm) always take
+float64 inputs, parameters in a dtype other than float32 or the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm) always take
 the composite path, which computes them exactly. Each kernel module exports ``norm_rows(x,
 weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of shape (rows, n).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import warnings
 from types import ModuleType
 from typing import Literal, TypeAlias, cast
@@ -63,8 +65,11 @@ def resolve(kernel: str, x: torch.Tensor, kind: str, n: int) -> str:
                 "kernel='cpu' needs numba, which is not installed: pip install 'normkit[torch]'"
             )
     elif kernel == "triton":
-        if device != "cuda":
-            raise RuntimeError(f"kernel='triton' runs on CUDA tensors; x is on {x.device}")
+        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"kernel='triton' runs on CUDA tensors (or anywhere under TRITON_INTERPRET=1); "
+                f"x is on {x.device}"
+            )
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError(
                 "kernel='triton' needs triton, which is not installed: pip install triton"
