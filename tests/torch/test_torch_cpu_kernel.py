@@ -368,13 +368,14 @@ def test_kernel_keyword_on_every_function_and_module(spy: Spy) -> None:
         assert parameter.kind == inspect.Parameter.KEYWORD_ONLY and parameter.default == "auto"
 
 
-def test_bad_kernel_names_and_unavailable_kernels() -> None:
+def test_bad_kernel_names_and_unavailable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"kernel='numba' is invalid: expected one of"):
         rms_norm(x, 8, kernel="numba")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kernel='fast' is invalid"):
         RMSNorm(8, kernel="fast")  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="kernel='triton' runs on CUDA tensors; x is on cpu"):
+    with pytest.raises(RuntimeError, match=r"kernel='triton' runs on CUDA tensors \(or anywhere under TRITON_INTERPRET=1\); x is on cpu"):
         rms_norm(x, 8, kernel="triton")
 
 

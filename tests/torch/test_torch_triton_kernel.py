@@ -495,3 +495,29 @@ def test_cuda_graph_capture_replays_forward_and_backward() -> None:
     tolerances.assert_close(to_numpy(y), reference.normalize(xn, spec, _np(weight), _np(bias)))
     want_dx, _, _ = reference.normalize_vjp(xn, to_numpy(dy), spec, _np(weight), _np(bias))
     tolerances.assert_close(to_numpy(x.grad), want_dx, quantity="grad")
+
+
+
+@pytest.mark.parametrize("spec", [NormSpec("rms", cast="before_scale"), NormSpec("layer")], ids=_label)
+def test_the_kernel_switch_reaches_the_triton_kernels(spec: NormSpec) -> None:
+    """``kernel="triton"`` on normkit.torch's modules runs these kernels (on CPU tensors only
+    under the interpreter), forward and backward, in agreement with the reference."""
+    from normkit.torch import from_spec
+
+    module = from_spec(spec, 24, kernel="triton").to(DEVICE)
+    weight, bias = _params(spec, 24, torch.float32, seed=3)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    x = _randn(3, 24, seed=4, dtype=torch.bfloat16).requires_grad_()
+    dy = _randn(3, 24, seed=5, dtype=torch.bfloat16)
+    module(x).backward(dy)
+    xn, dyn, wn, bn = to_numpy(x), to_numpy(dy), _np(weight), _np(bias)
+    tolerances.assert_close(
+        to_numpy(module(x)), reference.normalize(xn, spec, wn, bn), cast=spec.cast, what="y",
+        magnitude=reference.scaled_magnitude(xn, spec, wn),
+    )
+    dx, dweight, _ = reference.normalize_vjp(xn, dyn, spec, wn, bn)
+    tolerances.assert_close(to_numpy(x.grad), dx, quantity="grad", what="dx")
+    tolerances.assert_close(to_numpy(module.weight.grad), dweight, quantity="grad", what="dw")
