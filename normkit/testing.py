@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from normkit.conformance.bridges import get as get_bridge
+from normkit.backends import bridge as get_bridge
 from normkit.conformance.cases import Case
-from normkit.conformance.worker import compare
+from normkit.conformance.compare import compare
 from normkit.spec import NormSpec
 
 __all__ = ["assert_conforms"]

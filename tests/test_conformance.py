@@ -19,7 +19,7 @@ TESTS = str(Path(__file__).parent)
 def fake(name: str, mode: str) -> Target:
     # targets with the same hook and environment share a worker; a crashing one gets its own
     env = {"PYTHONPATH": TESTS, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
-    return Target(name, ("numpy",), "-", "conformance_fakes", {"mode": mode}, env)
+    return Target(name, (), "conformance_fakes", {"mode": mode}, env, packages=("numpy",))
 
 
 # ---- the matrix ------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def fake_report():
     cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32", "bfloat16"))[:6]
     targets = [fake("crashes", "crash"), fake("right", "exact"), fake("wrong", "eps_outside"),
                fake("raises", "raise"), fake("skips", "skip"),
-               Target("absent", ("no_such_framework_xyz",), "pip install nothing", "x")]
+               Target("absent", ("torch",), "x", packages=("no_such_framework_xyz",))]
     return runner.run(targets, lambda t: cases, progress=False), len(cases)
 
 
@@ -88,7 +88,9 @@ def test_runner_statuses(fake_report):
     assert by["raises"] == ["FAIL"] * n and "raised RuntimeError: kernel exploded" in next(r.reason for r in rep.results if r.target == "raises")
     assert by["skips"] == ["SKIP"] * n
     assert by["crashes"] == ["FAIL"] * n and all("worker crashed" in r.reason for r in rep.results if r.target == "crashes")
-    assert rep.skipped_targets == {"absent": "no_such_framework_xyz not installed (pip install nothing)"}
+    assert rep.skipped_targets == {
+        "absent": "no_such_framework_xyz not installed (pip install 'normkit[torch]' no_such_framework_xyz)"
+    }
     assert set(rep.target_seconds) == {"right", "wrong", "raises", "skips"}  # the crashed one never finished
 
 
@@ -127,6 +129,23 @@ def test_cli_exit_code_follows_failures(monkeypatch, capsys, fake_report):
     assert cli.main(["conformance"]) == 1
     assert "wrong@cpu" in capsys.readouterr().out
     assert cli.main(["conformance", "--peers"]) == 0  # peers' departures are findings
+
+
+def test_a_stray_print_in_a_worker_neither_hangs_nor_corrupts_the_run():
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
+    chatty = Target("chatty", (), "conformance_fakes", {"mode": "print"},
+                    {"PYTHONPATH": TESTS, "NORMKIT_FAKE_PRINT": "1"}, packages=("numpy",))
+    rep = runner.run([chatty], lambda t: cases, progress=False)
+    assert [r.status for r in rep.results] == ["PASS"] * len(cases)
+
+
+def test_a_stray_line_on_the_event_channel_is_a_crash_not_a_hang(monkeypatch):
+    monkeypatch.setattr(runner, "WORKER", "conformance_stray_worker")
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
+    rep = runner.run([fake("stray", "exact")], lambda t: cases, progress=False)
+    assert [r.status for r in rep.results] == ["FAIL"] * len(cases)
+    assert all(r.reason == "worker crashed: the worker wrote a line that is not an event: "
+               "'a stray line before the first event'" for r in rep.results)
 
 
 # ---- the real thing --------------------------------------------------------------------------

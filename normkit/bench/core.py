@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from normkit.timing import interleaved
+from normkit.bench.timing import interleaved
 
 PASSES = ("forward", "forward+backward")
 ROLES = ("normkit", "peer", "copy floor")

@@ -20,12 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import normkit.jax as nkjax
-from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.jax.conformance import _device, devices
+from normkit.bench.core import (
+    EPS,
+    Group,
+    Sweep,
+    backend_main,
+    collect,
+    plan_groups,
+    time_group,
+)
+from normkit.bridges import JaxBridge
 
 __all__ = ["measure", "plan", "run", "versions"]
 
 MODE = "jax.jit"
+_BRIDGE = JaxBridge()
 
 
 def _modules(dtype: Any) -> dict[str, nn.Module]:
@@ -64,9 +73,14 @@ def plan(sweep: Sweep) -> list[Group]:
     return plan_groups("jax", sweep, devices(), lambda *_: (MODE,))
 
 
+def devices() -> list[str]:
+    """The devices JAX sees (`normkit.backends` names)."""
+    return _BRIDGE.devices()
+
+
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """Time one group: the four modules, interleaved with a jitted copy of the same bytes."""
-    device = _device(group.device)
+    device = _BRIDGE.device(group.device)
     dtype = jnp.dtype(group.dtype)
     rng = np.random.default_rng(0)
 

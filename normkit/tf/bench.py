@@ -16,12 +16,14 @@ import keras
 import numpy as np
 
 from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.tf.conformance import devices
+from normkit.bridges import TensorFlowBridge
 from normkit.tf.layers import LayerNorm, RMSNorm
 
 __all__ = ["measure", "plan", "run", "versions"]
 
 EAGER, XLA = "eager", "tf.function(jit_compile=True)"
+_BRIDGE = TensorFlowBridge()
+devices = _BRIDGE.devices
 POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
 
@@ -80,7 +82,7 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
 
     rng = np.random.default_rng(0)
     on_gpu = group.device != "cpu"
-    name = group.device.upper() if ":" in group.device else f"{group.device.upper()}:0"
+    name = _BRIDGE.device(group.device).lstrip("/")
     with tf.device(f"/{name}"):
         x = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)
         dy = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)

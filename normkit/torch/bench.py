@@ -16,13 +16,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.torch.conformance import devices
+from normkit.bench.core import (
+    EPS,
+    Group,
+    Sweep,
+    backend_main,
+    collect,
+    plan_groups,
+    time_group,
+)
+from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
 __all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
 
 EAGER, COMPILED = "eager", "torch.compile"
+devices = TorchBridge().devices
 QUICK_COMPILED = ("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
 NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)",)
 

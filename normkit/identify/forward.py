@@ -1,4 +1,4 @@
-"""Infer the `NormSpec` an unknown norm implementation follows, by probing it with chosen inputs.
+"""Infer the `NormSpec` a black-box ``forward(x, scale, bias) -> y`` follows, by probing it.
 
 `identify_forward` treats the implementation as a black box ``forward(x, scale, bias) -> y`` on
 rows of ``n`` elements. It works in numpy only; the framework bridges wrap a torch, Keras or Flax
