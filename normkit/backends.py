@@ -132,8 +132,8 @@ class Backend:
         probe = (
             "import json, os\n"
             "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')\n"
-            "from normkit.backends import bridge\n"
-            f"print(json.dumps(bridge({self.name!r}).devices()))"
+            "from normkit import bridges\n"
+            f"print(json.dumps(bridges.{self.bridge}().devices()))"
         )
         try:
             done = subprocess.run(
