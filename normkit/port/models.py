@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from normkit.port.convert import convert
-from normkit.port.files import load_norms
-from normkit.spec import NormSpec
+from normkit.port.plan import plan_import
 
 __all__ = ["export_norms", "import_norms", "plan_import"]
 
@@ -41,39 +36,6 @@ def import_norms(model: Any, path: str | os.PathLike[str]) -> list[str]:
     same parameter shapes; otherwise ValueError naming the layers. Returns the paths loaded.
     """
     return _framework(model).import_norms(model, path)
-
-
-def plan_import(
-    path: str | os.PathLike[str],
-    model_norms: Mapping[str, tuple[NormSpec, tuple[int, ...]]],
-    convention: str,
-) -> dict[str, dict[str, np.ndarray]]:
-    """The parameters in ``path`` for each of ``model_norms`` (``{path: (spec, param shape)}``),
-    named in ``convention`` and converted to each layer's spec; ValueError on any mismatch."""
-    layers = load_norms(path, to=convention)
-    missing = sorted(set(model_norms) - set(layers))
-    extra = sorted(set(layers) - set(model_norms))
-    if missing or extra:
-        raise ValueError(
-            f"{path}: the file's norm layers do not match the model's: the model's {missing} are "
-            f"not in the file, the file's {extra} are not in the model (paths are attribute "
-            "paths, see docs/porting.md)"
-        )
-    planned = {}
-    for name, (spec, shape) in model_norms.items():
-        params, file_spec = layers[name]
-        try:
-            converted = convert(params, file_spec, src=convention, dst=convention, dst_spec=spec)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{path}: layer {name!r}: {err}") from None
-        for param, value in converted.items():
-            if value.shape != tuple(shape):
-                raise ValueError(
-                    f"{path}: layer {name!r}: {param!r} has shape {value.shape} in the file, the "
-                    f"model's has {tuple(shape)}"
-                )
-        planned[name] = converted
-    return planned
 
 
 def _framework(model: Any) -> Any:
