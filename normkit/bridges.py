@@ -66,11 +66,17 @@ class TorchBridge:
         return np.asarray(t.numpy())
 
     def _tensors(self, arrays: tuple[np.ndarray | None, ...], device: str, grad: bool) -> list[Any]:
-        return [None if a is None else self.to_tensor(a, device).requires_grad_(grad) for a in arrays]
+        return [
+            None if a is None else self.to_tensor(a, device).requires_grad_(grad) for a in arrays
+        ]
 
     def forward(
-        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> np.ndarray:
         import torch
 
@@ -79,8 +85,13 @@ class TorchBridge:
             return self.to_numpy(fn(*self._tensors((x, scale, bias), place, grad=False)))
 
     def vjp(
-        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        dy: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> Outputs:
         place = _checked(self, device)
         inputs = self._tensors((x, scale, bias), place, grad=True)
@@ -123,24 +134,38 @@ class JaxBridge:
         return _as(t, t.dtype)
 
     def forward(
-        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> np.ndarray:
-        return self.to_numpy(fn(*(None if a is None else self.to_tensor(a, device)
-                                  for a in (x, scale, bias))))
+        return self.to_numpy(
+            fn(*(None if a is None else self.to_tensor(a, device) for a in (x, scale, bias)))
+        )
 
     def vjp(
-        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        dy: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> Outputs:
         import jax
 
-        xj, sj, bj, dyj = (None if a is None else self.to_tensor(a, device)
-                           for a in (x, scale, bias, dy))
+        xj, sj, bj, dyj = (
+            None if a is None else self.to_tensor(a, device) for a in (x, scale, bias, dy)
+        )
         y, pullback = jax.vjp(fn, xj, sj, bj)
         dx, ds, db = pullback(dyj.astype(y.dtype))  # type: ignore[union-attr]
-        return (self.to_numpy(y), self.to_numpy(dx),
-                *(None if g is None else self.to_numpy(g) for g in (ds, db)))  # type: ignore[return-value]
+        return (
+            self.to_numpy(y),
+            self.to_numpy(dx),
+            *(None if g is None else self.to_numpy(g) for g in (ds, db)),
+        )  # type: ignore[return-value]
 
 
 class TensorFlowBridge:
@@ -170,8 +195,12 @@ class TensorFlowBridge:
         return _as(tf.cast(t, tf.float32 if t.dtype.size == 2 else t.dtype).numpy(), t.dtype.name)
 
     def forward(
-        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> np.ndarray:
         import tensorflow as tf
 
@@ -180,8 +209,13 @@ class TensorFlowBridge:
             return self.to_numpy(fn(*inputs))
 
     def vjp(
-        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
+        self,
+        fn: FrameworkFn,
+        x: np.ndarray,
+        dy: np.ndarray,
+        scale: np.ndarray | None,
+        bias: np.ndarray | None,
+        device: str,
     ) -> Outputs:
         import tensorflow as tf
 

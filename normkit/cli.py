@@ -63,13 +63,13 @@ def _run_info(args: argparse.Namespace) -> int:
     for row in rows:
         found = row["versions"]
         assert isinstance(found, dict)
-        versions = ", ".join(f"{p} {v or '-'}" for p, v in found.items())
+        listed = ", ".join(f"{p} {v or '-'}" for p, v in found.items())
         if not row["installed"]:
-            print(f"  {row['module']:<13} not installed ({versions}); {row['install']}")
+            print(f"  {row['module']:<13} not installed ({listed}); {row['install']}")
             continue
         seen = row.get("devices", row.get("devices_error", "devices not listed"))
         devices = ", ".join(seen) if isinstance(seen, list) else seen
-        print(f"  {row['module']:<13} {versions}; devices: {devices}")
+        print(f"  {row['module']:<13} {listed}; devices: {devices}")
     return 0
 
 
@@ -216,11 +216,15 @@ COMMANDS: list[Command] = [
 ]
 HELP = {
     "bench": bench_cli.HELP,
-    "conformance": "check every installed implementation against the reference, forward and backward",
+    "conformance": (
+        "check every installed implementation against the reference, forward and backward"
+    ),
     "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "port": port_cli.HELP,
-    "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
+    "reference": (
+        "apply the numpy reference to one row of numbers (a quick way to see the semantics)"
+    ),
 }
 
 

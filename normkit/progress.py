@@ -24,7 +24,11 @@ class Progress:
         if self.stream.isatty():
             from rich.console import Console
             from rich.progress import (
-                BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
             )
             from rich.progress import Progress as RichProgress
 

@@ -20,14 +20,16 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from typing import IO, Any
 
 PREFIX = "normkit-event "
 Event = dict[str, Any]
 Emit = Callable[[Event], None]
 
 
-def run(module: str, job: Mapping[str, Any], env: Mapping[str, str], on_event: Callable[[Event], None]) -> str:
+def run(
+    module: str, job: Mapping[str, Any], env: Mapping[str, str], on_event: Callable[[Event], None]
+) -> str:
     """Run worker ``module`` on ``job``, passing each event to ``on_event``.
 
     Returns "" when the worker finished cleanly, else one line saying why it did not: its fatal
@@ -37,7 +39,10 @@ def run(module: str, job: Mapping[str, Any], env: Mapping[str, str], on_event: C
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
         )
         assert proc.stdin is not None and proc.stdout is not None
@@ -58,13 +63,13 @@ def run(module: str, job: Mapping[str, Any], env: Mapping[str, str], on_event: C
         return error
 
 
-def _read(stdout: TextIO, on_event: Callable[[Event], None]) -> str:
+def _read(stdout: IO[str], on_event: Callable[[Event], None]) -> str:
     """Pass every event to ``on_event``; the reason the worker failed, or ""."""
     for line in stdout:
         if not line.startswith(PREFIX):
             return f"the worker wrote a line that is not an event: {line.strip()[:200]!r}"
         try:
-            event = json.loads(line[len(PREFIX):])
+            event = json.loads(line[len(PREFIX) :])
         except json.JSONDecodeError:
             return f"the worker wrote a malformed event: {line.strip()[:200]!r}"
         if "fatal" in event:

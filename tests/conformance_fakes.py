@@ -7,7 +7,6 @@ import numpy as np
 from normkit import dtypes, reference
 from normkit.spec import NormSpec
 
-
 VARIANTS = {"mode": ("exact", "raise", "skip", "crash", "eps_outside", "print")}
 
 
@@ -30,5 +29,8 @@ def evaluate(spec: NormSpec, x, dy, scale=None, bias=None, *, device="cpu", mode
         spec = spec.replace(eps_placement="outside", eps=1e-2)
     y = reference.normalize(x, spec, scale, bias)
     dx, ds, db = reference.normalize_vjp(x, dy, spec, scale, bias)
-    as_param = (lambda g: None if g is None else g.astype(np.float32))
+
+    def as_param(g):
+        return None if g is None else g.astype(np.float32)
+
     return y, dtypes.round_to(dx, x.dtype), as_param(ds), as_param(db)

@@ -32,13 +32,20 @@ def one_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
         (["conformance", "--jobs", "0"], "argument --jobs: must be at least 1, got 0"),
         (["conformance", "--jobs", "-1"], "argument --jobs: must be at least 1, got -1"),
         (["conformance", "--device", "bogus"], "argument --device: 'bogus' is not a device name"),
-        (["conformance", "--json", "/nonexistent/x.json"],
-         "argument --json: cannot write /nonexistent/x.json: the folder /nonexistent does not exist"),
-        (["conformance", "--json", "-", "--markdown", "-"],
-         "--json and --markdown cannot both write to stdout"),
+        (
+            ["conformance", "--json", "/nonexistent/x.json"],
+            "argument --json: cannot write /nonexistent/x.json: the folder /nonexistent does not "
+            "exist",
+        ),
+        (
+            ["conformance", "--json", "-", "--markdown", "-"],
+            "--json and --markdown cannot both write to stdout",
+        ),
         (["identify", "torch.nn.RMSNorm", "--n", "-5"], "argument --n: must be at least 2, got -5"),
-        (["identify", "torch.nn.RMSNorm", "--device", "bogus"],
-         "argument --device: 'bogus' is not a device name: expected cpu, cuda:N (alias gpu:N)"),
+        (
+            ["identify", "torch.nn.RMSNorm", "--device", "bogus"],
+            "argument --device: 'bogus' is not a device name: expected cpu, cuda:N (alias gpu:N)",
+        ),
         (["bench", "--json", "/nonexistent/x.json"], "argument --json: cannot write /nonexistent"),
         (["bench", "--device", "gpu0"], "argument --device: 'gpu0' is not a device name"),
     ],
@@ -72,8 +79,9 @@ def test_conformance_accepts_every_target_the_help_lists(monkeypatch, capsys):
 
 def test_nothing_installed_is_not_a_pass(monkeypatch, capsys):
     found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torch" else found(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else found(name, *a)
+    )
     assert cli.main(["conformance", "--backend", "torch", "--quick"]) == 1
     assert one_error(capsys, "conformance") == (
         "no case ran: torch: torch not installed (pip install 'normkit[torch]')"
@@ -84,8 +92,19 @@ def test_a_device_no_backend_sees_is_not_a_pass(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("torch sees a GPU")
-    argv = ["conformance", "--backend", "torch", "--device", "cuda:0", "--quick", "--kind", "rms",
-            "--dtype", "float32", "--no-pairwise"]
+    argv = [
+        "conformance",
+        "--backend",
+        "torch",
+        "--device",
+        "cuda:0",
+        "--quick",
+        "--kind",
+        "rms",
+        "--dtype",
+        "float32",
+        "--no-pairwise",
+    ]
     assert cli.main(argv) == 1
     assert one_error(capsys, "conformance").startswith(
         "no case ran: torch: device cuda:0 not present (['cpu'])"
@@ -130,8 +149,11 @@ def test_port_errors(norms_file, tmp_path, capsys):
         ([str(tmp_path / "missing.safetensors"), out], "argument SRC: ", "does not exist"),
         ([str(tmp_path), out], "argument SRC: ", "is a directory, not a file"),
         ([str(tampered), out], str(tampered), "is not a readable safetensors file"),
-        ([str(norms_file), str(tmp_path / "nodir" / "out.st")], "argument DST: cannot write",
-         "the folder " + str(tmp_path / "nodir") + " does not exist"),
+        (
+            [str(norms_file), str(tmp_path / "nodir" / "out.st")],
+            "argument DST: cannot write",
+            "the folder " + str(tmp_path / "nodir") + " does not exist",
+        ),
     ]
     for paths, start, end in cases:
         try:
@@ -152,21 +174,34 @@ def test_device_names_are_one_scheme():
     from normkit.backends import device_name
 
     assert [device_name(d) for d in ("cpu", "CPU:0", "gpu:1", "cuda", "gpu", "tpu:2", "mps")] == [
-        "cpu", "cpu", "cuda:1", "cuda:0", "cuda:0", "tpu:2", "mps"]
+        "cpu",
+        "cpu",
+        "cuda:1",
+        "cuda:0",
+        "cuda:0",
+        "tpu:2",
+        "mps",
+    ]
     for bad in ("cpu:1", "gpu0", "cuda:x", "npu:0"):
         with pytest.raises(ValueError, match="is not a device name"):
             device_name(bad)
 
 
 def test_the_entry_point_prints_no_traceback():
-    done = subprocess.run([sys.executable, "-m", "normkit", "conformance", "--jobs", "0"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "normkit", "conformance", "--jobs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr == "normkit conformance: error: argument --jobs: must be at least 1, got 0\n"
 
 
 def test_rich_is_imported_only_to_draw_progress():
-    code = ("import sys, normkit, normkit.cli, normkit.conformance, normkit.bench, normkit.progress\n"
-            "print('rich' in sys.modules)")
+    code = (
+        "import sys, normkit, normkit.cli, normkit.conformance, normkit.bench, normkit.progress\n"
+        "print('rich' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

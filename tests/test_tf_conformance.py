@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tf_backend_checks import *  # noqa: E402,F403
 
-
 _ONE_ELEMENT_ROWS = [c for c in matrix(kinds=("rms", "partial_rms")) if c.shape[-1] == 1]
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import keras
+from block_config import Config
 from keras import ops
 
 import normkit.tf as nk
-
-from block_config import Config
 
 
 class Attention(keras.layers.Layer):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+from block_config import Config
 from torch import nn
 
 import normkit.torch as nk
-
-from block_config import Config
 
 
 class Attention(nn.Module):

@@ -3,7 +3,8 @@
 `run` times every installed backend (torch, tf, jax), each in a process of its own, one after
 the other (they would contend for the same cores), on every device the backend sees. Within a
 backend, each *group* (device, dtype, shape, pass, mode) times all its implementations and a
-memory copy of the same bytes interleaved, round after round (`normkit.bench.timing.interleaved`), so
+memory copy of the same bytes interleaved, round after round
+(`normkit.bench.timing.interleaved`), so
 drift hits all of them alike and the ratios within a group are fair.
 
 Row schema (one dict per implementation and group; `FIELDS`, in this order):
@@ -51,7 +52,8 @@ WORKER = "normkit.bench.worker"
 
 @dataclass
 class Report:
-    """One benchmark run: the rows, and per backend its versions, or why it was skipped or failed."""
+    """One benchmark run: the rows, and per backend its versions, or why it was skipped or
+    failed."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -60,8 +62,10 @@ class Report:
     seconds: float = 0.0
 
 
-def _work(backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None) -> None:
-    """Time ``backend`` in a worker; its rows, versions, and skip reason or error go in ``report``."""
+def _work(
+    backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None
+) -> None:
+    """Time ``backend`` in a worker; its rows, versions, skip reason or error go in ``report``."""
 
     def on_event(event: dict[str, Any]) -> None:
         if "planned" in event:

@@ -58,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.json:
         out.write_json(args.json, result.rows, **meta)
     if not result.rows:
-        print("normkit bench: error: no row was measured" + (": no plot written" if args.plot else ""),
-              file=sys.stderr)
+        print(
+            "normkit bench: error: no row was measured"
+            + (": no plot written" if args.plot else ""),
+            file=sys.stderr,
+        )
         return 1
     if args.plot:
         out.plot(args.plot, result.rows)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from normkit import dtypes, reference, tolerances
@@ -23,11 +25,20 @@ def compare(
     measurements.
     """
     x, dy, scale, bias = inputs
-    expected = (reference.normalize(x, spec, scale, bias), *reference.normalize_vjp(x, dy, spec, scale, bias))
-    expected_dtypes = (x.dtype, x.dtype, *(np.asarray(p).dtype if p is not None else np.dtype(np.float32) for p in (scale, bias)))
+    expected = (
+        reference.normalize(x, spec, scale, bias),
+        *reference.normalize_vjp(x, dy, spec, scale, bias),
+    )
+    expected_dtypes = (
+        x.dtype,
+        x.dtype,
+        *(np.asarray(p).dtype if p is not None else np.dtype(np.float32) for p in (scale, bias)),
+    )
     problems = []
     measurements = {}
-    for name, got, want, want_dtype in zip(QUANTITIES, outputs, expected, expected_dtypes):
+    for name, got, want, want_dtype in zip(
+        QUANTITIES, outputs, expected, expected_dtypes, strict=True
+    ):
         if name not in quantities:
             continue
         if want is None or got is None:
@@ -40,11 +51,13 @@ def compare(
         if got.shape != want.shape:
             problems.append(f"{name} has shape {got.shape}, expected {want.shape}")
             continue
-        quantity = "forward" if name == "y" else "grad"
+        quantity: Literal["forward", "grad"] = "forward" if name == "y" else "grad"
         magnitude = None
         if name == "y" and spec.cast == "before_scale" and dtypes.is_half(x.dtype):
             magnitude = reference.scaled_magnitude(x, spec, scale)
-        m = tolerances.measure(got.astype(np.float64), want, want_dtype, quantity, spec.cast, magnitude)
+        m = tolerances.measure(
+            got.astype(np.float64), want, want_dtype, quantity, spec.cast, magnitude
+        )
         measurements[name] = m
         if not m.passed:
             problems.append(f"{name}: {m.describe()}")

@@ -41,15 +41,31 @@ def _flax(name: str, claims: NormSpec, note: str) -> Target:
 
 
 PEERS: tuple[Target, ...] = (
-    _torch("torch.nn.RMSNorm", NormSpec("rms", eps=FLOAT32_EPS), "eps=None: the float32 machine eps is the value it appears to use"),
+    _torch(
+        "torch.nn.RMSNorm",
+        NormSpec("rms", eps=FLOAT32_EPS),
+        "eps=None: the float32 machine eps is the value it appears to use",
+    ),
     _torch("torch.nn.LayerNorm", NormSpec("layer", eps=1e-5), "default eps 1e-5"),
-    _torch("transformers.LlamaRMSNorm", NormSpec("rms", eps=1e-6, cast="before_scale"),
-           "Llama order: cast, then weight", ("transformers",)),
-    _torch("transformers.GemmaRMSNorm", NormSpec("rms", eps=1e-6, scale_offset=1.0),
-           "weight stored as w - 1", ("transformers",)),
+    _torch(
+        "transformers.LlamaRMSNorm",
+        NormSpec("rms", eps=1e-6, cast="before_scale"),
+        "Llama order: cast, then weight",
+        ("transformers",),
+    ),
+    _torch(
+        "transformers.GemmaRMSNorm",
+        NormSpec("rms", eps=1e-6, scale_offset=1.0),
+        "weight stored as w - 1",
+        ("transformers",),
+    ),
     _keras("keras.layers.RMSNormalization", NormSpec("rms", eps=1e-6), "default epsilon 1e-6"),
     _keras("keras.layers.LayerNormalization", NormSpec("layer", eps=1e-3), "default epsilon 1e-3"),
-    _keras("keras.layers.LayerNormalization(rms_scaling=True)", NormSpec("rms", eps=1e-3), "its name promises RMS scaling"),
+    _keras(
+        "keras.layers.LayerNormalization(rms_scaling=True)",
+        NormSpec("rms", eps=1e-3),
+        "its name promises RMS scaling",
+    ),
     _flax("flax.linen.RMSNorm", NormSpec("rms", eps=1e-6), "default epsilon 1e-6"),
     _flax("flax.linen.LayerNorm", NormSpec("layer", eps=1e-6), "default epsilon 1e-6"),
     _flax("flax.nnx.RMSNorm", NormSpec("rms", eps=1e-6), "default epsilon 1e-6"),
@@ -57,7 +73,9 @@ PEERS: tuple[Target, ...] = (
 )
 
 
-def cases(peer: Target, *, quick: bool = False, case_dtypes: Iterable[str] = CASE_DTYPES) -> list[Case]:
+def cases(
+    peer: Target, *, quick: bool = False, case_dtypes: Iterable[str] = CASE_DTYPES
+) -> list[Case]:
     """The peer's claimed spec on every dtype and last-axis shape, params as the peer keeps them."""
     assert peer.claims is not None
     shapes = QUICK_SHAPES if quick else [shape for shape, axis in FULL_SHAPES if axis == (-1,)]

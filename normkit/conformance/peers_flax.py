@@ -57,7 +57,9 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
     has = {"scale", "bias"} if kind == "LayerNorm" else {"scale"}  # the defaults of both APIs
 
     def fn(x: Any, scale: Any, bias: Any) -> Any:
-        return apply(x, {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None and k in has})
+        return apply(
+            x, {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None and k in has}
+        )
 
     return fn
 

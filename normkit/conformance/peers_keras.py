@@ -55,12 +55,16 @@ def evaluate(
     with tf.device(BRIDGE.device(device)):
         norm = _layer(layer, f"mixed_{x.dtype.name}" if dtypes.is_half(x.dtype) else "float32")
         norm.build(x.shape)
-        norm.set_weights([np.asarray(w, np.float32) for w in (scale, bias) if w is not None][: len(norm.weights)])
+        norm.set_weights(
+            [np.asarray(w, np.float32) for w in (scale, bias) if w is not None][: len(norm.weights)]
+        )
         xt, dyt = BRIDGE.to_tensor(x, device), BRIDGE.to_tensor(dy, device)
         with tf.GradientTape() as tape:
             tape.watch(xt)
             y = norm(xt)
-        dx, *grads = tape.gradient(y, [xt, *norm.trainable_weights], output_gradients=tf.cast(dyt, y.dtype))
+        dx, *grads = tape.gradient(
+            y, [xt, *norm.trainable_weights], output_gradients=tf.cast(dyt, y.dtype)
+        )
     found = iter(BRIDGE.to_numpy(g) for g in grads)
     dscale = next(found) if scale is not None else None
     dbias = next(found) if bias is not None else None
@@ -78,7 +82,9 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
             layers[policy] = _layer(layer, policy)
             layers[policy].build((None, n))
         norm = layers[policy]
-        for variable, value in zip(norm.trainable_variables, (v for v in (scale, bias) if v is not None)):
+        for variable, value in zip(
+            norm.trainable_variables, (v for v in (scale, bias) if v is not None), strict=False
+        ):
             variable.assign(tf.cast(value, variable.dtype))
         return norm(x)
 

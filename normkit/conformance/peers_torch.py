@@ -68,4 +68,6 @@ def peer_function(layer: str, n: int, device: str = "cpu") -> FrameworkFn:
 
 def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
     """What the built-in ``layer`` computes, probed with parameters in the input's dtype."""
-    return identify_fn(peer_function(layer, n, device), (n,), backend="torch", params=True, device=device)
+    return identify_fn(
+        peer_function(layer, n, device), (n,), backend="torch", params=True, device=device
+    )

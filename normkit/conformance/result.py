@@ -22,7 +22,9 @@ class Result:
     @property
     def worst(self) -> float:
         """The largest error as a fraction of its bound (above 1 fails); 0 without figures."""
-        return max((m["error"] / m["bound"]["value"] for m in self.measurements.values()), default=0.0)
+        return max(
+            (m["error"] / m["bound"]["value"] for m in self.measurements.values()), default=0.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -40,5 +42,10 @@ class Result:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
         return cls(
-            data["target"], data["device"], Case.from_dict(data), data["status"], data["reason"], data["measurements"]
+            data["target"],
+            data["device"],
+            Case.from_dict(data),
+            data["status"],
+            data["reason"],
+            data["measurements"],
         )

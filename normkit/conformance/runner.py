@@ -24,7 +24,7 @@ from normkit.progress import Progress
 
 WORKER = "normkit.conformance.worker"
 
-PAIRWISE_FACTOR = 2.0  # two implementations each within a bound of the reference agree within twice it
+PAIRWISE_FACTOR = 2.0
 
 
 @dataclass
@@ -63,14 +63,22 @@ class Report:
         return [r for r in self.results if r.status != "SKIP"]
 
 
-def _job(group: list[Target], planned: dict[str, list[Case]], devices: Sequence[str] | None,
-         outdir: str | None) -> dict[str, Any]:
+def _job(
+    group: list[Target],
+    planned: dict[str, list[Case]],
+    devices: Sequence[str] | None,
+    outdir: str | None,
+) -> dict[str, Any]:
     """The job of one worker: ``group``, targets that share a hook module and an environment."""
     return {
         "hook": group[0].hook,
         "targets": [
-            {"name": t.name, "variant": dict(t.variant), "identify": t.claims is not None,
-             "cases": [c.to_dict() for c in planned[t.name]]}
+            {
+                "name": t.name,
+                "variant": dict(t.variant),
+                "identify": t.claims is not None,
+                "cases": [c.to_dict() for c in planned[t.name]],
+            }
             for t in group
         ],
         "devices": list(devices) if devices else None,
@@ -139,7 +147,9 @@ def run(
                 if event["error"]:
                     for crashed in event["done"]:
                         seen = seen_devices.get(crashed, list(devices or ["cpu"]))
-                        lost = _crashed(crashed, planned[crashed], seen, reported[crashed], event["error"])
+                        lost = _crashed(
+                            crashed, planned[crashed], seen, reported[crashed], event["error"]
+                        )
                         results.extend(lost)
                         if bar is not None and lost:
                             bar.advance(f"{crashed} crashed", by=len(lost))
@@ -161,10 +171,14 @@ def run(
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
     seconds = time.perf_counter() - start
-    return Report(results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds)
+    return Report(
+        results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds
+    )
 
 
-def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:
+def _crashed(
+    target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str
+) -> list[Result]:
     reason = "worker crashed: " + (error.strip().splitlines() or ["no output"])[-1]
     return [
         Result(target, device, case, "FAIL", reason)
@@ -181,7 +195,10 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
             by_case.setdefault(r.case.id, []).append(r)
     pairs: dict[tuple[str, str], Pairwise] = {}
     for group in by_case.values():
-        loaded = {f"{r.target}@{r.device}": np.load(outdir / f"{r.target}@{r.device}@{r.case.id}.npz") for r in group}
+        loaded = {
+            f"{r.target}@{r.device}": np.load(outdir / f"{r.target}@{r.device}@{r.case.id}.npz")
+            for r in group
+        }
         case = group[0].case
         for (na, a), (nb, b) in itertools.combinations(sorted(loaded.items()), 2):
             pair = pairs.setdefault((na, nb), Pairwise(na, nb))
@@ -191,8 +208,13 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
                 if q not in a.files or q not in b.files or a[q].shape != b[q].shape:
                     continue
                 dtype = case.dtype if q in ("y", "dx") else case.param_dtype
-                m = tolerances.measure(a[q].astype(np.float64), b[q].astype(np.float64), dtype=dtype,
-                                       quantity="forward" if q == "y" else "grad", cast=case.spec.cast)
+                m = tolerances.measure(
+                    a[q].astype(np.float64),
+                    b[q].astype(np.float64),
+                    dtype=dtype,
+                    quantity="forward" if q == "y" else "grad",
+                    cast=case.spec.cast,
+                )
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
             if worst > 1:
                 pair.disagreements += 1

@@ -38,7 +38,9 @@ class Hook(Protocol):
     ) -> Outputs: ...
 
 
-def check_variant(variant: Mapping[str, object], allowed: Mapping[str, tuple[object, ...] | None]) -> None:
+def check_variant(
+    variant: Mapping[str, object], allowed: Mapping[str, tuple[object, ...] | None]
+) -> None:
     """ValueError naming a variant keyword or value that ``allowed`` (a hook's VARIANTS) lacks."""
     unknown = sorted(set(variant) - set(allowed))
     if unknown:
@@ -85,9 +87,7 @@ class Target:
     @property
     def install(self) -> str:
         """The command that installs what it needs."""
-        return backends.install_hint(
-            [backends.get(b).extra for b in self.backends], self.packages
-        )
+        return backends.install_hint([backends.get(b).extra for b in self.backends], self.packages)
 
     @property
     def environment(self) -> dict[str, str]:
@@ -118,7 +118,10 @@ def _keras(keras_backend: str, **variant: object) -> Target:
     jit = ",jit" if variant.get("jit") else ""
     other = {"tensorflow": (), "jax": ("jax",), "torch": ("torch",)}[keras_backend]
     return Target(
-        f"tf[{keras_backend}{jit}]", ("tf", *other), KERAS_HOOK, variant,
+        f"tf[{keras_backend}{jit}]",
+        ("tf", *other),
+        KERAS_HOOK,
+        variant,
         {"KERAS_BACKEND": keras_backend},
         note=f"normkit.tf on the {keras_backend} Keras backend" + (" under jit" if jit else ""),
     )

@@ -26,7 +26,7 @@ from normkit.conformance.targets import Hook
 
 def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
     """Run ``job``: one hook module, the targets that use it, each with its variant and cases."""
-    hook: Hook = importlib.import_module(job["hook"])  # type: ignore[assignment]
+    hook: Hook = importlib.import_module(job["hook"])
     seen = hook.devices()
     wanted = job.get("devices") or seen
     for target in job["targets"]:
@@ -37,9 +37,13 @@ def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
             case = Case.from_dict(case_data)
             for device in wanted:
                 if device in seen:
-                    result = _run_case(hook, name, target["variant"], case, device, job.get("outdir"))
+                    result = _run_case(
+                        hook, name, target["variant"], case, device, job.get("outdir")
+                    )
                 else:
-                    result = Result(name, device, case, "SKIP", f"device {device} not present ({seen})")
+                    result = Result(
+                        name, device, case, "SKIP", f"device {device} not present ({seen})"
+                    )
                 emit(result.to_dict())
         if target.get("identify"):
             emit({"target": name, "identified": _identify(hook, target["variant"])})
@@ -55,12 +59,17 @@ def _run_case(
     except NotImplementedError as exc:
         return Result(name, device, case, "SKIP", str(exc))
     except Exception as exc:  # an implementation's failure is a finding, not a crash
-        return Result(name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0])
+        return Result(
+            name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0]
+        )
     problems, measured = compare(case.spec, (x, dy, scale, bias), outputs)
     figures = {q: m.to_dict() for q, m in measured.items()}
     if outdir:
         path = os.path.join(outdir, f"{name}@{device}@{case.id}.npz")
-        np.savez(path, **{q: _savable(o) for q, o in zip(QUANTITIES, outputs, strict=True) if o is not None})
+        arrays: dict[str, Any] = {
+            q: _savable(o) for q, o in zip(QUANTITIES, outputs, strict=True) if o is not None
+        }
+        np.savez(path, **arrays)
     return Result(name, device, case, "FAIL" if problems else "PASS", "; ".join(problems), figures)
 
 
@@ -69,7 +78,11 @@ def _identify(hook: Any, variant: dict[str, Any]) -> dict[str, Any]:
         found = hook.identify(**variant)
     except ValueError as exc:
         return {"error": str(exc)}
-    return {"spec": found.spec.to_dict(), "undetermined": list(found.undetermined), "notes": list(found.notes)}
+    return {
+        "spec": found.spec.to_dict(),
+        "undetermined": list(found.undetermined),
+        "notes": list(found.notes),
+    }
 
 
 def _savable(a: np.ndarray) -> np.ndarray:

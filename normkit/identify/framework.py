@@ -48,8 +48,8 @@ def identify(
     call = fn if params else (lambda x, scale, bias: fn(x))
 
     def forward(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
-        reshaped = [None if a is None else a.reshape(shape) for a in (scale, bias)]
-        y = framework.forward(call, x.reshape((x.shape[0], *shape)), *reshaped, device)
+        scale, bias = (None if a is None else a.reshape(shape) for a in (scale, bias))
+        y = framework.forward(call, x.reshape((x.shape[0], *shape)), scale, bias, device)
         return y.reshape(x.shape[0], n)
 
     return identify_forward(forward, n, accepts_params=params, dtypes=dtypes)

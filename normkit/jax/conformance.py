@@ -94,7 +94,7 @@ def evaluate(
 
 def _apply_fn(
     spec: NormSpec, shape: tuple[int, ...], params: dict[str, np.ndarray], api: Api
-) -> Callable[[jax.Array, dict[str, jax.Array]], jax.Array]:
+) -> Callable[[jax.Array, dict[str, jax.Array]], Any]:
     """``(x, params) -> y`` for ``api``, with ``params`` a dict of ``scale``/``bias`` arrays."""
     param_dtype = next(iter(params.values())).dtype if params else jnp.float32
     if api == "functional":

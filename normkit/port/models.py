@@ -10,6 +10,7 @@ same attribute names in two frameworks therefore has the same paths.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -42,15 +43,13 @@ def _framework(model: Any) -> Any:
     """The ``normkit.port`` module for ``model``'s framework, found without importing any."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model, torch.nn.Module):
-        from normkit.port import torch as framework
-    elif "keras" in sys.modules and isinstance(model, sys.modules["keras"].layers.Layer):
-        from normkit.port import keras as framework
-    elif "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
-        from normkit.port import flax as framework
-    else:
-        raise TypeError(
-            f"export_norms/import_norms take a torch nn.Module, a Keras layer or a Flax NNX "
-            f"module, got {type(model).__module__}.{type(model).__name__} (for Flax linen use "
-            "normkit.port.flax.export_linen_norms / import_linen_norms)"
-        )
-    return framework
+        return importlib.import_module("normkit.port.torch")
+    if "keras" in sys.modules and isinstance(model, sys.modules["keras"].layers.Layer):
+        return importlib.import_module("normkit.port.keras")
+    if "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
+        return importlib.import_module("normkit.port.flax")
+    raise TypeError(
+        f"export_norms/import_norms take a torch nn.Module, a Keras layer or a Flax NNX "
+        f"module, got {type(model).__module__}.{type(model).__name__} (for Flax linen use "
+        "normkit.port.flax.export_linen_norms / import_linen_norms)"
+    )

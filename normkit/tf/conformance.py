@@ -90,7 +90,7 @@ def evaluate(
     if backend == "jax" and np.asarray(x).dtype == np.float64:
         import jax
 
-        if not jax.config.jax_enable_x64:
+        if not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
             raise TypeError("x has dtype float64, which JAX computes only with JAX_ENABLE_X64=1")
     if jit and backend == "torch":
         raise ValueError("the torch Keras backend has no jit variant (jit=True)")
@@ -105,10 +105,10 @@ def evaluate(
         layer = from_spec(spec, dtype=policy)
         xt, dyt = (framework.to_tensor(np.asarray(a), device) for a in (x, dy))
         layer.build(tuple(xt.shape))
-        if scale is not None:
-            layer.scale.assign(np.asarray(scale, dtype=np.float64).astype(layer.scale.dtype))
-        if bias is not None:
-            layer.bias.assign(np.asarray(bias, dtype=np.float64).astype(layer.bias.dtype))
+        for variable, value in ((layer.scale, scale), (layer.bias, bias)):
+            if value is not None:
+                assert variable is not None  # check_params: the spec has this parameter
+                variable.assign(np.asarray(value, dtype=np.float64).astype(variable.dtype))
         if backend == "tensorflow":
             y, dx, grads = _vjp_tensorflow(layer, xt, dyt, jit)
         elif backend == "jax":
