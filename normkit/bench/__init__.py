@@ -11,8 +11,8 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 
 - ``implementation``: e.g. ``"normkit.torch.RMSNorm"``, ``"torch.nn.RMSNorm"``, ``"copy (clone)"``.
 - ``role``: ``"normkit"``, ``"peer"`` or ``"copy floor"``.
-- ``backend``: ``"torch"``, ``"tf"`` or ``"jax"``; ``device``: the backend's name for it
-  (``"cpu"``, ``"cuda:0"``, ``"gpu:0"``).
+- ``backend``: ``"torch"``, ``"tf"`` or ``"jax"``; ``device``: its `normkit.backends` name
+  (``"cpu"``, ``"cuda:0"``, ...), the same for every backend.
 - ``pass``: ``"forward"`` or ``"forward+backward"`` (gradient of x and the parameters, given dy).
 - ``mode``: ``"eager"``, ``"torch.compile"``, ``"tf.function(jit_compile=True)"``, ``"jax.jit"``.
 - ``shape``: ``[rows, hidden]``, normalized over hidden; ``dtype``: of x, y, dy and dx.

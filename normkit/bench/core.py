@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from normkit.arguments import device
 from normkit.bench.timing import interleaved
 
 PASSES = ("forward", "forward+backward")
@@ -223,7 +224,8 @@ def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None
         "--quick", action="store_true", help="hidden 1024 and 4096, 1M elements, 3 rounds"
     )
     parser.add_argument(
-        "--device", action="append", help="only this device (repeatable), e.g. cpu, cuda:0, gpu:0"
+        "--device", action="append", type=device,
+        help="only this device (repeatable): cpu, cuda:N (alias gpu:N), tpu:N, mps",
     )
     parser.add_argument(
         "--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from typing import Any
@@ -38,13 +39,21 @@ def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    lines = [
-        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    """A plain-text table drawn by rich (imported here only), wide enough for every cell."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in header:
+        table.add_column(Text(name))
+    for row in rows:
+        table.add_row(*map(Text, row))  # Text: a name like tf[jax,jit] is not markup
+    console = Console(file=io.StringIO(), width=10_000, color_system=None, emoji=False)
+    console.print(table)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -170,6 +170,35 @@ def identify_forward(
         prober.scale = np.full(n, 1.0 - measured.offset, np.float32) if measured.scale else None
         prober.bias = np.zeros(n, np.float32) if measured.bias else None
     zero_output = prober.h(np.zeros((1, n), probe_dtype))[0]
+    structure, fit = _structure(prober, rng, zero_output, notes, undetermined)
+    gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
+
+    affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
+    halves = [d for d in resolved if is_half(d)]
+    cast = _cast_order(prober, rng, halves, structure, measured, gain, zero_output, notes)
+    if cast is None:
+        undetermined.append("cast")
+
+    spec = structure.replace(
+        scale=affine.scale,
+        scale_offset=affine.offset,
+        bias=None if "bias" in undetermined else affine.bias,
+        cast=cast or "after_scale",
+    )
+    notes.append(f"{prober.calls} calls to the implementation")
+    in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
+    return Identification(spec, in_field_order, tuple(notes))
+
+
+def _structure(
+    prober: _Prober,
+    rng: np.random.Generator,
+    zero_output: np.ndarray,
+    notes: list[str],
+    undetermined: list[str],
+) -> tuple[NormSpec, _EpsFit]:
+    """Kind, partial fraction, eps and placement (steps 3 to 6 of the module doc)."""
+    n = prober.n
     _check_scale_invariance(prober, rng, zero_output)
     k = _statistic_support(prober, rng, zero_output)
     kind = _kind(prober, rng, k, zero_output, notes)
@@ -185,31 +214,31 @@ def identify_forward(
     structure = NormSpec(
         kind, eps=fit.eps or NormSpec.eps, eps_placement=fit.placement or "inside", p=p
     )
-    gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
+    return structure, fit
 
-    affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
+
+def _cast_order(
+    prober: _Prober,
+    rng: np.random.Generator,
+    halves: list[np.dtype],
+    structure: NormSpec,
+    measured: _Affine | None,
+    gain: np.ndarray,
+    zero_output: np.ndarray,
+    notes: list[str],
+) -> Cast | None:
+    """The cast order every half dtype agrees on (step 8), or None (with a note why)."""
     casts = [
         _probe_half(prober, rng, half, structure, measured, gain, zero_output, notes)
-        for half in resolved
-        if is_half(half)
+        for half in halves
     ]
-    cast = casts[0] if casts and all(c == casts[0] for c in casts) else None
-    if cast is None:
-        undetermined.append("cast")
-        if not casts:
-            notes.append("cast: no half-precision dtype was probed")
-        elif len({c for c in casts if c is not None}) > 1:
-            notes.append("cast: the half dtypes disagree on the cast order")
-
-    spec = structure.replace(
-        scale=affine.scale,
-        scale_offset=affine.offset,
-        bias=None if "bias" in undetermined else affine.bias,
-        cast=cast or "after_scale",
-    )
-    notes.append(f"{prober.calls} calls to the implementation")
-    in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
-    return Identification(spec, in_field_order, tuple(notes))
+    if casts and all(c == casts[0] for c in casts):
+        return casts[0]
+    if not casts:
+        notes.append("cast: no half-precision dtype was probed")
+    elif len({c for c in casts if c is not None}) > 1:
+        notes.append("cast: the half dtypes disagree on the cast order")
+    return None
 
 
 class _Prober:
@@ -613,13 +642,30 @@ def _probe_half(
             else "without parameters w = 1 and b = 0, and both orders round ŷ once"
         )
     y_hat = reference.normalize(x.astype(np.float64), spec)
+    predicted, differ = _half_predictions(y_hat, g, shift, dtype, out.dtype)
+    y = out.astype(np.float64)
+    promotion = "the input dtype" if out.dtype == dtype else "promotes"
+    head = f"{dtype.name} input: output dtype {out.dtype.name} ({promotion})"
+    cast, finding = _cast_verdict(y, predicted, differ, why_same)
+    compared: Cast = cast or "after_scale"
+    error = tolerances.measure(y, predicted[compared], out.dtype)
+    notes.append(
+        f"{head}; {finding}; error {error.error:.2g} {error.bound.unit} from the reference "
+        f"with {compared}"
+    )
+    return cast
+
+
+def _half_predictions(
+    y_hat: np.ndarray, g: np.ndarray, shift: np.ndarray, dtype: np.dtype, out_dtype: np.dtype
+) -> tuple[dict[Cast, np.ndarray], np.ndarray]:
+    """Each cast order's output for ``dtype`` inputs, and where the two differ as evidence."""
     predicted: dict[Cast, np.ndarray] = {
         "after_scale": y_hat * g + shift,
         "before_scale": round_to(y_hat, dtype).astype(np.float64) * g + shift,
     }
     # An element whose rounding is decided by the last float32 bits (a near tie) is not evidence.
     near_tie = _near_tie(y_hat, dtype)
-    out_dtype = out.dtype
     if is_half(out_dtype):
         for value in predicted.values():
             near_tie |= _near_tie(value, out_dtype)
@@ -630,37 +676,29 @@ def _probe_half(
         differ = gap > 4 * np.spacing(np.abs(predicted["after_scale"]).astype(out_dtype)).astype(
             np.float64
         )
-    differ &= ~near_tie
-    y = out.astype(np.float64)
-    promotion = "the input dtype" if out_dtype == dtype else "promotes"
-    head = f"{dtype.name} input: output dtype {out_dtype.name} ({promotion})"
-    distance = {c: np.abs(y - v) for c, v in predicted.items()}
-    cast: Cast | None = None
+    return predicted, differ & ~near_tie
+
+
+def _cast_verdict(
+    y: np.ndarray, predicted: dict[Cast, np.ndarray], differ: np.ndarray, why_same: str
+) -> tuple[Cast | None, str]:
+    """The order ``y`` is closer to on at least 90% of the ``differ`` elements, and the finding."""
     if np.count_nonzero(differ) < _MIN_CAST_ELEMENTS:
-        finding = f"cast order undetermined: both orders give the same output ({why_same})"
-    else:
-        closer: dict[Cast, float] = {
-            "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
-            "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
-        }
-        shares = (
-            f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
-            f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
-            "they differ"
-        )
-        winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
-        if winners:
-            cast = winners[0]
-            finding = f"cast {cast}: {shares}"
-        else:
-            finding = f"cast order undetermined: {shares}"
-    compared: Cast = cast or "after_scale"
-    error = tolerances.measure(y, predicted[compared], out_dtype)
-    notes.append(
-        f"{head}; {finding}; error {error.error:.2g} {error.bound.unit} from the reference "
-        f"with {compared}"
+        return None, f"cast order undetermined: both orders give the same output ({why_same})"
+    distance = {c: np.abs(y - v) for c, v in predicted.items()}
+    closer: dict[Cast, float] = {
+        "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
+        "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
+    }
+    shares = (
+        f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
+        f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
+        "they differ"
     )
-    return cast
+    winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
+    if winners:
+        return winners[0], f"cast {winners[0]}: {shares}"
+    return None, f"cast order undetermined: {shares}"
 
 
 def _smallest_size(dtype: np.dtype) -> float:
