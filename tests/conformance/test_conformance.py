@@ -13,13 +13,14 @@ from normkit.conformance import report, runner
 from normkit.conformance.cases import FULL_SHAPES, Case, matrix
 from normkit.conformance.targets import TARGETS, Target, select
 
-TESTS = str(Path(__file__).parent)
+ROOT = str(Path(__file__).resolve().parents[2])
+FAKES = "tests.helpers.conformance_fakes"
 
 
 def fake(name: str, mode: str) -> Target:
     # targets with the same hook and environment share a worker; a crashing one gets its own
-    env = {"PYTHONPATH": TESTS, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
-    return Target(name, (), "conformance_fakes", {"mode": mode}, env, packages=("numpy",))
+    env = {"PYTHONPATH": ROOT, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
+    return Target(name, (), FAKES, {"mode": mode}, env, packages=("numpy",))
 
 
 # ---- the matrix ------------------------------------------------------------------------------
@@ -166,9 +167,9 @@ def test_a_stray_print_in_a_worker_neither_hangs_nor_corrupts_the_run():
     chatty = Target(
         "chatty",
         (),
-        "conformance_fakes",
+        FAKES,
         {"mode": "print"},
-        {"PYTHONPATH": TESTS, "NORMKIT_FAKE_PRINT": "1"},
+        {"PYTHONPATH": ROOT, "NORMKIT_FAKE_PRINT": "1"},
         packages=("numpy",),
     )
     rep = runner.run([chatty], lambda t: cases, progress=False)
@@ -176,7 +177,7 @@ def test_a_stray_print_in_a_worker_neither_hangs_nor_corrupts_the_run():
 
 
 def test_a_stray_line_on_the_event_channel_is_a_crash_not_a_hang(monkeypatch):
-    monkeypatch.setattr(runner, "WORKER", "conformance_stray_worker")
+    monkeypatch.setattr(runner, "WORKER", "tests.helpers.conformance_stray_worker")
     cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
     rep = runner.run([fake("stray", "exact")], lambda t: cases, progress=False)
     assert [r.status for r in rep.results] == ["FAIL"] * len(cases)
