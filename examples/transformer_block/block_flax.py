@@ -6,10 +6,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from block_config import Config
 from flax import nnx
 
 import normkit.jax.nnx as nk
+
+from block_config import Config
 
 
 class Attention(nnx.Module):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import keras
-from block_config import Config
 from keras import ops
 
 import normkit.tf as nk
+
+from block_config import Config
 
 
 class Attention(keras.layers.Layer):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-from block_config import Config
 from torch import nn
 
 import normkit.torch as nk
+
+from block_config import Config
 
 
 class Attention(nn.Module):
