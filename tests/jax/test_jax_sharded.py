@@ -1,7 +1,7 @@
 """axis_name: sharded (shard_map over 4 CPU devices) equals unsharded, forward and gradients.
 
 The device count is fixed when JAX starts, so the checks run in a subprocess
-(tests/jax_sharded_checks.py) with XLA_FLAGS=--xla_force_host_platform_device_count=4.
+(tests/helpers/jax_sharded_checks.py) with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 """
 
 from __future__ import annotations
