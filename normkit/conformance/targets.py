@@ -110,8 +110,15 @@ KERAS_HOOK = "normkit.tf.conformance"
 JAX_HOOK = "normkit.jax.conformance"
 
 
-def _torch(name: str, note: str, packages: tuple[str, ...] = (), **variant: object) -> Target:
-    return Target(name, ("torch",), TORCH_HOOK, variant, packages=packages, note=note)
+def _torch(
+    name: str,
+    note: str,
+    packages: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+    **variant: object,
+) -> Target:
+    """A normkit.torch target; a ``variant`` the hook does not know goes to `normalize`."""
+    return Target(name, ("torch",), TORCH_HOOK, variant, env or {}, packages, note=note)
 
 
 def _keras(keras_backend: str, **variant: object) -> Target:
