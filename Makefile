@@ -1,7 +1,7 @@
 # Two entry points, each setting up its own environment on a fresh machine:
 #   make conformance   the main job: normkit's conformance report on the installed backends
 #                      (reports in out/conformance.json and out/conformance.md)
-#   make test          the test suite (what CI runs)
+#   make test          lint (ruff), types (mypy), then the test suite (what CI runs)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test: install docs
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 conformance: install

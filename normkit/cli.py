@@ -2,6 +2,10 @@
 
 Each subcommand is a module-level pair: a function that adds its arguments and one that runs it.
 Heavy imports happen inside the run functions, so ``normkit --help`` stays fast.
+
+Exit status: 0 when at least one check ran and none failed, 1 when a check failed (or none could
+run), 2 for a usage error (bad arguments, a missing file, a backend that is not installed).
+Every error is one line on stderr, ``normkit COMMAND: error: ...``, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,12 +14,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 import normkit
-from normkit import backends, dtypes
+from normkit import arguments, backends, dtypes
 from normkit.bench import cli as bench_cli
 from normkit.port import cli as port_cli
 from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
@@ -23,7 +27,9 @@ from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
 
 def _add_info(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-devices", action="store_true", help="skip asking each backend for its devices")
+    parser.add_argument(
+        "--no-devices", action="store_true", help="skip asking each backend for its devices"
+    )
 
 
 def _run_info(args: argparse.Namespace) -> int:
@@ -36,7 +42,7 @@ def _run_info(args: argparse.Namespace) -> int:
             "module": backend.module,
             "installed": installed,
             "versions": versions,
-            "install": f"pip install 'normkit[{backend.extra}]'",
+            "install": backend.install,
         }
         if installed and not args.no_devices:
             try:
@@ -55,13 +61,15 @@ def _run_info(args: argparse.Namespace) -> int:
         return 0
     print(f"normkit {normkit.__version__} (Python {report['python']}, numpy {np.__version__})")
     for row in rows:
-        versions = ", ".join(f"{p} {v or '-'}" for p, v in row["versions"].items())  # type: ignore[union-attr]
+        found = row["versions"]
+        assert isinstance(found, dict)
+        listed = ", ".join(f"{p} {v or '-'}" for p, v in found.items())
         if not row["installed"]:
-            print(f"  {row['module']:<13} not installed ({versions}); {row['install']}")
+            print(f"  {row['module']:<13} not installed ({listed}); {row['install']}")
             continue
         seen = row.get("devices", row.get("devices_error", "devices not listed"))
         devices = ", ".join(seen) if isinstance(seen, list) else seen
-        print(f"  {row['module']:<13} {versions}; devices: {devices}")
+        print(f"  {row['module']:<13} {listed}; devices: {devices}")
     return 0
 
 
@@ -100,27 +108,34 @@ def _run_reference(args: argparse.Namespace) -> int:
     return 0
 
 
-def _csv(value: str) -> list[str]:
-    return [v for v in value.split(",") if v]
-
-
 def _add_conformance(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small matrix (about a minute on CPU)")
-    parser.add_argument("--backend", type=_csv, help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
-    parser.add_argument("--kind", type=_csv, help=f"comma-separated kinds of {list(KINDS)}")
-    parser.add_argument("--dtype", type=_csv, help="comma-separated dtypes: float32, float16, bfloat16")
-    parser.add_argument("--device", type=_csv, help="comma-separated devices, e.g. cpu or cuda:0 (default: all seen)")
-    parser.add_argument("--peers", action="store_true", help="check the frameworks' built-in layers instead of normkit's")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
-    parser.add_argument("--no-pairwise", action="store_true", help="skip comparing implementations with each other")
-    parser.add_argument("--json", metavar="PATH", help="write every case with its figures")
-    parser.add_argument("--markdown", metavar="PATH", help="write the report as Markdown")
+    add = parser.add_argument
+    add("--quick", action="store_true", help="a small matrix (about a minute on CPU)")
+    add("--backend", type=arguments.names,
+        help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
+    add("--kind", type=arguments.names, help=f"comma-separated kinds of {list(KINDS)}")
+    add("--dtype", type=arguments.names,
+        help="comma-separated dtypes: float32, float16, bfloat16")
+    add("--device", type=arguments.devices,
+        help="comma-separated devices: cpu, cuda:N (alias gpu:N), tpu:N, mps (default: all seen)")
+    add("--peers", action="store_true",
+        help="check the frameworks' built-in layers instead of normkit's")
+    add("--jobs", type=arguments.positive_int, default=2,
+        help="worker processes at once (default 2)")
+    add("--no-pairwise", action="store_true",
+        help="skip comparing implementations with each other")
+    add("--json", metavar="PATH", type=arguments.output_path,
+        help="write every case with its figures (- for stdout)")
+    add("--markdown", metavar="PATH", type=arguments.output_path,
+        help="write the report as Markdown (- for stdout)")
 
 
 def _run_conformance(args: argparse.Namespace) -> int:
     from normkit import conformance
     from normkit.conformance import report as reports
 
+    if args.json == "-" and args.markdown == "-":
+        raise ValueError("--json and --markdown cannot both write to stdout")
     result = conformance.run(
         backends=args.backend,
         kinds=tuple(args.kind) if args.kind else KINDS,
@@ -131,13 +146,22 @@ def _run_conformance(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         pairwise=not args.no_pairwise,
     )
-    print(reports.text(result))
-    title = "Built-in layers against the NormSpec they appear to implement" if args.peers else "normkit conformance"
+    to_stdout = "-" in (args.json, args.markdown)
+    print(reports.text(result), file=sys.stderr if to_stdout else sys.stdout)
+    title = (
+        "Built-in layers against the NormSpec they appear to implement" if args.peers
+        else "normkit conformance"
+    )
     if args.json:
-        Path(args.json).write_text(reports.to_json(result))
+        arguments.write_text(args.json, reports.to_json(result))
     if args.markdown:
         render = reports.peers_markdown if args.peers else reports.markdown
-        Path(args.markdown).write_text(render(result, title))
+        arguments.write_text(args.markdown, render(result, title))
+    if not result.ran:
+        reasons = [f"{t}: {why}" for t, why in result.skipped_targets.items()]
+        reasons += sorted({f"{r.target}: {r.reason}" for r in result.results})[:3]
+        _error("conformance", "no case ran: " + ("; ".join(reasons) or "no target selected"))
+        return 1
     # Peers depart from their specs by design; the report documents how. normkit's own must not.
     return 1 if result.failed and not args.peers else 0
 
@@ -145,9 +169,12 @@ def _run_conformance(args: argparse.Namespace) -> int:
 def _add_identify(parser: argparse.ArgumentParser) -> None:
     from normkit.conformance.peers import PEERS
 
-    parser.add_argument("layer", choices=[p.name for p in PEERS], metavar="LAYER", help=f"one of: {', '.join(p.name for p in PEERS)}")
-    parser.add_argument("--n", type=int, default=64, help="the normalized size to probe (default 64)")
-    parser.add_argument("--device", default="cpu")
+    names = [p.name for p in PEERS]
+    parser.add_argument("layer", choices=names, metavar="LAYER", help=f"one of: {', '.join(names)}")
+    parser.add_argument("--n", type=arguments.row_size, default=64,
+                        help="the normalized size to probe, at least 2 (default 64)")
+    parser.add_argument("--device", type=arguments.device, default="cpu",
+                        help="cpu (default), cuda:N (alias gpu:N), tpu:N or mps")
 
 
 def _run_identify(args: argparse.Namespace) -> int:
@@ -159,11 +186,17 @@ def _run_identify(args: argparse.Namespace) -> int:
     peer = next(p for p in PEERS if p.name == args.layer)
     missing = peer.missing()
     if missing:
-        print(f"normkit identify: {args.layer}: {missing}", file=sys.stderr)
-        return 2
-    os.environ.update(peer.env)
+        raise ImportError(f"{args.layer}: {missing}")
+    os.environ.update(peer.environment)
+    seen = backends.bridge(peer.backends[0]).devices()
+    if args.device not in seen:
+        raise ValueError(f"device {args.device} is not one {peer.backends[0]} sees: {seen}")
     hook = importlib.import_module(peer.hook)
-    found = hook.identify(**peer.variant, n=args.n, device=args.device)
+    try:
+        found = hook.identify(**peer.variant, n=args.n, device=args.device)
+    except ValueError as exc:  # the layer behaves like no norm: a finding, not a usage error
+        _error("identify", f"{args.layer}: {exc}")
+        return 1
     print(f"{args.layer} (size {args.n}) behaves as:")
     print(found.describe())
     if peer.claims is not None and found.spec != peer.claims:
@@ -183,16 +216,28 @@ COMMANDS: list[Command] = [
 ]
 HELP = {
     "bench": bench_cli.HELP,
-    "conformance": "check every installed implementation against the reference, forward and backward",
+    "conformance": (
+        "check every installed implementation against the reference, forward and backward"
+    ),
     "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "port": port_cli.HELP,
-    "reference": "apply the numpy reference to one row of numbers (a quick way to see the semantics)",
+    "reference": (
+        "apply the numpy reference to one row of numbers (a quick way to see the semantics)"
+    ),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``normkit COMMAND: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="normkit", description=normkit.__doc__.splitlines()[0])
+    description = (normkit.__doc__ or "normkit").splitlines()[0]
+    parser = _Parser(prog="normkit", description=description)
     parser.add_argument("--version", action="version", version=f"normkit {normkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, add_arguments, run in COMMANDS:
@@ -202,10 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(command: str, message: str) -> None:
+    print(f"normkit {command}: error: {message}", file=sys.stderr)
+
+
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the exit status (see the module doc)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (ValueError, TypeError, ImportError) as exc:
-        print(f"normkit {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        _error(args.command, _one_line(exc))
         return 2
+    except KeyboardInterrupt:
+        _error(args.command, "interrupted")
+        return 130
+    except Exception as exc:  # a framework's own failure: still one line, and a failed run
+        _error(args.command, f"{type(exc).__name__}: {_one_line(exc)}")
+        return 1

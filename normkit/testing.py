@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 
 from normkit import reference
-from normkit.conformance.bridges import get as get_bridge
+from normkit.backends import bridge as get_bridge
 from normkit.conformance.cases import Case
-from normkit.conformance.identify import (
-    _HALF_PROBE_ELEMENTS,
-    _MIN_CAST_ELEMENTS,
-    _near_tie,
-    _representable,
-)
-from normkit.conformance.worker import compare
+from normkit.conformance.compare import compare
 from normkit.dtypes import DTYPE_NAMES, is_half, round_to
+from normkit.identify.forward import (
+    HALF_PROBE_ELEMENTS,
+    MIN_CAST_ELEMENTS,
+    near_tie,
+    representable,
+)
 from normkit.spec import NormSpec
 
 __all__ = ["assert_conforms"]
@@ -316,15 +316,15 @@ def _cast_order_problem(
     rng = np.random.default_rng(seed)
     param_shape = spec.param_shape(shape)
     n_params = math.prod(param_shape)
-    calls = min(_MAX_CAST_PROBE_CALLS, -(-_HALF_PROBE_ELEMENTS // math.prod(shape)))
+    calls = min(_MAX_CAST_PROBE_CALLS, -(-HALF_PROBE_ELEMENTS // math.prod(shape)))
     broadcast = [shape[i] if i in spec.resolve_axes(len(shape)) else 1 for i in range(len(shape))]
     counts = {"after_scale": 0, "before_scale": 0}
     differing = 0
     for _ in range(calls):
         signs = rng.choice([-1.0, 1.0], shape)
         x = round_to(signs * rng.uniform(0.5, 1.5, shape), half)
-        w = _representable(rng, n_params, 1.0).reshape(param_shape) if spec.scale else None
-        b = _representable(rng, n_params, 0.25).reshape(param_shape) if spec.bias else None
+        w = representable(rng, n_params, 1.0).reshape(param_shape) if spec.scale else None
+        b = representable(rng, n_params, 0.25).reshape(param_shape) if spec.bias else None
         out = bridge.forward(checked, x, w, b, device)
         if out.dtype != half:
             return None
@@ -336,10 +336,10 @@ def _cast_order_problem(
             "after_scale": y_hat * g + shift,
             "before_scale": round_to(y_hat, half).astype(np.float64) * g + shift,
         }
-        near_tie = _near_tie(y_hat, half) | _near_tie(exact["after_scale"], half)
-        near_tie |= _near_tie(exact["before_scale"], half)
+        ties = near_tie(y_hat, half) | near_tie(exact["after_scale"], half)
+        ties |= near_tie(exact["before_scale"], half)
         predicted = {c: round_to(v, half).astype(np.float64) for c, v in exact.items()}
-        differ = (predicted["after_scale"] != predicted["before_scale"]) & ~near_tie
+        differ = (predicted["after_scale"] != predicted["before_scale"]) & ~ties
         y = out.astype(np.float64)
         distance = {c: np.abs(y - v) for c, v in predicted.items()}
         counts["after_scale"] += int(
@@ -349,7 +349,7 @@ def _cast_order_problem(
             np.count_nonzero((distance["before_scale"] < distance["after_scale"])[differ])
         )
         differing += int(np.count_nonzero(differ))
-    if differing < _MIN_CAST_ELEMENTS:
+    if differing < MIN_CAST_ELEMENTS:
         return None
     share = {c: count / differing for c, count in counts.items()}
     other = "after_scale" if spec.cast == "before_scale" else "before_scale"

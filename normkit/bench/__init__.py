@@ -3,15 +3,16 @@
 `run` times every installed backend (torch, tf, jax), each in a process of its own, one after
 the other (they would contend for the same cores), on every device the backend sees. Within a
 backend, each *group* (device, dtype, shape, pass, mode) times all its implementations and a
-memory copy of the same bytes interleaved, round after round (`normkit.timing.interleaved`), so
+memory copy of the same bytes interleaved, round after round
+(`normkit.bench.timing.interleaved`), so
 drift hits all of them alike and the ratios within a group are fair.
 
 Row schema (one dict per implementation and group; `FIELDS`, in this order):
 
 - ``implementation``: e.g. ``"normkit.torch.RMSNorm"``, ``"torch.nn.RMSNorm"``, ``"copy (clone)"``.
 - ``role``: ``"normkit"``, ``"peer"`` or ``"copy floor"``.
-- ``backend``: ``"torch"``, ``"tf"`` or ``"jax"``; ``device``: the backend's name for it
-  (``"cpu"``, ``"cuda:0"``, ``"gpu:0"``).
+- ``backend``: ``"torch"``, ``"tf"`` or ``"jax"``; ``device``: its `normkit.backends` name
+  (``"cpu"``, ``"cuda:0"``, ...), the same for every backend.
 - ``pass``: ``"forward"`` or ``"forward+backward"`` (gradient of x and the parameters, given dy).
 - ``mode``: ``"eager"``, ``"torch.compile"``, ``"tf.function(jit_compile=True)"``, ``"jax.jit"``.
 - ``shape``: ``[rows, hidden]``, normalized over hidden; ``dtype``: of x, y, dy and dx.
@@ -34,28 +35,25 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from normkit import backends as _backends
+from normkit import workers
 from normkit.bench.core import FIELDS, Sweep, sweep_to_dict
-from normkit.bench.worker import PREFIX
+from normkit.progress import Progress
 
 __all__ = ["FIELDS", "Report", "Sweep", "run"]
 
-ENV = {"torch": {}, "tf": {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}, "jax": {}}
+WORKER = "normkit.bench.worker"
 
 
 @dataclass
 class Report:
-    """One benchmark run: the rows, and per backend its versions, or why it was skipped or failed."""
+    """One benchmark run: the rows, and per backend its versions, or why it was skipped or
+    failed."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -64,39 +62,29 @@ class Report:
     seconds: float = 0.0
 
 
-def _work(backend: str, sweep: Sweep, report: Report, progress: Any) -> None:
-    env = {**os.environ, **ENV[backend]}
-    job = json.dumps({"backend": backend, "sweep": sweep_to_dict(sweep)})
-    with tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "normkit.bench.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(job)
-        proc.stdin.close()
-        fatal = ""
-        for line in proc.stdout:
-            if not line.startswith(PREFIX):
-                continue
-            event = json.loads(line[len(PREFIX):])
-            if "fatal" in event:
-                fatal = event["fatal"].strip().splitlines()[-1]
-            elif "planned" in event:
-                report.versions[backend] = event["versions"]
-                if not event["planned"]:
-                    report.skipped[backend] = f"no device of {list(sweep.devices or ())} (it sees {event['devices']})"
-                if progress is not None:
-                    progress.total += event["planned"]
-            else:
-                report.rows += event["rows"]
-                if progress is not None:
-                    progress.advance(event["group"])
-        proc.wait()
-        if proc.returncode:
-            stderr.seek(0)
-            lines = stderr.read().strip().splitlines()
-            report.errors[backend] = fatal or (lines[-1] if lines else f"exit status {proc.returncode}")
+def _work(
+    backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None
+) -> None:
+    """Time ``backend`` in a worker; its rows, versions, skip reason or error go in ``report``."""
+
+    def on_event(event: dict[str, Any]) -> None:
+        if "planned" in event:
+            report.versions[backend.name] = event["versions"]
+            if not event["planned"]:
+                report.skipped[backend.name] = (
+                    f"no device of {list(sweep.devices or ())} (it sees {event['devices']})"
+                )
+            if progress is not None:
+                progress.add(event["planned"])
+        else:
+            report.rows += event["rows"]
+            if progress is not None:
+                progress.advance(event["group"])
+
+    job = {"backend": backend.name, "sweep": sweep_to_dict(sweep)}
+    error = workers.run(WORKER, job, backend.env, on_event)
+    if error:
+        report.errors[backend.name] = error
 
 
 def run(
@@ -119,19 +107,17 @@ def run(
       quick: hidden 1024 and 4096 at 1M elements, 3 rounds, one torch.compile pair.
       progress: draw a progress bar on stderr.
     """
-    from normkit.conformance.runner import Progress
-
     start = time.perf_counter()
-    sweep = Sweep.make(quick, devices, dtypes)
+    sweep = Sweep.make(quick, [_backends.device_name(d) for d in devices or ()] or None, dtypes)
     chosen = [_backends.get(name) for name in backends] if backends else list(_backends.BACKENDS)
     report = Report()
-    bar = Progress(0) if progress else None
+    bar = Progress("bench") if progress else None
     for backend in chosen:
         missing = backend.missing()
         if missing:
-            report.skipped[backend.name] = f"{', '.join(missing)} not installed: pip install 'normkit[{backend.extra}]'"
+            report.skipped[backend.name] = f"{', '.join(missing)} not installed: {backend.install}"
             continue
-        _work(backend.name, sweep, report, bar)
+        _work(backend, sweep, report, bar)
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - start

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from normkit.timing import interleaved
+from normkit.arguments import device
+from normkit.bench.timing import interleaved
 
 PASSES = ("forward", "forward+backward")
 ROLES = ("normkit", "peer", "copy floor")
@@ -56,10 +57,11 @@ class Sweep:
         for dtype in dtypes or ():
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
-        common = {"dtypes": tuple(dtypes) if dtypes else None, "devices": tuple(devices) if devices else None}
+        chosen = tuple(dtypes) if dtypes else None
+        where = tuple(devices) if devices else None
         if quick:
-            return cls(QUICK_HIDDEN, QUICK_ELEMENTS, warmup=1, repeats=3, quick=True, **common)
-        return cls(**common)
+            return cls(QUICK_HIDDEN, QUICK_ELEMENTS, 1, 3, chosen, where, quick=True)
+        return cls(dtypes=chosen, devices=where)
 
     def shapes(self) -> list[tuple[int, int]]:
         """``(rows, hidden)`` for each hidden size: about ``elements`` elements each."""
@@ -89,7 +91,8 @@ class Group:
 
     @property
     def label(self) -> str:
-        return f"{self.backend} {self.device} {self.dtype} {self.shape[0]}x{self.shape[1]} {self.pass_} {self.mode}"
+        rows, hidden = self.shape
+        return f"{self.backend} {self.device} {self.dtype} {rows}x{hidden} {self.pass_} {self.mode}"
 
     @property
     def backward(self) -> bool:
@@ -114,7 +117,10 @@ def bytes_moved(shape: Sequence[int], dtype: str, pass_: str) -> int:
 
 
 def plan_groups(
-    backend: str, sweep: Sweep, seen: Sequence[str], modes: Callable[[str, str, str, int], Iterable[str]],
+    backend: str,
+    sweep: Sweep,
+    seen: Sequence[str],
+    modes: Callable[[str, str, str, int], Iterable[str]],
 ) -> list[Group]:
     """Every group of a backend: device x dtype x shape x pass x each mode ``modes(device, dtype,
     pass, shape index)`` yields."""
@@ -143,33 +149,45 @@ def time_group(
     (``peak_memory_bytes``, ``saved_for_backward_bytes``).
     """
     copy_name, copy_fn = copy
-    timings = interleaved({**candidates, copy_name: copy_fn}, warmup=sweep.warmup, repeats=sweep.repeats, sync=sync)
+    timings = interleaved(
+        {**candidates, copy_name: copy_fn}, warmup=sweep.warmup, repeats=sweep.repeats, sync=sync
+    )
     floor = timings[copy_name].median_s
     rows = []
     for name, t in timings.items():
-        role = "copy floor" if name == copy_name else "normkit" if name.startswith("normkit.") else "peer"
-        rows.append({
-            "implementation": name,
-            "role": role,
-            "backend": group.backend,
-            "device": group.device,
-            "pass": group.pass_,
-            "mode": group.mode,
-            "shape": list(group.shape),
-            "dtype": group.dtype,
-            "median_s": t.median_s,
-            "min_s": t.min_s,
-            "repeats": t.repeats,
-            "bytes_moved": group.bytes_moved,
-            "gb_per_s": group.bytes_moved / t.median_s / 1e9,
-            "fraction_of_copy_floor": floor / t.median_s,
-            "ratios": {} if role == "copy floor" else {
-                peer: timings[peer].median_s / t.median_s for peer in candidates if peer != name
-            },
-            "peak_memory_bytes": None,
-            "saved_for_backward_bytes": None,
-            **(extras or {}).get(name, {}),
-        })
+        role = (
+            "copy floor"
+            if name == copy_name
+            else "normkit"
+            if name.startswith("normkit.")
+            else "peer"
+        )
+        rows.append(
+            {
+                "implementation": name,
+                "role": role,
+                "backend": group.backend,
+                "device": group.device,
+                "pass": group.pass_,
+                "mode": group.mode,
+                "shape": list(group.shape),
+                "dtype": group.dtype,
+                "median_s": t.median_s,
+                "min_s": t.min_s,
+                "repeats": t.repeats,
+                "bytes_moved": group.bytes_moved,
+                "gb_per_s": group.bytes_moved / t.median_s / 1e9,
+                "fraction_of_copy_floor": floor / t.median_s,
+                "ratios": {}
+                if role == "copy floor"
+                else {
+                    peer: timings[peer].median_s / t.median_s for peer in candidates if peer != name
+                },
+                "peak_memory_bytes": None,
+                "saved_for_backward_bytes": None,
+                **(extras or {}).get(name, {}),
+            }
+        )
     return rows
 
 
@@ -182,7 +200,11 @@ class BackendBench(Protocol):
     def devices(self) -> list[str]: ...
 
 
-def collect(bench: BackendBench, sweep: Sweep, on_group: Callable[[Group, list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+def collect(
+    bench: BackendBench,
+    sweep: Sweep,
+    on_group: Callable[[Group, list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Measure every group of ``bench.plan(sweep)`` in order; the rows of all."""
     rows: list[dict[str, Any]] = []
     for group in bench.plan(sweep):
@@ -198,9 +220,16 @@ def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None
     from normkit.bench import report
 
     parser = argparse.ArgumentParser(description=(bench.__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="hidden 1024 and 4096, 1M elements, 3 rounds")
-    parser.add_argument("--device", action="append", help="only this device (repeatable), e.g. cpu, cuda:0, gpu:0")
-    parser.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)")
+    parser.add_argument(
+        "--quick", action="store_true", help="hidden 1024 and 4096, 1M elements, 3 rounds"
+    )
+    parser.add_argument(
+        "--device", action="append", type=device,
+        help="only this device (repeatable): cpu, cuda:N (alias gpu:N), tpu:N, mps",
+    )
+    parser.add_argument(
+        "--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)"
+    )
     args = parser.parse_args(argv)
     sweep = Sweep.make(args.quick, args.device, args.dtype)
     print(", ".join(f"{k} {v}" for k, v in bench.versions().items()))
@@ -214,5 +243,5 @@ def sweep_to_dict(sweep: Sweep) -> dict[str, Any]:
 
 def sweep_from_dict(data: Mapping[str, Any]) -> Sweep:
     """The inverse of `sweep_to_dict`."""
-    tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    tuples: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
     return Sweep(**tuples)

@@ -7,19 +7,18 @@ compares the targets with each other. Importing this module imports no framework
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import numpy as np
-
+from normkit.backends import device_name
 from normkit.conformance.cases import CASE_DTYPES, Case, matrix
-from normkit.conformance.identify import Identification, identify_forward
 from normkit.conformance.runner import Report
-from normkit.conformance.targets import TARGETS, Target, select
+from normkit.conformance.targets import TARGETS, Hook, Target, select
+from normkit.identify import Identification, identify
 from normkit.spec import KINDS
 
-__all__ = ["run", "identify", "Identification", "Case", "Report", "Target", "TARGETS", "matrix"]
+__all__ = [
+    "run", "identify", "Identification", "Case", "Hook", "Report", "Target", "TARGETS", "matrix",
+]
 
 
 def run(
@@ -41,16 +40,18 @@ def run(
         all when None. A target whose framework is not installed is skipped with the reason.
       kinds: the norm kinds to cover.
       dtypes: the input dtypes (float32, float16, bfloat16); all when None.
-      devices: device names (``"cpu"``, ``"cuda:0"``, ...); every device each backend sees when None.
+      devices: device names (``"cpu"``, ``"cuda:0"`` or its alias ``"gpu:0"``, ...); every
+        device each backend sees when None.
       quick: a small matrix that still touches every option.
       peers: check the frameworks' built-in layers against the NormSpec each appears to implement.
-      jobs: worker processes at once.
+      jobs: worker processes at once, at least 1.
       pairwise: compare every two targets' outputs on the cases both ran.
-      progress: draw a progress bar on stderr.
+      progress: show progress with an estimate of the time left on stderr.
     """
     from normkit.conformance import runner
 
     case_dtypes = tuple(dtypes) if dtypes else CASE_DTYPES
+    wanted = [device_name(d) for d in devices] if devices else None
     if peers:
         from normkit.conformance import peers as peer_targets
 
@@ -58,50 +59,13 @@ def run(
         return runner.run(
             chosen,
             lambda t: peer_targets.cases(t, quick=quick, case_dtypes=case_dtypes),
-            devices=devices,
+            devices=wanted,
             jobs=jobs,
             pairwise=False,
             progress=progress,
         )
     cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=case_dtypes)
     chosen = select(list(backends) if backends else None)
-    return runner.run(chosen, lambda t: cases, devices=devices, jobs=jobs, pairwise=pairwise, progress=progress)
-
-
-def identify(
-    fn: Callable[..., Any],
-    shape: Sequence[int],
-    *,
-    backend: str,
-    params: bool = False,
-    device: str = "cpu",
-    dtypes: Sequence[str] = ("float32", "bfloat16", "float16"),
-) -> Identification:
-    """Infer the NormSpec a framework function follows, by probing it (see `identify_forward`).
-
-    Args:
-      fn: a function of ``backend``: ``fn(x) -> y``, or ``fn(x, scale, bias) -> y`` with
-        ``params=True`` (then the scale, offset, bias and cast order can be determined too).
-      shape: the normalized shape: ``fn`` is called on inputs of shape ``(rows, *shape)`` and
-        normalizes over all of ``shape``.
-      backend: ``"torch"``, ``"jax"`` or ``"tf"``.
-      params: whether ``fn`` takes ``scale`` and ``bias`` (arrays of ``shape``).
-      device: a device the framework sees.
-      dtypes: the input dtypes to probe.
-
-    Returns the spec with what could not be determined (``undetermined``) and the findings
-    (``notes``). Raises ValueError if ``fn`` does not behave like any of the three kinds.
-    """
-    from normkit.conformance.bridges import get
-
-    bridge = get(backend)
-    shape = tuple(shape)
-    n = math.prod(shape)
-    call = fn if params else (lambda x, scale, bias: fn(x))
-
-    def forward(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
-        reshaped = [None if a is None else a.reshape(shape) for a in (scale, bias)]
-        y = bridge.forward(call, x.reshape((x.shape[0], *shape)), *reshaped, device)
-        return y.reshape(x.shape[0], n)
-
-    return identify_forward(forward, n, accepts_params=params, dtypes=dtypes)
+    return runner.run(
+        chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise, progress=progress
+    )

@@ -21,7 +21,8 @@ PARTIAL_P = 0.25
 
 @dataclass(frozen=True)
 class Case:
-    """One check: ``spec`` applied to an input of ``shape`` and ``dtype``, params in ``param_dtype``."""
+    """One check: ``spec`` applied to an input of ``shape`` and ``dtype``, params in
+    ``param_dtype``."""
 
     spec: NormSpec
     shape: tuple[int, ...]
@@ -31,7 +32,9 @@ class Case:
     @property
     def id(self) -> str:
         """A stable identifier, also the seed of the inputs."""
-        text = json.dumps([self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype], sort_keys=True)
+        text = json.dumps(
+            [self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype], sort_keys=True
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property
@@ -52,7 +55,8 @@ class Case:
         return f"{' '.join(parts)} {self.dtype}{list(self.shape)}{params}"
 
     def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """``(x, dy, scale, bias)``: zero-mean, unit-scale x and dy in the case dtype, params in theirs.
+        """``(x, dy, scale, bias)``: zero-mean, unit-scale x and dy in the case dtype, params in
+        theirs.
 
         The scale is drawn around its effective value 1 (``w = scale_init + 0.1 N(0, 1)``), the
         bias around 0, so every option changes the output measurably.
@@ -65,18 +69,27 @@ class Case:
         param_dtype = dtypes.DTYPE_NAMES[self.param_dtype]
         scale = bias = None
         if self.spec.scale:
-            scale = dtypes.round_to(self.spec.scale_init + 0.1 * rng.standard_normal(pshape), param_dtype)
+            scale = dtypes.round_to(
+                self.spec.scale_init + 0.1 * rng.standard_normal(pshape), param_dtype
+            )
         if self.spec.bias:
             bias = dtypes.round_to(0.1 * rng.standard_normal(pshape), param_dtype)
         return x, dy, scale, bias
 
     def to_dict(self) -> dict[str, object]:
-        return {"spec": self.spec.to_dict(), "shape": list(self.shape), "dtype": self.dtype, "param_dtype": self.param_dtype}
+        return {
+            "spec": self.spec.to_dict(),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "param_dtype": self.param_dtype,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Case:
         spec = NormSpec.from_dict(data["spec"])  # type: ignore[arg-type]
-        return cls(spec, tuple(data["shape"]), str(data["dtype"]), str(data.get("param_dtype", "float32")))  # type: ignore[arg-type]
+        shape = data["shape"]
+        assert isinstance(shape, list | tuple)
+        return cls(spec, tuple(shape), str(data["dtype"]), str(data.get("param_dtype", "float32")))
 
 
 FULL_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (

@@ -8,11 +8,15 @@ import flax.linen as nn
 import numpy as np
 from flax import nnx
 
-from normkit.conformance import Identification
-from normkit.conformance import identify as identify_fn
-from normkit.conformance.bridges import FrameworkFn, JaxBridge, Outputs
+from normkit.backends import FrameworkFn, Outputs
+from normkit.bridges import JaxBridge
+from normkit.conformance.targets import check_variant
+from normkit.identify import Identification
+from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
+LAYERS = ("flax.linen.RMSNorm", "flax.linen.LayerNorm", "flax.nnx.RMSNorm", "flax.nnx.LayerNorm")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS}
 BRIDGE = JaxBridge()
 devices = BRIDGE.devices
 
@@ -25,9 +29,11 @@ def evaluate(
     bias: np.ndarray | None = None,
     *,
     device: str = "cpu",
-    layer: str,
+    **variant: Any,
 ) -> Outputs:
     """``(y, dx, dscale, dbias)`` of the built-in ``layer`` with float32 params (Flax's default)."""
+    check_variant(variant, VARIANTS)
+    layer = str(variant["layer"])
     return BRIDGE.vjp(peer_function(layer, x.shape[-1]), x, dy, scale, bias, device)
 
 
@@ -51,7 +57,9 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
     has = {"scale", "bias"} if kind == "LayerNorm" else {"scale"}  # the defaults of both APIs
 
     def fn(x: Any, scale: Any, bias: Any) -> Any:
-        return apply(x, {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None and k in has})
+        return apply(
+            x, {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None and k in has}
+        )
 
     return fn
 

@@ -6,16 +6,25 @@ policy's autocasting of the variables is part of what is checked.
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from normkit import dtypes
-from normkit.conformance import Identification
-from normkit.conformance import identify as identify_fn
-from normkit.conformance.bridges import FrameworkFn, Outputs, TensorFlowBridge
+from normkit.backends import FrameworkFn, Outputs
+from normkit.bridges import TensorFlowBridge
+from normkit.conformance.targets import check_variant
+from normkit.identify import Identification
+from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
+LAYERS = (
+    "keras.layers.RMSNormalization", "keras.layers.LayerNormalization",
+    "keras.layers.LayerNormalization(rms_scaling=True)",
+)
+VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS}
 BRIDGE = TensorFlowBridge()
 devices = BRIDGE.devices
 
@@ -38,20 +47,28 @@ def evaluate(
     bias: np.ndarray | None = None,
     *,
     device: str = "cpu",
-    layer: str,
+    **variant: Any,
 ) -> Outputs:
     """``(y, dx, dscale, dbias)`` of the built-in ``layer``; half inputs under ``mixed_<dtype>``."""
-    with tf.device(device):
+    check_variant(variant, VARIANTS)
+    layer = str(variant["layer"])
+    with tf.device(BRIDGE.device(device)):
         norm = _layer(layer, f"mixed_{x.dtype.name}" if dtypes.is_half(x.dtype) else "float32")
         norm.build(x.shape)
-        norm.set_weights([np.asarray(w, np.float32) for w in (scale, bias) if w is not None][: len(norm.weights)])
-        xt, dyt = BRIDGE.tensors((x, dy))
+        norm.set_weights(
+            [np.asarray(w, np.float32) for w in (scale, bias) if w is not None][: len(norm.weights)]
+        )
+        xt, dyt = BRIDGE.to_tensor(x, device), BRIDGE.to_tensor(dy, device)
         with tf.GradientTape() as tape:
             tape.watch(xt)
             y = norm(xt)
-        dx, *grads = tape.gradient(y, [xt, *norm.trainable_weights], output_gradients=tf.cast(dyt, y.dtype))
-    found = iter(BRIDGE.numpy(g) for g in grads)
-    return BRIDGE.numpy(y), BRIDGE.numpy(dx), next(found) if scale is not None else None, next(found) if bias is not None else None
+        dx, *grads = tape.gradient(
+            y, [xt, *norm.trainable_weights], output_gradients=tf.cast(dyt, y.dtype)
+        )
+    found = iter(BRIDGE.to_numpy(g) for g in grads)
+    dscale = next(found) if scale is not None else None
+    dbias = next(found) if bias is not None else None
+    return BRIDGE.to_numpy(y), BRIDGE.to_numpy(dx), dscale, dbias
 
 
 def peer_function(layer: str, n: int) -> FrameworkFn:
@@ -65,7 +82,9 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
             layers[policy] = _layer(layer, policy)
             layers[policy].build((None, n))
         norm = layers[policy]
-        for variable, value in zip(norm.trainable_variables, (v for v in (scale, bias) if v is not None)):
+        for variable, value in zip(
+            norm.trainable_variables, (v for v in (scale, bias) if v is not None), strict=False
+        ):
             variable.assign(tf.cast(value, variable.dtype))
         return norm(x)
 

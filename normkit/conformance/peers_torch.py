@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from normkit.conformance.bridges import FrameworkFn, Outputs, TorchBridge
-from normkit.conformance import Identification
-from normkit.conformance import identify as identify_fn
+from normkit.backends import FrameworkFn, Outputs
+from normkit.bridges import TorchBridge
+from normkit.conformance.targets import check_variant
+from normkit.identify import Identification
+from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
+LAYERS = ("torch.nn.RMSNorm", "torch.nn.LayerNorm", "transformers.LlamaRMSNorm",
+               "transformers.GemmaRMSNorm")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS}
 BRIDGE = TorchBridge()
 devices = BRIDGE.devices
 
@@ -38,9 +45,11 @@ def evaluate(
     bias: np.ndarray | None = None,
     *,
     device: str = "cpu",
-    layer: str,
+    **variant: Any,
 ) -> Outputs:
     """``(y, dx, dweight, dbias)`` of the built-in ``layer`` over the last axis of ``x``."""
+    check_variant(variant, VARIANTS)
+    layer = str(variant["layer"])
     return BRIDGE.vjp(peer_function(layer, x.shape[-1], device), x, dy, scale, bias, device)
 
 
@@ -59,4 +68,6 @@ def peer_function(layer: str, n: int, device: str = "cpu") -> FrameworkFn:
 
 def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
     """What the built-in ``layer`` computes, probed with parameters in the input's dtype."""
-    return identify_fn(peer_function(layer, n, device), (n,), backend="torch", params=True, device=device)
+    return identify_fn(
+        peer_function(layer, n, device), (n,), backend="torch", params=True, device=device
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from typing import Any
@@ -12,8 +13,11 @@ from normkit.spec import KINDS, NormSpec
 
 
 def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
-    """Rows of target@device x kinds: passed/total and the worst error as a fraction of its bound."""
-    cells: dict[tuple[str, str], list[Any]] = defaultdict(lambda: [0, 0, 0, 0.0])  # pass, fail, skip, worst
+    """Rows of target@device x kinds: passed/total and the worst error as a fraction of its
+    bound."""
+    cells: dict[tuple[str, str], list[Any]] = defaultdict(
+        lambda: [0, 0, 0, 0.0]
+    )  # pass, fail, skip, worst
     for r in report.results:
         cell = cells[(f"{r.target}@{r.device}", r.case.spec.kind)]
         cell[{"PASS": 0, "FAIL": 1, "SKIP": 2}[r.status]] += 1
@@ -35,10 +39,21 @@ def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    """A plain-text table drawn by rich (imported here only), wide enough for every cell."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in header:
+        table.add_column(Text(name))
+    for row in rows:
+        table.add_row(*map(Text, row))  # Text: a name like tf[jax,jit] is not markup
+    console = Console(file=io.StringIO(), width=10_000, color_system=None, emoji=False)
+    console.print(table)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -72,7 +87,9 @@ def text(report: Report, failures: int = 10) -> str:
         out += [f"  {r.target}@{r.device} {r.case.label}: {r.reason}" for r in failed[:failures]]
         if len(failed) > failures:
             out.append(f"  ... and {len(failed) - failures} more (see --json)")
-    skips = sorted({f"{r.target}@{r.device}: {r.reason}" for r in report.results if r.status == "SKIP"})
+    skips = sorted(
+        {f"{r.target}@{r.device}: {r.reason}" for r in report.results if r.status == "SKIP"}
+    )
     if skips:
         out += ["", "skipped:"] + [f"  {s}" for s in skips[:failures]]
     if report.pairwise:
@@ -80,14 +97,21 @@ def text(report: Report, failures: int = 10) -> str:
         disagreeing = sum(p.disagreements for p in report.pairwise)
         out += [
             "",
-            f"pairwise: {len(report.pairwise)} pairs of implementations, {disagreeing} case disagreements; "
-            f"worst {worst.worst:.2f} of {PAIRWISE_FACTOR:g}x the tolerance ({worst.a} vs {worst.b})",
+            f"pairwise: {len(report.pairwise)} pairs of implementations, {disagreeing} case "
+            f"disagreements; worst {worst.worst:.2f} of {PAIRWISE_FACTOR:g}x the tolerance "
+            f"({worst.a} vs {worst.b})",
         ]
     if report.target_seconds:
-        times = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in report.target_seconds.items())
+        times = ", ".join(
+            f"{name} {seconds:.0f} s" for name, seconds in report.target_seconds.items()
+        )
         out += ["", f"worker time: {times}"]
     passed = sum(r.status == "PASS" for r in report.results)
-    out += ["", f"{passed} passed, {len(failed)} failed, {sum(r.status == 'SKIP' for r in report.results)} skipped in {report.seconds:.0f} s"]
+    skipped = sum(r.status == "SKIP" for r in report.results)
+    out += [
+        "",
+        f"{passed} passed, {len(failed)} failed, {skipped} skipped in {report.seconds:.0f} s",
+    ]
     return "\n".join(out)
 
 
@@ -114,13 +138,23 @@ def departures(report: Report) -> dict[str, list[str]]:
                 key = (precision, "forward output" if quantity == "y" else quantity)
                 unit = "ulp" if m["bound"]["unit"] == "ulp" else "of max|ref|"
                 shape = "x".join(str(d) for d in r.case.shape)
-                figure = (m["error"], f"{m['error']:.3g} {unit} at {shape} (bound {m['bound']['value']:g})")
+                figure = (
+                    m["error"],
+                    f"{m['error']:.3g} {unit} at {shape} (bound {m['bound']['value']:g})",
+                )
                 worst[r.target][key] = max(worst[r.target].get(key, figure), figure)
     found: dict[str, list[str]] = {}
     for target in sorted(set(promoted) | set(worst) | set(errors)):
-        lines = [f"{what} for {', '.join(sorted(inputs))} input (output dtype promotion)" for what, inputs in promoted[target].items()]
+        lines = [
+            f"{what} for {', '.join(sorted(inputs))} input (output dtype promotion)"
+            for what, inputs in promoted[target].items()
+        ]
         for precision in ("float32", "half precision"):
-            parts = [f"{q} {text}" for (p, q), (_, text) in sorted(worst[target].items()) if p == precision]
+            parts = [
+                f"{q} {text}"
+                for (p, q), (_, text) in sorted(worst[target].items())
+                if p == precision
+            ]
             if parts:
                 lines.append(f"{precision}: " + ", ".join(parts))
         found[target] = lines + sorted(errors[target])
@@ -136,29 +170,46 @@ def peers_markdown(report: Report, title: str) -> str:
             by_dtype[(r.target, r.case.dtype)][r.status == "FAIL"] += 1
     dtypes_seen = sorted({d for _, d in by_dtype}, key=["float32", "float16", "bfloat16"].index)
     notes = departures(report)
-    header = ["built-in layer", "appears to implement", *dtypes_seen, "identified by probing", "departs from it"]
+    header = [
+        "built-in layer",
+        "appears to implement",
+        *dtypes_seen,
+        "identified by probing",
+        "departs from it",
+    ]
     rows = []
     for target in report.targets:
         spec = target.claims
         claimed = "-" if spec is None else _spec_text(spec)
         if target.name in report.skipped_targets:
-            rows.append([target.name, claimed, *("-" for _ in dtypes_seen), "-", f"not run: {report.skipped_targets[target.name]}"])
+            rows.append(
+                [
+                    target.name,
+                    claimed,
+                    *("-" for _ in dtypes_seen),
+                    "-",
+                    f"not run: {report.skipped_targets[target.name]}",
+                ]
+            )
             continue
         cells = []
         for d in dtypes_seen:
             passed, failed = by_dtype.get((target.name, d), [0, 0])
             cells.append(f"{passed}/{passed + failed}" if passed + failed else "-")
-        skipped = sorted({r.reason for r in report.results if r.target == target.name and r.status == "SKIP"})
+        skipped = sorted(
+            {r.reason for r in report.results if r.target == target.name and r.status == "SKIP"}
+        )
         identified, differences = _identified(report.identified.get(target.name), target.claims)
         found = differences + notes.get(target.name, []) + [f"not run: {s}" for s in skipped]
         rows.append([target.name, claimed, *cells, identified, "<br>".join(found) or "none found"])
     intro = (
-        "Each built-in layer runs as people use it (torch and Hugging Face modules with parameters in the "
-        "input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is "
-        "checked, forward and backward, against the NormSpec it appears to implement. Cells: cases passed / run. "
-        "The spec found by `normkit identify` is shown beside it. Departures name the worst error and the shape "
-        "where it occurs: on rows of one element (3x1) the exact gradient is of the order of eps, which a plain "
-        "float32 backward loses to cancellation."
+        "Each built-in layer runs as people use it (torch and Hugging Face modules with "
+        "parameters in the input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax "
+        "with float32 params) and is checked, forward and backward, against the NormSpec it "
+        "appears to implement. Cells: cases passed / run. The spec found by `normkit identify` is "
+        "shown beside it. Departures name the worst error and the shape where it occurs: on rows "
+        "of one element (3x1) the exact gradient is of the order of eps, which a plain float32 "
+        "backward loses to cancellation."
     )
     return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
 
@@ -179,7 +230,10 @@ def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[
             claimed = claims.to_dict()[name]
             if name in found["undetermined"] or value == claimed:
                 continue
-            if name == "eps" and abs(value - claimed) <= 0.1 * claimed:
+            if (
+                name == "eps" and isinstance(value, float) and isinstance(claimed, float)
+                and abs(value - claimed) <= 0.1 * claimed
+            ):
                 continue  # identify measures eps to within 10%
             differences.append(f"{name} is {value!r}, not {claimed!r}")
     return text, differences
@@ -188,22 +242,41 @@ def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[
 def _spec_text(spec: object) -> str:
     assert isinstance(spec, NormSpec)
     default = NormSpec(spec.kind, p=spec.p)
-    changed = [f"{k}={v!r}" for k, v in spec.to_dict().items() if k != "kind" and getattr(default, k) != getattr(spec, k)]
+    changed = [
+        f"{k}={v!r}"
+        for k, v in spec.to_dict().items()
+        if k != "kind" and getattr(default, k) != getattr(spec, k)
+    ]
     return f"`NormSpec({spec.kind!r}{''.join(', ' + c for c in changed)})`"
 
 
 def markdown(report: Report, title: str = "normkit conformance") -> str:
     """The report as Markdown: summary, pairwise agreement, failures."""
     header, rows = _summary(report)
-    out = [f"# {title}", "", f"normkit {__version__}; {len(report.results)} case runs in {report.seconds:.0f} s.", "",
-           _markdown_table(header, rows), "", LEGEND]
+    out = [
+        f"# {title}",
+        "",
+        f"normkit {__version__}; {len(report.results)} case runs in {report.seconds:.0f} s.",
+        "",
+        _markdown_table(header, rows),
+        "",
+        LEGEND,
+    ]
     if report.pairwise:
         ph, pr = _pairwise_rows(report)
-        out += ["", "## Pairwise agreement", "",
-                f"Worst difference between two implementations as a fraction of {PAIRWISE_FACTOR:g}x the tolerance.", "",
-                _markdown_table(ph, pr)]
+        out += [
+            "",
+            "## Pairwise agreement",
+            "",
+            "Worst difference between two implementations as a fraction of "
+            f"{PAIRWISE_FACTOR:g}x the tolerance.",
+            "",
+            _markdown_table(ph, pr),
+        ]
     if report.failed:
-        out += ["", "## Failures", ""] + [f"- `{r.target}@{r.device}` {r.case.label}: {r.reason}" for r in report.failed]
+        out += ["", "## Failures", ""] + [
+            f"- `{r.target}@{r.device}` {r.case.label}: {r.reason}" for r in report.failed
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -224,7 +297,9 @@ def to_json(report: Report) -> str:
             "devices": report.devices,
             "target_seconds": report.target_seconds,
             "skipped_targets": report.skipped_targets,
-            "summary": {s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")},
+            "summary": {
+                s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")
+            },
             "cases": [r.to_dict() for r in report.results],
             "pairwise": [vars(p) for p in report.pairwise],
             "identified": report.identified,

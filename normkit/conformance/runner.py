@@ -1,29 +1,30 @@
-"""Run the conformance matrix over every target, one worker process each, and compare pairwise."""
+"""Run the conformance matrix over every target in worker processes, and compare pairwise."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import queue
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-from normkit import tolerances
+from normkit import tolerances, workers
 from normkit.conformance.cases import Case
+from normkit.conformance.compare import QUANTITIES
+from normkit.conformance.result import Result
 from normkit.conformance.targets import Target
-from normkit.conformance.worker import QUANTITIES, Result
+from normkit.progress import Progress
 
-PAIRWISE_FACTOR = 2.0  # two implementations each within a bound of the reference agree within twice it
+WORKER = "normkit.conformance.worker"
+
+PAIRWISE_FACTOR = 2.0
 
 
 @dataclass
@@ -56,62 +57,33 @@ class Report:
     def failed(self) -> list[Result]:
         return [r for r in self.results if r.status == "FAIL"]
 
-
-class Progress:
-    """A one-line progress bar on a terminal; occasional plain lines elsewhere (CI logs)."""
-
-    def __init__(self, total: int, stream: IO[str] = sys.stderr, width: int = 30) -> None:
-        self.total, self.done, self.stream, self.width = total, 0, stream, width
-        self.tty = stream.isatty()
-        self.last_line = -1
-
-    def advance(self, label: str, by: int = 1) -> None:
-        self.done += by
-        total = max(self.total, self.done)
-        filled = self.width * self.done // total
-        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{total} {label}"
-        if self.tty:
-            self.stream.write(f"\r{text[:100]:<100}")
-        elif self.done * 10 // total != self.last_line:
-            self.last_line = self.done * 10 // total
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+    @property
+    def ran(self) -> list[Result]:
+        """The results of the cases that ran (passed or failed)."""
+        return [r for r in self.results if r.status != "SKIP"]
 
 
-def _launch(
-    group: list[Target], planned: dict[str, list[Case]], devices: Sequence[str] | None, outdir: str | None, log: IO[str]
-) -> subprocess.Popen[str]:
-    """Start one worker for ``group``: targets that share a hook module and an environment.
-
-    Its stderr goes to ``log`` (a file, so a chatty framework cannot fill a pipe and stall it).
-    """
-    env = {**os.environ, **group[0].env}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from normkit.conformance.worker import main; main()"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env=env,
-    )
-    job = {
+def _job(
+    group: list[Target],
+    planned: dict[str, list[Case]],
+    devices: Sequence[str] | None,
+    outdir: str | None,
+) -> dict[str, Any]:
+    """The job of one worker: ``group``, targets that share a hook module and an environment."""
+    return {
         "hook": group[0].hook,
         "targets": [
-            {"name": t.name, "variant": t.variant, "cases": [c.to_dict() for c in planned[t.name]], "identify": t.claims is not None}
+            {
+                "name": t.name,
+                "variant": dict(t.variant),
+                "identify": t.claims is not None,
+                "cases": [c.to_dict() for c in planned[t.name]],
+            }
             for t in group
         ],
         "devices": list(devices) if devices else None,
         "outdir": outdir,
     }
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(job))
-    proc.stdin.close()
-    return proc
 
 
 def run(
@@ -129,16 +101,19 @@ def run(
       targets: the implementations; one not installed is skipped with the reason.
       cases_for: the cases of each target.
       devices: only these device names (e.g. ``["cpu"]``); a name a backend lacks is a SKIP.
-      jobs: how many workers run at once. Targets that share a hook module and an environment
-        share a worker (one framework import).
+      jobs: how many workers run at once, at least 1. Targets that share a hook module and an
+        environment share a worker (one framework import).
       pairwise: also compare every two targets' outputs on the cases both ran.
-      progress: draw a progress bar on stderr.
+      progress: show progress on stderr.
     """
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} is invalid: at least one worker must run")
     start = time.perf_counter()
     skipped = {t.name: reason for t in targets if (reason := t.missing())}
     runnable = [t for t in targets if t.name not in skipped]
     planned = {t.name: cases_for(t) for t in runnable}
-    bar = Progress(sum(len(c) * max(1, len(devices or ())) for c in planned.values())) if progress else None
+    per_device = sum(len(c) for c in planned.values())
+    bar = Progress("conformance", per_device * max(1, len(devices or ()))) if progress else None
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     slots = threading.Semaphore(jobs)
     results: list[Result] = []
@@ -146,26 +121,17 @@ def run(
     identified: dict[str, dict[str, Any]] = {}
     target_seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
-
         groups: dict[tuple[str, str], list[Target]] = {}
         for t in runnable:
-            groups.setdefault((t.hook, json.dumps(t.env, sort_keys=True)), []).append(t)
+            groups.setdefault((t.hook, json.dumps(t.environment, sort_keys=True)), []).append(t)
 
         def work(group: list[Target]) -> None:
-            with slots, tempfile.TemporaryFile("w+") as log:
-                proc = _launch(group, planned, devices, outdir if pairwise else None, log)
-                assert proc.stdout is not None
-                fatal = ""
-                for line in proc.stdout:
-                    event = json.loads(line)
-                    if "fatal" in event:  # the worker's own traceback: its last line is the reason
-                        fatal = event["fatal"].strip().splitlines()[-1]
-                    else:
-                        events.put(event)
-                proc.wait()
-                log.seek(0)
-                err = log.read()
-                error = (fatal or err.strip() or f"exit status {proc.returncode}") if proc.returncode else ""
+            error = "the worker did not finish"
+            try:
+                with slots:
+                    job = _job(group, planned, devices, outdir if pairwise else None)
+                    error = workers.run(WORKER, job, group[0].environment, events.put)
+            finally:
                 events.put({"done": [t.name for t in group], "error": error})
 
         threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups.values()]
@@ -181,11 +147,16 @@ def run(
                 if event["error"]:
                     for crashed in event["done"]:
                         seen = seen_devices.get(crashed, list(devices or ["cpu"]))
-                        results.extend(_crashed(crashed, planned[crashed], seen, reported[crashed], event["error"]))
+                        lost = _crashed(
+                            crashed, planned[crashed], seen, reported[crashed], event["error"]
+                        )
+                        results.extend(lost)
+                        if bar is not None and lost:
+                            bar.advance(f"{crashed} crashed", by=len(lost))
             elif "devices" in event:
                 seen_devices[name] = event["devices"]
                 if bar is not None and not devices:
-                    bar.total += len(planned[name]) * (len(event["devices"]) - 1)
+                    bar.add(len(planned[name]) * (len(event["devices"]) - 1))
             elif "identified" in event:
                 identified[name] = event["identified"]
             elif "seconds" in event:
@@ -200,10 +171,14 @@ def run(
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
     seconds = time.perf_counter() - start
-    return Report(results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds)
+    return Report(
+        results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds
+    )
 
 
-def _crashed(target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str) -> list[Result]:
+def _crashed(
+    target: str, cases: list[Case], devices: list[str], reported: set[tuple[str, str]], error: str
+) -> list[Result]:
     reason = "worker crashed: " + (error.strip().splitlines() or ["no output"])[-1]
     return [
         Result(target, device, case, "FAIL", reason)
@@ -220,7 +195,10 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
             by_case.setdefault(r.case.id, []).append(r)
     pairs: dict[tuple[str, str], Pairwise] = {}
     for group in by_case.values():
-        loaded = {f"{r.target}@{r.device}": np.load(outdir / f"{r.target}@{r.device}@{r.case.id}.npz") for r in group}
+        loaded = {
+            f"{r.target}@{r.device}": np.load(outdir / f"{r.target}@{r.device}@{r.case.id}.npz")
+            for r in group
+        }
         case = group[0].case
         for (na, a), (nb, b) in itertools.combinations(sorted(loaded.items()), 2):
             pair = pairs.setdefault((na, nb), Pairwise(na, nb))
@@ -230,8 +208,13 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
                 if q not in a.files or q not in b.files or a[q].shape != b[q].shape:
                     continue
                 dtype = case.dtype if q in ("y", "dx") else case.param_dtype
-                m = tolerances.measure(a[q].astype(np.float64), b[q].astype(np.float64), dtype=dtype,
-                                       quantity="forward" if q == "y" else "grad", cast=case.spec.cast)
+                m = tolerances.measure(
+                    a[q].astype(np.float64),
+                    b[q].astype(np.float64),
+                    dtype=dtype,
+                    quantity="forward" if q == "y" else "grad",
+                    cast=case.spec.cast,
+                )
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
             if worst > 1:
                 pair.disagreements += 1

@@ -1,16 +1,54 @@
-"""The registry of implementations conformance runs: normkit's adapters, and the frameworks' peers.
+"""The registry of implementations conformance runs: normkit's adapters (the frameworks' built-in
+layers, the peers, are in `normkit.conformance.peers`), and the contract of their hooks.
 
-Each target names a hook module with ``devices()`` and ``evaluate(spec, x, dy, scale, bias, *,
-device, **variant)``, the normkit backend it needs installed, and the environment its worker
-process needs (``KERAS_BACKEND`` for the Keras targets: Keras picks its backend at import).
+A target names the normkit backends it needs (`normkit.backends`: packages, install hint and
+worker environment derive from them), a hook module that satisfies `Hook`, and the variant its
+``evaluate`` takes. Adding an implementation is one line in `TARGETS`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
+
+from normkit import backends
+from normkit.backends import Outputs
 from normkit.spec import NormSpec
+
+
+class Hook(Protocol):
+    """What a target's hook module provides (``normkit.torch.conformance``, ...).
+
+    ``VARIANTS`` names the variant keywords ``evaluate`` takes, with their allowed values (None:
+    any value, passed through to the implementation). ``evaluate`` raises NotImplementedError
+    for a case the implementation does not support (a SKIP); any other exception is a FAIL.
+    """
+
+    VARIANTS: Mapping[str, tuple[object, ...] | None]
+
+    def devices(self) -> list[str]: ...
+
+    def evaluate(
+        self, spec: NormSpec, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None = None,
+        bias: np.ndarray | None = None, *, device: str = "cpu", **variant: Any,
+    ) -> Outputs: ...
+
+
+def check_variant(
+    variant: Mapping[str, object], allowed: Mapping[str, tuple[object, ...] | None]
+) -> None:
+    """ValueError naming a variant keyword or value that ``allowed`` (a hook's VARIANTS) lacks."""
+    unknown = sorted(set(variant) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown variant options {unknown}; allowed: {sorted(allowed)}")
+    for key, value in variant.items():
+        values = allowed[key]
+        if values is not None and value not in values:
+            raise ValueError(f"{key}={value!r} is invalid: expected one of {list(values)}")
 
 
 @dataclass(frozen=True)
@@ -19,64 +57,118 @@ class Target:
 
     Attributes:
       name: shown in reports, e.g. ``"jax.nnx"`` or ``"tf[jax]"``.
-      requires: the packages that must be installed.
-      install: the command that installs them.
-      hook: the module with ``devices`` and ``evaluate``.
+      backends: the normkit backends (`normkit.backends`) it needs installed.
+      hook: the module (a `Hook`) with ``devices`` and ``evaluate``.
       variant: keyword arguments for ``evaluate``.
-      env: environment variables for the worker process.
+      env: environment variables for the worker process, over the backends' own.
+      packages: packages needed beyond the backends' (e.g. ``transformers``).
       claims: for a peer, the NormSpec the built-in layer appears to implement; its cases use it.
+      params_in_input_dtype: for a peer, whether its parameters are kept in the input's dtype
+        (torch's ``module.to(dtype)``) rather than float32.
       note: what the target is, for the report.
     """
 
     name: str
-    requires: tuple[str, ...]
-    install: str
+    backends: tuple[str, ...]
     hook: str
-    variant: dict[str, object] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
+    variant: Mapping[str, object] = field(default_factory=dict, hash=False)
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    packages: tuple[str, ...] = ()
     claims: NormSpec | None = None
+    params_in_input_dtype: bool = False
     note: str = ""
 
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """Every package it needs."""
+        found = [p for b in self.backends for p in backends.get(b).packages]
+        return tuple(dict.fromkeys([*found, *self.packages]))
+
+    @property
+    def install(self) -> str:
+        """The command that installs what it needs."""
+        return backends.install_hint([backends.get(b).extra for b in self.backends], self.packages)
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The worker's environment variables: the backends', then the target's own."""
+        found: dict[str, str] = {}
+        for b in self.backends:
+            found.update(backends.get(b).env)
+        return {**found, **self.env}
+
     def missing(self) -> str | None:
-        """Why this target cannot run here (its framework is not installed), or None."""
+        """Why this target cannot run here (a package is not installed), or None."""
         missing = [p for p in self.requires if importlib.util.find_spec(p) is None]
         if missing:
             return f"{', '.join(missing)} not installed ({self.install})"
         return None
 
 
-def _keras(backend: str, **variant: object) -> Target:
-    suffix = ",jit" if variant.get("jit") else ""
+TORCH_HOOK = "normkit.torch.conformance"
+KERAS_HOOK = "normkit.tf.conformance"
+JAX_HOOK = "normkit.jax.conformance"
+
+
+def _torch(
+    name: str,
+    note: str,
+    packages: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+    **variant: object,
+) -> Target:
+    """A normkit.torch target; ``variant`` as the hook's VARIANTS (``api``, ``kernel``, ...)."""
+    return Target(name, ("torch",), TORCH_HOOK, variant, env or {}, packages, note=note)
+
+
+def _keras(keras_backend: str, **variant: object) -> Target:
+    jit = ",jit" if variant.get("jit") else ""
+    other = {"tensorflow": (), "jax": ("jax",), "torch": ("torch",)}[keras_backend]
     return Target(
-        f"tf[{backend}{suffix}]",
-        ("keras", backend),
-        f"pip install 'normkit[{'tf' if backend == 'tensorflow' else 'tf,' + backend}]'",
-        "normkit.tf.conformance",
-        dict(variant),
-        {"KERAS_BACKEND": backend},
-        note=f"normkit.tf on the {backend} Keras backend" + (" under jit" if suffix else ""),
+        f"tf[{keras_backend}{jit}]",
+        ("tf", *other),
+        KERAS_HOOK,
+        variant,
+        {"KERAS_BACKEND": keras_backend},
+        note=f"normkit.tf on the {keras_backend} Keras backend" + (" under jit" if jit else ""),
     )
 
 
+def _jax(api: str) -> Target:
+    return Target(f"jax.{api}", ("jax",), JAX_HOOK, {"api": api}, note=f"normkit.jax {api}, jitted")
+
+
 TARGETS: tuple[Target, ...] = (
-    Target("torch", ("torch",), "pip install 'normkit[torch]'", "normkit.torch.conformance", note="normkit.torch modules (eager)"),
+    _torch("torch", "normkit.torch modules (eager), kernel='auto'"),
+    _torch("torch[composite]", "normkit.torch modules, torch ops", kernel="composite"),
+    _torch("torch[cpu-kernel]", "normkit.torch modules, numba CPU kernel", ("numba",), kernel="cpu"),
+    _torch(
+        "torch[triton]", "normkit.torch modules, Triton kernels (interpreted off a GPU)",
+        ("triton",), kernel="triton",
+    ),
     _keras("tensorflow"),
     _keras("tensorflow", jit=True),
     _keras("jax", jit=True),
     _keras("torch"),
-    *(
-        Target(f"jax.{api}", ("jax", "flax"), "pip install 'normkit[jax]'", "normkit.jax.conformance", {"api": api}, note=f"normkit.jax {api}, jitted")
-        for api in ("linen", "nnx", "functional")
-    ),
+    _jax("linen"),
+    _jax("nnx"),
+    _jax("functional"),
 )
 
 
-def select(names: list[str] | None, registry: tuple[Target, ...] = TARGETS) -> list[Target]:
-    """The targets whose name equals, or starts with, one of ``names`` (all when None)."""
+def _selects(name: str, target: Target) -> bool:
+    """``name`` is the target's name, or a prefix of it ending where a ``[`` or ``.`` follows."""
+    return target.name == name or target.name.startswith((name + "[", name + "."))
+
+
+def select(names: Sequence[str] | None, registry: Sequence[Target] = TARGETS) -> list[Target]:
+    """The targets ``names`` select (all when None); ValueError naming any that selects none."""
     if not names:
         return list(registry)
-    chosen = [t for t in registry if any(t.name == n or t.name.startswith(n + "[") or t.name.startswith(n + ".") for n in names)]
-    unknown = [n for n in names if not any(t.name == n or t.name.startswith(n) for t in registry)]
+    unknown = [n for n in names if not any(_selects(n, t) for t in registry)]
     if unknown:
-        raise ValueError(f"unknown backends {unknown}; known: {[t.name for t in registry]}")
-    return chosen
+        raise ValueError(
+            f"unknown backends {unknown}; known: {[t.name for t in registry]} "
+            "(or a prefix: torch, tf, jax)"
+        )
+    return [t for t in registry if any(_selects(n, t) for n in names)]

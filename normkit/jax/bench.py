@@ -20,12 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import normkit.jax as nkjax
-from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.jax.conformance import _device, devices
+from normkit.bench.core import (
+    EPS,
+    Group,
+    Sweep,
+    backend_main,
+    collect,
+    plan_groups,
+    time_group,
+)
+from normkit.bridges import JaxBridge
 
 __all__ = ["measure", "plan", "run", "versions"]
 
 MODE = "jax.jit"
+_BRIDGE = JaxBridge()
 
 
 def _modules(dtype: Any) -> dict[str, nn.Module]:
@@ -41,7 +50,7 @@ def _task(module: nn.Module, x: jax.Array, dy: jax.Array, backward: bool) -> Cal
     params = module.init(jax.random.key(0), x[:1])
 
     @jax.jit
-    def forward(params: Any, x: jax.Array) -> jax.Array:
+    def forward(params: Any, x: jax.Array) -> Any:
         return module.apply(params, x)
 
     @jax.jit
@@ -64,22 +73,33 @@ def plan(sweep: Sweep) -> list[Group]:
     return plan_groups("jax", sweep, devices(), lambda *_: (MODE,))
 
 
+def devices() -> list[str]:
+    """The devices JAX sees (`normkit.backends` names)."""
+    return _BRIDGE.devices()
+
+
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """Time one group: the four modules, interleaved with a jitted copy of the same bytes."""
-    device = _device(group.device)
+    device = _BRIDGE.device(group.device)
     dtype = jnp.dtype(group.dtype)
     rng = np.random.default_rng(0)
 
     def put(shape: Any) -> jax.Array:
-        return jax.device_put(jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype), device)
+        return jax.device_put(
+            jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype), device
+        )
 
     x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
     candidates = {k: _task(m, x, dy, group.backward) for k, m in _modules(dtype).items()}
     copy = jax.jit(jnp.copy)
-    return time_group(group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer))))
+    return time_group(
+        group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer)))
+    )
 
 
-def run(quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
     return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 

@@ -17,30 +17,20 @@ from flax import nnx
 
 import normkit.jax as nkjax
 from normkit import reference
+from normkit.bridges import JaxBridge
+from normkit.conformance.targets import check_variant
 from normkit.jax import functional
 from normkit.spec import NormSpec
 
-__all__ = ["devices", "evaluate", "APIS"]
+__all__ = ["APIS", "VARIANTS", "devices", "evaluate"]
 
 Api = Literal["linen", "nnx", "functional"]
 APIS: tuple[Api, ...] = ("linen", "nnx", "functional")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"api": APIS}
 
 
-def devices() -> list[str]:
-    """The devices JAX sees: ``"cpu"``, then ``"<platform>:<id>"`` for each accelerator."""
-    names = ["cpu"]
-    for platform in ("gpu", "tpu"):
-        with contextlib.suppress(RuntimeError):
-            names += [f"{platform}:{i}" for i in range(len(jax.devices(platform)))]
-    return names
-
-
-def _device(name: str) -> jax.Device:
-    known = devices()
-    if name not in known:
-        raise ValueError(f"device={name!r} is not one JAX sees; devices() = {known}")
-    platform, _, index = name.partition(":")
-    return jax.devices(platform)[int(index or 0)]
+_BRIDGE = JaxBridge()
+devices = _BRIDGE.devices
 
 
 def evaluate(
@@ -51,7 +41,7 @@ def evaluate(
     bias: np.ndarray | None = None,
     *,
     device: str = "cpu",
-    api: Api = "linen",
+    **variant: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``spec``'s layer applied to ``x`` on ``device`` under ``jax.jit``, and its VJP with ``dy``.
 
@@ -61,22 +51,23 @@ def evaluate(
       dy: the output cotangent, of ``x``'s shape and dtype.
       scale: ``w`` in the parameter dtype; None: the layer's initial value (float32).
       bias: ``b``; None: zeros (float32).
-      device: one of `devices`.
-      api: ``"linen"`` (`normkit.jax.from_spec`), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or
+      device: one of `devices` (``gpu:N`` is read as ``cuda:N``).
+      variant: ``api=`` ``"linen"`` (`normkit.jax.from_spec`, the default), ``"nnx"``
+        (`normkit.jax.nnx.from_spec`) or
         ``"functional"`` (`normkit.jax.functional.normalize`).
 
     Returns:
       ``(y, dx, dscale, dbias)`` as numpy arrays in the dtypes JAX produced; ``dscale`` and
       ``dbias`` are None when the spec has no such parameter.
     """
-    if api not in APIS:
-        raise ValueError(f"api={api!r} is invalid: expected one of {APIS}")
+    check_variant(variant, VARIANTS)
+    api: Api = variant.get("api", "linen")
     x, dy = np.asarray(x), np.asarray(dy)
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(
             f"dy has shape {dy.shape} and dtype {dy.dtype}; expected x's, {x.shape} and {x.dtype}"
         )
-    target = _device(device)
+    target = _BRIDGE.device(device)
     reference.check_params(x.shape, spec, scale, bias)
     shape = spec.param_shape(x.shape)
     params: dict[str, np.ndarray] = {}
@@ -103,7 +94,7 @@ def evaluate(
 
 def _apply_fn(
     spec: NormSpec, shape: tuple[int, ...], params: dict[str, np.ndarray], api: Api
-) -> Callable[[jax.Array, dict[str, jax.Array]], jax.Array]:
+) -> Callable[[jax.Array, dict[str, jax.Array]], Any]:
     """``(x, params) -> y`` for ``api``, with ``params`` a dict of ``scale``/``bias`` arrays."""
     param_dtype = next(iter(params.values())).dtype if params else jnp.float32
     if api == "functional":

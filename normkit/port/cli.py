@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from normkit import arguments
 from normkit.port.convert import CONVENTIONS, convert
 from normkit.port.files import load_norms, save_norms
 
@@ -12,11 +13,20 @@ HELP = "rewrite a normkit norms file (safetensors or .npz) in another framework'
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``normkit port``."""
-    parser.add_argument("src", metavar="SRC", help="a file written by normkit.port (save or export_norms)")
-    parser.add_argument("dst", metavar="DST", help="the file to write: .npz for numpy's format, else safetensors")
-    parser.add_argument("--to", choices=CONVENTIONS, required=True, help="the parameter names to write: torch weight/bias, the others scale/bias")
+    parser.add_argument("src", metavar="SRC", type=arguments.input_file,
+                        help="a file written by normkit.port (save or export_norms)")
+    parser.add_argument("dst", metavar="DST", type=arguments.output_file,
+                        help="the file to write: .npz for numpy's format, else safetensors")
     parser.add_argument(
-        "--scale-offset", type=float, metavar="OFFSET",
+        "--to",
+        choices=CONVENTIONS,
+        required=True,
+        help="the parameter names to write: torch weight/bias, the others scale/bias",
+    )
+    parser.add_argument(
+        "--scale-offset",
+        type=float,
+        metavar="OFFSET",
         help="rewrite every scaled layer for this scale_offset (e.g. 0 for a Gemma-style 1): "
         "w' = w + (old - new), rounded once to the parameter dtype",
     )

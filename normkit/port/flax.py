@@ -24,7 +24,7 @@ from normkit import dtypes
 from normkit.jax import linen as nk_linen
 from normkit.jax import nnx as nk_nnx
 from normkit.port.files import save_norms
-from normkit.port.models import plan_import
+from normkit.port.plan import plan_import
 from normkit.spec import NormSpec
 
 __all__ = [

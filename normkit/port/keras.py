@@ -11,7 +11,7 @@ import keras
 
 from normkit import dtypes
 from normkit.port.files import save_norms
-from normkit.port.models import plan_import
+from normkit.port.plan import plan_import
 from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm
 
 __all__ = ["export_norms", "import_norms", "named_layers", "norm_layers"]

@@ -10,17 +10,13 @@ same attribute names in two frameworks therefore has the same paths.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from normkit.port.convert import convert
-from normkit.port.files import load_norms
-from normkit.spec import NormSpec
+from normkit.port.plan import plan_import
 
 __all__ = ["export_norms", "import_norms", "plan_import"]
 
@@ -43,52 +39,17 @@ def import_norms(model: Any, path: str | os.PathLike[str]) -> list[str]:
     return _framework(model).import_norms(model, path)
 
 
-def plan_import(
-    path: str | os.PathLike[str],
-    model_norms: Mapping[str, tuple[NormSpec, tuple[int, ...]]],
-    convention: str,
-) -> dict[str, dict[str, np.ndarray]]:
-    """The parameters in ``path`` for each of ``model_norms`` (``{path: (spec, param shape)}``),
-    named in ``convention`` and converted to each layer's spec; ValueError on any mismatch."""
-    layers = load_norms(path, to=convention)
-    missing = sorted(set(model_norms) - set(layers))
-    extra = sorted(set(layers) - set(model_norms))
-    if missing or extra:
-        raise ValueError(
-            f"{path}: the file's norm layers do not match the model's: the model's {missing} are "
-            f"not in the file, the file's {extra} are not in the model (paths are attribute "
-            "paths, see docs/porting.md)"
-        )
-    planned = {}
-    for name, (spec, shape) in model_norms.items():
-        params, file_spec = layers[name]
-        try:
-            converted = convert(params, file_spec, src=convention, dst=convention, dst_spec=spec)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{path}: layer {name!r}: {err}") from None
-        for param, value in converted.items():
-            if value.shape != tuple(shape):
-                raise ValueError(
-                    f"{path}: layer {name!r}: {param!r} has shape {value.shape} in the file, the "
-                    f"model's has {tuple(shape)}"
-                )
-        planned[name] = converted
-    return planned
-
-
 def _framework(model: Any) -> Any:
     """The ``normkit.port`` module for ``model``'s framework, found without importing any."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model, torch.nn.Module):
-        from normkit.port import torch as framework
-    elif "keras" in sys.modules and isinstance(model, sys.modules["keras"].layers.Layer):
-        from normkit.port import keras as framework
-    elif "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
-        from normkit.port import flax as framework
-    else:
-        raise TypeError(
-            f"export_norms/import_norms take a torch nn.Module, a Keras layer or a Flax NNX "
-            f"module, got {type(model).__module__}.{type(model).__name__} (for Flax linen use "
-            "normkit.port.flax.export_linen_norms / import_linen_norms)"
-        )
-    return framework
+        return importlib.import_module("normkit.port.torch")
+    if "keras" in sys.modules and isinstance(model, sys.modules["keras"].layers.Layer):
+        return importlib.import_module("normkit.port.keras")
+    if "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
+        return importlib.import_module("normkit.port.flax")
+    raise TypeError(
+        f"export_norms/import_norms take a torch nn.Module, a Keras layer or a Flax NNX "
+        f"module, got {type(model).__module__}.{type(model).__name__} (for Flax linen use "
+        "normkit.port.flax.export_linen_norms / import_linen_norms)"
+    )

@@ -15,7 +15,7 @@ from torch import nn
 from normkit import dtypes
 from normkit.port.convert import to_numpy
 from normkit.port.files import save_norms
-from normkit.port.models import plan_import
+from normkit.port.plan import plan_import
 from normkit.spec import NormSpec
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 

@@ -16,12 +16,14 @@ import keras
 import numpy as np
 
 from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.tf.conformance import devices
+from normkit.bridges import TensorFlowBridge
 from normkit.tf.layers import LayerNorm, RMSNorm
 
 __all__ = ["measure", "plan", "run", "versions"]
 
 EAGER, XLA = "eager", "tf.function(jit_compile=True)"
+_BRIDGE = TensorFlowBridge()
+devices = _BRIDGE.devices
 POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
 
@@ -30,11 +32,15 @@ def _layers(policy: str) -> dict[str, keras.layers.Layer]:
         "normkit.tf.RMSNorm": RMSNorm(epsilon=EPS, dtype=policy),
         "keras.layers.RMSNormalization": keras.layers.RMSNormalization(epsilon=EPS, dtype=policy),
         "normkit.tf.LayerNorm": LayerNorm(epsilon=EPS, dtype=policy),
-        "keras.layers.LayerNormalization": keras.layers.LayerNormalization(epsilon=EPS, dtype=policy),
+        "keras.layers.LayerNormalization": keras.layers.LayerNormalization(
+            epsilon=EPS, dtype=policy
+        ),
     }
 
 
-def _task(layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool) -> Callable[[], object]:
+def _task(
+    layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool
+) -> Callable[[], object]:
     import tensorflow as tf
 
     def forward(x: Any) -> Any:
@@ -80,15 +86,19 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
 
     rng = np.random.default_rng(0)
     on_gpu = group.device != "cpu"
-    name = group.device.upper() if ":" in group.device else f"{group.device.upper()}:0"
+    name = _BRIDGE.device(group.device).lstrip("/")
     with tf.device(f"/{name}"):
         x = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)
         dy = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)
-        buffer = tf.cast(tf.constant(rng.standard_normal(group.copy_elements, dtype=np.float32)), group.dtype)
+        buffer = tf.cast(
+            tf.constant(rng.standard_normal(group.copy_elements, dtype=np.float32)), group.dtype
+        )
         layers = _layers(POLICY[group.dtype])
         for layer in layers.values():
             layer.build(group.shape)
-        candidates = {k: _task(layer, x, dy, group.backward, group.mode == XLA) for k, layer in layers.items()}
+        candidates = {
+            k: _task(layer, x, dy, group.backward, group.mode == XLA) for k, layer in layers.items()
+        }
         sync = tf.test.experimental.sync_devices if on_gpu else None
         rows = time_group(group, sweep, candidates, ("copy (x * 1)", lambda: buffer * 1), sync=sync)
         if on_gpu:
@@ -99,11 +109,15 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
                 before = tf.config.experimental.get_memory_info(name)["current"]
                 fn()
                 tf.test.experimental.sync_devices()
-                row["peak_memory_bytes"] = tf.config.experimental.get_memory_info(name)["peak"] - before
+                row["peak_memory_bytes"] = (
+                    tf.config.experimental.get_memory_info(name)["peak"] - before
+                )
     return rows
 
 
-def run(quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
     return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 

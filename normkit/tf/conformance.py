@@ -10,15 +10,20 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
-from normkit import dtypes, reference
+from normkit import reference
+from normkit.backends import Bridge, device_index, device_name
+from normkit.bridges import JaxBridge, TensorFlowBridge, TorchBridge
+from normkit.conformance.targets import check_variant
 from normkit.spec import NormSpec
 from normkit.tf.layers import from_spec
 
-__all__ = ["devices", "evaluate", "keras_backend"]
+__all__ = ["VARIANTS", "devices", "evaluate", "keras_backend"]
 
-_VARIANTS = ("jit", "policy")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"jit": (True, False), "policy": None}
+_BRIDGES: dict[str, Bridge] = {
+    "tensorflow": TensorFlowBridge(), "jax": JaxBridge(), "torch": TorchBridge(),
+}
 
 
 def keras_backend() -> str:
@@ -26,38 +31,25 @@ def keras_backend() -> str:
     return keras.backend.backend()
 
 
-def devices() -> list[str]:
-    """The devices the current backend sees: ``"cpu"``, then ``"gpu:0"``, ``"gpu:1"``, ..."""
+def _bridge() -> Bridge:
+    """The bridge of the framework under the current Keras backend."""
     backend = keras_backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        gpus = len(tf.config.list_physical_devices("GPU"))
-    elif backend == "jax":
-        import jax
-
-        gpus = sum(d.platform == "gpu" for d in jax.devices())
-    elif backend == "torch":
-        import torch
-
-        gpus = torch.cuda.device_count()
-    else:
+    if backend not in _BRIDGES:
         raise RuntimeError(
             f"normkit.tf supports the tensorflow, jax and torch Keras backends, not {backend!r}"
         )
-    return ["cpu"] + [f"gpu:{i}" for i in range(gpus)]
+    return _BRIDGES[backend]
 
 
-def _to_numpy(t: Any) -> np.ndarray:
-    dtype = dtypes.as_float_dtype(keras.backend.standardize_dtype(t.dtype))
-    return np.asarray(ops.convert_to_numpy(t)).astype(dtype)
+def devices() -> list[str]:
+    """The devices the current backend sees: ``"cpu"``, then ``"cuda:0"``, ``"cuda:1"``, ..."""
+    return [d for d in _bridge().devices() if d == "cpu" or d.startswith("cuda:")]
 
 
-def _to_tensor(a: np.ndarray) -> Any:
-    # torch cannot read a numpy bfloat16 array; float32 holds every half value exactly.
-    dtype = dtypes.as_float_dtype(a.dtype, "x")
-    exact = a.astype(np.float32) if dtypes.is_half(dtype) else a
-    return ops.cast(ops.convert_to_tensor(exact), dtype.name)
+def _keras_device(name: str) -> str:
+    """Keras' name for a normkit device name: ``cpu:0``, ``gpu:N``."""
+    kind, index = device_index(name)
+    return f"{'gpu' if kind == 'cuda' else kind}:{index}"
 
 
 def evaluate(
@@ -79,7 +71,7 @@ def evaluate(
       scale, bias: the weights ``w`` and ``b`` (None: their initial values). Their dtype picks the
         variables': float64 gives the ``"float64"`` policy, anything else float32 variables
         (float16 and bfloat16 values are exact there), so ``dscale``/``dbias`` are float32.
-      device: one of `devices()`.
+      device: one of `devices()` (``gpu:N`` is read as ``cuda:N``).
       **variant: ``jit=True`` runs under ``tf.function(jit_compile=True)`` (TensorFlow) or
         ``jax.jit`` (JAX); the torch backend has no jit variant. ``policy=`` a Keras dtype policy
         name; under a float16/bfloat16 compute dtype ``x`` is cast to it first, and the outputs
@@ -87,9 +79,8 @@ def evaluate(
 
     Returns numpy arrays in the dtypes the backend produced, None for weights the spec lacks.
     """
-    unknown = sorted(set(variant) - set(_VARIANTS))
-    if unknown:
-        raise ValueError(f"unknown variant options {unknown}; allowed: {list(_VARIANTS)}")
+    check_variant(variant, VARIANTS)
+    device = device_name(device)
     if device not in devices():
         raise ValueError(
             f"device {device!r} is not seen by the {keras_backend()} backend: {devices()}"
@@ -99,7 +90,7 @@ def evaluate(
     if backend == "jax" and np.asarray(x).dtype == np.float64:
         import jax
 
-        if not jax.config.jax_enable_x64:
+        if not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
             raise TypeError("x has dtype float64, which JAX computes only with JAX_ENABLE_X64=1")
     if jit and backend == "torch":
         raise ValueError("the torch Keras backend has no jit variant (jit=True)")
@@ -109,24 +100,25 @@ def evaluate(
     params64 = any(v is not None and np.asarray(v).dtype == np.float64 for v in (scale, bias))
     policy = variant.get("policy") or ("float64" if params64 else "float32")
 
-    with keras.device(device if ":" in device else f"{device}:0"):
+    framework = _bridge()
+    with keras.device(_keras_device(device)):
         layer = from_spec(spec, dtype=policy)
-        xt, dyt = _to_tensor(np.asarray(x)), _to_tensor(np.asarray(dy))
+        xt, dyt = (framework.to_tensor(np.asarray(a), device) for a in (x, dy))
         layer.build(tuple(xt.shape))
-        if scale is not None:
-            layer.scale.assign(np.asarray(scale, dtype=np.float64).astype(layer.scale.dtype))
-        if bias is not None:
-            layer.bias.assign(np.asarray(bias, dtype=np.float64).astype(layer.bias.dtype))
+        for variable, value in ((layer.scale, scale), (layer.bias, bias)):
+            if value is not None:
+                assert variable is not None  # check_params: the spec has this parameter
+                variable.assign(np.asarray(value, dtype=np.float64).astype(variable.dtype))
         if backend == "tensorflow":
             y, dx, grads = _vjp_tensorflow(layer, xt, dyt, jit)
         elif backend == "jax":
             y, dx, grads = _vjp_jax(layer, xt, dyt, jit)
         else:
             y, dx, grads = _vjp_torch(layer, xt, dyt)
-    found = iter(_to_numpy(g) for g in grads)
+    found = iter(framework.to_numpy(g) for g in grads)
     dscale = next(found) if spec.scale else None
     dbias = next(found) if spec.bias else None
-    return _to_numpy(y), _to_numpy(dx), dscale, dbias
+    return framework.to_numpy(y), framework.to_numpy(dx), dscale, dbias
 
 
 def _vjp_tensorflow(layer: Any, x: Any, dy: Any, jit: bool) -> tuple[Any, Any, list[Any]]:

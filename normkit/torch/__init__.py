@@ -1,7 +1,8 @@
 """normkit for PyTorch: RMSNorm, PartialRMSNorm and LayerNorm modules that follow `NormSpec`.
 
-``normkit.torch.functional`` has the same norms as functions; ``swap_norms`` replaces the norm
-modules of a model (torch's and Hugging Face's) with these. See docs/torch.md and docs/porting.md.
+``normkit.torch.functional`` has the same norms as functions; ``normkit.port.torch.swap_norms``
+replaces the norm modules of a model (torch's and Hugging Face's) with these. See docs/torch.md
+and docs/porting.md.
 """
 
 try:
@@ -12,13 +13,14 @@ except ImportError as exc:
 from normkit.torch import functional
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec", "functional", "swap_norms"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec", "functional"]
 
 
 def __getattr__(name: str) -> object:
-    # normkit.port.torch imports this package's modules, so swap_norms is re-exported lazily.
+    # The adapter does not import the porting tools built on it; it names where they are.
     if name == "swap_norms":
-        from normkit.port.torch import swap_norms
-
-        return swap_norms
+        raise AttributeError(
+            "normkit.torch.swap_norms is normkit.port.torch.swap_norms: "
+            "from normkit.port.torch import swap_norms"
+        )
     raise AttributeError(f"module 'normkit.torch' has no attribute {name!r}")

@@ -16,17 +16,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
-from normkit.torch.conformance import devices
+from normkit.bench.core import (
+    EPS,
+    Group,
+    Sweep,
+    backend_main,
+    collect,
+    plan_groups,
+    time_group,
+)
+from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
 __all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
 
 EAGER, COMPILED = "eager", "torch.compile"
+devices = TorchBridge().devices
 QUICK_COMPILED = ("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
 NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)",)
 # On the CPU "auto" runs normkit's numba kernel; these rows time the torch-ops path beside it.
-COMPOSITE = ("normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')")
+COMPOSITE = (
+    "normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')"
+)
 
 
 class LlamaRMSNorm(nn.Module):
@@ -78,7 +89,9 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def _forward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], object]:
+def _forward(
+    module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> Callable[[], object]:
     def fn() -> object:
         with torch.no_grad():
             return module(x)
@@ -86,7 +99,9 @@ def _forward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return fn
 
 
-def _forward_backward(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
+def _forward_backward(
+    module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor
+) -> Callable[[], object]:
     leaf = x.detach().requires_grad_(True)
 
     def fn() -> object:
@@ -126,11 +141,14 @@ def versions() -> dict[str, str]:
 
 
 def plan(sweep: Sweep) -> list[Group]:
-    """Eager groups everywhere; compiled ones too (with ``quick``: one, the first forward+backward)."""
+    """Eager groups everywhere; compiled ones too (with ``quick``: one, the first
+    forward+backward)."""
     first_dtype = {d: sweep.dtypes_on(d)[0] for d in devices()}
 
     def modes(device: str, dtype: str, pass_: str, shape_index: int) -> list[str]:
-        compiled = not sweep.quick or (shape_index == 0 and dtype == first_dtype[device] and pass_ == "forward+backward")
+        compiled = not sweep.quick or (
+            shape_index == 0 and dtype == first_dtype[device] and pass_ == "forward+backward"
+        )
         return [EAGER, COMPILED] if compiled else [EAGER]
 
     return plan_groups("torch", sweep, devices(), modes)
@@ -146,17 +164,31 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     modules = _modules(group.shape[1], dtype, group.device)
     extras: dict[str, dict[str, Any]] = {}
     if group.mode == COMPILED:
-        torch._dynamo.reset()  # each group compiles afresh: without this, the groups' shapes and dtypes exhaust the recompile limit
-        names = QUICK_COMPILED if sweep.quick else [k for k in modules if k not in NOT_COMPILED + COMPOSITE]
-        calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: torch.compile(modules[k], fullgraph=True) for k in names}
+        # each group compiles afresh: else the groups' shapes and dtypes exhaust the recompile limit
+        torch._dynamo.reset()
+        skipped = NOT_COMPILED + COMPOSITE
+        names = QUICK_COMPILED if sweep.quick else [k for k in modules if k not in skipped]
+        calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            k: torch.compile(modules[k], fullgraph=True) for k in names
+        }
     else:
         calls = dict(modules)
         if group.backward:
-            extras = {k: {"saved_for_backward_bytes": saved_bytes(m, x)} for k, m in modules.items()}
+            extras = {
+                k: {"saved_for_backward_bytes": saved_bytes(m, x)} for k, m in modules.items()
+            }
     candidates = {
-        k: _forward_backward(m, x, dy) if group.backward else _forward(m, x) for k, m in calls.items()
+        k: _forward_backward(m, x, dy) if group.backward else _forward(m, x)
+        for k, m in calls.items()
     }
-    rows = time_group(group, sweep, candidates, ("copy (clone)", buffer.clone), sync=_sync(group.device), extras=extras)
+    rows = time_group(
+        group,
+        sweep,
+        candidates,
+        ("copy (clone)", buffer.clone),
+        sync=_sync(group.device),
+        extras=extras,
+    )
     if group.device.startswith("cuda"):
         for row in rows:
             fn = candidates.get(row["implementation"], buffer.clone)
@@ -164,7 +196,9 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     return rows
 
 
-def run(quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
     return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 

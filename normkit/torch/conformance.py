@@ -6,45 +6,33 @@ too.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from normkit import reference
+from normkit.backends import device_name
+from normkit.bridges import TorchBridge
+from normkit.conformance.targets import check_variant
 from normkit.spec import NormSpec
 from normkit.torch import kernels
 from normkit.torch.functional import normalize
 from normkit.torch.modules import from_spec
 
-__all__ = ["devices", "evaluate", "to_torch", "to_numpy"]
+__all__ = ["VARIANTS", "devices", "evaluate", "to_torch", "to_numpy"]
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+VARIANTS: dict[str, tuple[object, ...] | None] = {
+    "api": ("module", "functional"), "compiled": (True, False), "kernel": kernels.KERNELS,
+}
+"""The variants `evaluate` takes."""
 
-
-def devices() -> list[str]:
-    """The devices torch sees: ``"cpu"``, then ``"cuda:i"`` for each GPU, then ``"mps"``."""
-    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if torch.backends.mps.is_available():
-        found.append("mps")
-    return found
-
-
-def to_torch(a: np.ndarray, device: str = "cpu") -> torch.Tensor:
-    """A numpy array (ml_dtypes bfloat16 included) as a torch tensor on ``device``."""
-    a = np.ascontiguousarray(a)
-    if a.dtype == _BF16:
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(device)
-    return torch.from_numpy(a).to(device)
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A torch tensor as a numpy array (bfloat16 as ml_dtypes.bfloat16), copied to the host."""
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(_BF16)
-    return t.numpy()
+_BRIDGE = TorchBridge()
+devices = _BRIDGE.devices
+to_torch = _BRIDGE.to_tensor
+to_numpy = _BRIDGE.to_numpy
 
 
 def evaluate(
@@ -55,7 +43,7 @@ def evaluate(
     bias: np.ndarray | None = None,
     *,
     device: str = "cpu",
-    **variant: object,
+    **variant: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``(y, dx, dscale, dbias)`` of normkit.torch for ``spec`` on ``device``.
 
@@ -72,19 +60,19 @@ def evaluate(
 
     Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
     """
-    unknown = sorted(set(variant) - {"api", "compiled", "kernel"})
-    if unknown:
-        raise ValueError(
-            f"unknown variant options {unknown}; allowed: ['api', 'compiled', 'kernel']"
-        )
+    device = device_name(device)
+    check_variant(variant, VARIANTS)
     kernel = kernels.check_kernel(variant.get("kernel", "auto"))
+    if kernel == "triton" and not device.startswith("cuda"):
+        # Off a GPU the Triton kernels run in Triton's interpreter, read when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     axes = spec.resolve_axes(x.ndim)
     trailing = axes == tuple(range(x.ndim - len(axes), x.ndim))
     api = variant.get("api", "module" if trailing else "functional")
-    if api not in ("module", "functional") or (api == "module" and not trailing):
+    if api == "module" and not trailing:
         raise ValueError(
-            f"api={api!r} is invalid for axis {spec.axis} of a rank-{x.ndim} input: expected "
-            "'functional', or 'module' when the axes are the trailing ones"
+            f"api='module' is invalid for axis {spec.axis} of a rank-{x.ndim} input: expected "
+            "'functional', or 'module' for the trailing axes"
         )
     reference.check_params(x.shape, spec, scale, bias)
     given = next((p.dtype for p in (scale, bias) if p is not None), np.dtype(np.float32))

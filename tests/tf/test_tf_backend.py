@@ -269,7 +269,7 @@ def test_initial_weights_follow_the_spec():
 def test_devices_lists_cpu_first():
     found = devices()
     assert found[0] == "cpu"
-    assert all(d.startswith("gpu:") for d in found[1:])
+    assert all(d.startswith("cuda:") for d in found[1:])
 
 
 @pytest.mark.gpu
@@ -278,7 +278,7 @@ def test_gpu_matches_reference():
         pytest.skip(f"the {keras_backend()} backend sees no GPU")
     for spec in JIT_SPECS:
         for dtype in ("float32", "bfloat16"):
-            check(spec, (4, 8, 256), dtype, device="gpu:0")
+            check(spec, (4, 8, 256), dtype, device="cuda:0")
 
 
 def test_integer_input_raises_type_error():

@@ -8,18 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from normkit import NormSpec, cli, conformance
+from normkit import cli, conformance
 from normkit.conformance import report, runner
 from normkit.conformance.cases import FULL_SHAPES, Case, matrix
 from normkit.conformance.targets import TARGETS, Target, select
 
-TESTS = str(Path(__file__).parent)
+ROOT = str(Path(__file__).resolve().parents[2])
+FAKES = "tests.helpers.conformance_fakes"
 
 
 def fake(name: str, mode: str) -> Target:
     # targets with the same hook and environment share a worker; a crashing one gets its own
-    env = {"PYTHONPATH": TESTS, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
-    return Target(name, ("numpy",), "-", "conformance_fakes", {"mode": mode}, env)
+    env = {"PYTHONPATH": ROOT, **({"NORMKIT_FAKE_WORKER": "alone"} if mode == "crash" else {})}
+    return Target(name, (), FAKES, {"mode": mode}, env, packages=("numpy",))
 
 
 # ---- the matrix ------------------------------------------------------------------------------
@@ -44,7 +45,10 @@ def test_full_matrix_covers_every_option():
 def test_quick_matrix_still_touches_every_option():
     cases = matrix(quick=True)
     assert len(cases) == 60
-    assert {(c.spec.eps_placement, c.spec.scale_offset, c.spec.bias) for c in cases} == {("inside", 0.0, False), ("outside", 1.0, True)}
+    assert {(c.spec.eps_placement, c.spec.scale_offset, c.spec.bias) for c in cases} == {
+        ("inside", 0.0, False),
+        ("outside", 1.0, True),
+    }
     assert {c.spec.cast for c in cases} == {"after_scale", "before_scale"}
 
 
@@ -74,22 +78,42 @@ def test_matrix_rejects_unknown_filters():
 @pytest.fixture(scope="module")
 def fake_report():
     cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32", "bfloat16"))[:6]
-    targets = [fake("crashes", "crash"), fake("right", "exact"), fake("wrong", "eps_outside"),
-               fake("raises", "raise"), fake("skips", "skip"),
-               Target("absent", ("no_such_framework_xyz",), "pip install nothing", "x")]
+    targets = [
+        fake("crashes", "crash"),
+        fake("right", "exact"),
+        fake("wrong", "eps_outside"),
+        fake("raises", "raise"),
+        fake("skips", "skip"),
+        Target("absent", ("torch",), "x", packages=("no_such_framework_xyz",)),
+    ]
     return runner.run(targets, lambda t: cases, progress=False), len(cases)
 
 
 def test_runner_statuses(fake_report):
     rep, n = fake_report
-    by = {t: [r.status for r in rep.results if r.target == t] for t in ("right", "wrong", "raises", "skips", "crashes")}
+    by = {
+        t: [r.status for r in rep.results if r.target == t]
+        for t in ("right", "wrong", "raises", "skips", "crashes")
+    }
     assert by["right"] == ["PASS"] * n
     assert by["wrong"] == ["FAIL"] * n
-    assert by["raises"] == ["FAIL"] * n and "raised RuntimeError: kernel exploded" in next(r.reason for r in rep.results if r.target == "raises")
+    assert by["raises"] == ["FAIL"] * n and "raised RuntimeError: kernel exploded" in next(
+        r.reason for r in rep.results if r.target == "raises"
+    )
     assert by["skips"] == ["SKIP"] * n
-    assert by["crashes"] == ["FAIL"] * n and all("worker crashed" in r.reason for r in rep.results if r.target == "crashes")
-    assert rep.skipped_targets == {"absent": "no_such_framework_xyz not installed (pip install nothing)"}
-    assert set(rep.target_seconds) == {"right", "wrong", "raises", "skips"}  # the crashed one never finished
+    assert by["crashes"] == ["FAIL"] * n and all(
+        "worker crashed" in r.reason for r in rep.results if r.target == "crashes"
+    )
+    assert rep.skipped_targets == {
+        "absent": "no_such_framework_xyz not installed "
+        "(pip install 'normkit[torch]' no_such_framework_xyz)"
+    }
+    assert set(rep.target_seconds) == {
+        "right",
+        "wrong",
+        "raises",
+        "skips",
+    }  # the crashed one never finished
 
 
 def test_wrong_implementation_is_reported_with_figures(fake_report):
@@ -99,7 +123,9 @@ def test_wrong_implementation_is_reported_with_figures(fake_report):
     assert all("y: FAIL" in r.reason for r in wrong)
     right = [r for r in rep.results if r.target == "right"]
     for r in right:
-        assert set(r.measurements) == {"y", "dx", "dscale"} | ({"dbias"} if r.case.spec.bias else set())
+        assert set(r.measurements) == {"y", "dx", "dscale"} | (
+            {"dbias"} if r.case.spec.bias else set()
+        )
 
 
 def test_pairwise_flags_the_disagreeing_pair(fake_report):
@@ -114,7 +140,14 @@ def test_json_and_markdown_hold_every_case(fake_report):
     assert len(data["cases"]) == len(rep.results)
     assert data["summary"]["FAIL"] == len(rep.failed)
     case = next(c for c in data["cases"] if c["target"] == "right")
-    assert set(case["measurements"]["y"]) >= {"max_abs", "max_rel", "max_ulp", "error", "bound", "passed"}
+    assert set(case["measurements"]["y"]) >= {
+        "max_abs",
+        "max_rel",
+        "max_ulp",
+        "error",
+        "bound",
+        "passed",
+    }
     md = report.markdown(rep)
     assert "| right@cpu |" in md and "## Failures" in md
     text = report.text(rep)
@@ -129,6 +162,32 @@ def test_cli_exit_code_follows_failures(monkeypatch, capsys, fake_report):
     assert cli.main(["conformance", "--peers"]) == 0  # peers' departures are findings
 
 
+def test_a_stray_print_in_a_worker_neither_hangs_nor_corrupts_the_run():
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
+    chatty = Target(
+        "chatty",
+        (),
+        FAKES,
+        {"mode": "print"},
+        {"PYTHONPATH": ROOT, "NORMKIT_FAKE_PRINT": "1"},
+        packages=("numpy",),
+    )
+    rep = runner.run([chatty], lambda t: cases, progress=False)
+    assert [r.status for r in rep.results] == ["PASS"] * len(cases)
+
+
+def test_a_stray_line_on_the_event_channel_is_a_crash_not_a_hang(monkeypatch):
+    monkeypatch.setattr(runner, "WORKER", "tests.helpers.conformance_stray_worker")
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
+    rep = runner.run([fake("stray", "exact")], lambda t: cases, progress=False)
+    assert [r.status for r in rep.results] == ["FAIL"] * len(cases)
+    assert all(
+        r.reason == "worker crashed: the worker wrote a line that is not an event: "
+        "'a stray line before the first event'"
+        for r in rep.results
+    )
+
+
 # ---- the real thing --------------------------------------------------------------------------
 
 
@@ -136,8 +195,20 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
     out = tmp_path / "quick.json"
     md = tmp_path / "quick.md"
     done = subprocess.run(
-        [sys.executable, "-m", "normkit", "conformance", "--quick", "--json", str(out), "--markdown", str(md)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "normkit",
+            "conformance",
+            "--quick",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "implementation" in done.stdout and "passed, 0 failed" in done.stdout

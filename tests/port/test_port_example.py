@@ -13,7 +13,7 @@ for framework in ("torch", "keras", "flax", "safetensors"):
 
 from normkit import port, tolerances  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "transformer_block" / "port_block.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "transformer_block" / "port_block.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ No timing assertions: the speed targets live in the benchmark (docs/benchmarks.m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def test_sweep_defaults_and_dtype_errors() -> None:
 
 
 def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "")
+    absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "TorchBridge")
     monkeypatch.setattr(backends, "BACKENDS", (absent,))
     result = normkit.bench.run(quick=True, progress=False)
     assert result.rows == [] and result.errors == {}
@@ -150,7 +151,8 @@ def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest
 
 @pytest.mark.skipif("tf" not in INSTALLED, reason="needs tensorflow and keras")
 def test_a_failing_worker_is_reported_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(normkit.bench.ENV, "tf", {"KERAS_BACKEND": "numpy", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    numpy_keras = dataclasses.replace(backends.get("tf"), env={"KERAS_BACKEND": "numpy"})
+    monkeypatch.setattr(backends, "BACKENDS", (numpy_keras,))
     result = normkit.bench.run(backends=["tf"], quick=True, progress=False)
     assert result.rows == []
     assert "measures the TensorFlow backend; KERAS_BACKEND is 'numpy'" in result.errors["tf"]
@@ -160,7 +162,7 @@ def test_a_failing_worker_is_reported_with_its_reason(monkeypatch: pytest.Monkey
 def test_a_device_the_backend_lacks_is_skipped_naming_those_it_sees() -> None:
     result = normkit.bench.run(backends=["jax"], devices=["gpu:7"], quick=True, progress=False)
     assert result.rows == [] and result.errors == {}
-    assert result.skipped["jax"].startswith("no device of ['gpu:7'] (it sees ['cpu'")
+    assert result.skipped["jax"].startswith("no device of ['cuda:7'] (it sees ['cpu'")
 
 
 def test_importing_normkit_bench_imports_no_framework() -> None:

@@ -1,20 +1,11 @@
-"""The reference checks of tests/tf_backend_checks.py, on the Keras backend of this process
-(TensorFlow unless KERAS_BACKEND says otherwise); test_tf_keras.py runs them on JAX and torch.
-Below them, checks on the conformance matrix's own cases."""
-
-import sys
-from pathlib import Path
+"""normkit.tf.conformance on the conformance matrix's own cases (the reference checks of every
+option are tests/tf/test_tf_backend.py; test_tf_keras.py runs them on JAX and torch too)."""
 
 import pytest
 
 from normkit import reference, tolerances
 from normkit.conformance.cases import matrix
 from normkit.tf.conformance import evaluate, keras_backend
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tf_backend_checks import *  # noqa: E402,F403
-
 
 _ONE_ELEMENT_ROWS = [c for c in matrix(kinds=("rms", "partial_rms")) if c.shape[-1] == 1]
 

@@ -1,4 +1,4 @@
-"""normkit.conformance.identify: the NormSpec of a black-box norm, recovered by probing it."""
+"""normkit.identify: the NormSpec of a black-box norm, recovered by probing it."""
 
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from normkit import NormSpec, reference
-from normkit.conformance.identify import Identification, identify_forward
 from normkit.dtypes import is_half
+from normkit.identify import Identification, identify_forward
 from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS
 
 NOT_A_NORM = "does not behave like RMSNorm, partial RMSNorm or LayerNorm: "

@@ -12,8 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from normkit import NormSpec, dtypes, reference, tolerances
-from normkit import port
+from normkit import NormSpec, dtypes, port, reference, tolerances
 from normkit.port import cli
 
 save_file = pytest.importorskip("safetensors.numpy").save_file

@@ -1,7 +1,7 @@
 """Sharded (shard_map over 4 CPU devices, axis_name) equals unsharded, forward and gradients.
 
 Run by tests/test_jax_sharded.py in a subprocess, because the device count must be fixed before
-JAX starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/jax_sharded_checks.py``.
+JAX starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/helpers/jax_sharded_checks.py``.
 Prints ``PASSED <case>`` per case and ``ALL <n> CHECKS PASSED`` at the end; any failure raises.
 """
 

@@ -1,7 +1,7 @@
 """axis_name: sharded (shard_map over 4 CPU devices) equals unsharded, forward and gradients.
 
 The device count is fixed when JAX starts, so the checks run in a subprocess
-(tests/jax_sharded_checks.py) with XLA_FLAGS=--xla_force_host_platform_device_count=4.
+(tests/helpers/jax_sharded_checks.py) with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("jax")
 
-SCRIPT = pathlib.Path(__file__).with_name("jax_sharded_checks.py")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "helpers" / "jax_sharded_checks.py"
 
 
 def test_sharded_equals_unsharded_on_four_cpu_devices() -> None:
@@ -35,12 +36,10 @@ def test_sharded_equals_unsharded_on_four_cpu_devices() -> None:
 # 2 split over 2 shards is degenerate (its d - mean(d) is psum-reduced), rows of 4 split into
 # shards of 1 are not, and a row of 1 on a 1-device mesh is. Reuses jax_sharded_checks.check.
 DEGENERATE = """
-import sys
-sys.path.insert(0, {tests!r})
 import jax, numpy as np
 from jax.sharding import Mesh
 from normkit import NormSpec
-import jax_sharded_checks as c
+import tests.helpers.jax_sharded_checks as c
 cpus = jax.devices("cpu")
 cases = [
     (NormSpec(kind="layer", eps_placement=pl, scale_offset=off), (6, 2), 2)
@@ -62,9 +61,9 @@ print("DEGENERATE OK", len(cases))
 
 def test_degenerate_rows_follow_the_global_row_size() -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    code = DEGENERATE.format(tests=str(SCRIPT.parent))
+    code = DEGENERATE
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DEGENERATE OK 9" in done.stdout, done.stdout

@@ -1,4 +1,4 @@
-"""Infer the `NormSpec` an unknown norm implementation follows, by probing it with chosen inputs.
+"""Infer the `NormSpec` a black-box ``forward(x, scale, bias) -> y`` follows, by probing it.
 
 `identify_forward` treats the implementation as a black box ``forward(x, scale, bias) -> y`` on
 rows of ``n`` elements. It works in numpy only; the framework bridges wrap a torch, Keras or Flax
@@ -99,11 +99,11 @@ _INFLUENCE = 0.1  # relative change of the other outputs that counts as "j enter
 _SCALE_INVARIANCE = 0.1
 _RMS_SHIFT = 0.1  # relative change under a shift that rules LayerNorm out
 _CAST_AGREEMENT = 0.9
-_MIN_CAST_ELEMENTS = 16
+MIN_CAST_ELEMENTS = 16
 _TIE_DISTANCE = (
     2.0**-18
 )  # relative distance to a rounding midpoint within which float32 may go either way
-_HALF_PROBE_ELEMENTS = 4096
+HALF_PROBE_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,35 @@ def identify_forward(
         prober.scale = np.full(n, 1.0 - measured.offset, np.float32) if measured.scale else None
         prober.bias = np.zeros(n, np.float32) if measured.bias else None
     zero_output = prober.h(np.zeros((1, n), probe_dtype))[0]
+    structure, fit = _structure(prober, rng, zero_output, notes, undetermined)
+    gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
+
+    affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
+    halves = [d for d in resolved if is_half(d)]
+    cast = _cast_order(prober, rng, halves, structure, measured, gain, zero_output, notes)
+    if cast is None:
+        undetermined.append("cast")
+
+    spec = structure.replace(
+        scale=affine.scale,
+        scale_offset=affine.offset,
+        bias=None if "bias" in undetermined else affine.bias,
+        cast=cast or "after_scale",
+    )
+    notes.append(f"{prober.calls} calls to the implementation")
+    in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
+    return Identification(spec, in_field_order, tuple(notes))
+
+
+def _structure(
+    prober: _Prober,
+    rng: np.random.Generator,
+    zero_output: np.ndarray,
+    notes: list[str],
+    undetermined: list[str],
+) -> tuple[NormSpec, _EpsFit]:
+    """Kind, partial fraction, eps and placement (steps 3 to 6 of the module doc)."""
+    n = prober.n
     _check_scale_invariance(prober, rng, zero_output)
     k = _statistic_support(prober, rng, zero_output)
     kind = _kind(prober, rng, k, zero_output, notes)
@@ -185,31 +214,31 @@ def identify_forward(
     structure = NormSpec(
         kind, eps=fit.eps or NormSpec.eps, eps_placement=fit.placement or "inside", p=p
     )
-    gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
+    return structure, fit
 
-    affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
+
+def _cast_order(
+    prober: _Prober,
+    rng: np.random.Generator,
+    halves: list[np.dtype],
+    structure: NormSpec,
+    measured: _Affine | None,
+    gain: np.ndarray,
+    zero_output: np.ndarray,
+    notes: list[str],
+) -> Cast | None:
+    """The cast order every half dtype agrees on (step 8), or None (with a note why)."""
     casts = [
         _probe_half(prober, rng, half, structure, measured, gain, zero_output, notes)
-        for half in resolved
-        if is_half(half)
+        for half in halves
     ]
-    cast = casts[0] if casts and all(c == casts[0] for c in casts) else None
-    if cast is None:
-        undetermined.append("cast")
-        if not casts:
-            notes.append("cast: no half-precision dtype was probed")
-        elif len({c for c in casts if c is not None}) > 1:
-            notes.append("cast: the half dtypes disagree on the cast order")
-
-    spec = structure.replace(
-        scale=affine.scale,
-        scale_offset=affine.offset,
-        bias=None if "bias" in undetermined else affine.bias,
-        cast=cast or "after_scale",
-    )
-    notes.append(f"{prober.calls} calls to the implementation")
-    in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
-    return Identification(spec, in_field_order, tuple(notes))
+    if casts and all(c == casts[0] for c in casts):
+        return casts[0]
+    if not casts:
+        notes.append("cast: no half-precision dtype was probed")
+    elif len({c for c in casts if c is not None}) > 1:
+        notes.append("cast: the half dtypes disagree on the cast order")
+    return None
 
 
 class _Prober:
@@ -263,7 +292,7 @@ def _probe_params(prober: _Prober, rng: np.random.Generator, notes: list[str]) -
     n = prober.n
     x = prober.round(rng.choice([-1.0, 1.0], (8, n)) * rng.uniform(0.5, 1.5, (8, n)))
     zeros, ones = np.zeros(n, np.float32), np.ones(n, np.float32)
-    beta = _representable(rng, n, 1.0)
+    beta = representable(rng, n, 1.0)
     at_zero = prober.call(x, zeros, zeros).astype(np.float64)
     at_one = prober.call(x, ones, zeros).astype(np.float64)
     with_beta = prober.call(x, ones, beta).astype(np.float64)
@@ -595,11 +624,11 @@ def _probe_half(
     the prediction uses the fitted ``gain`` and ``f(0)``).
     """
     n = prober.n
-    rows = max(4, -(-_HALF_PROBE_ELEMENTS // n))
+    rows = max(4, -(-HALF_PROBE_ELEMENTS // n))
     x = prober.round(rng.choice([-1.0, 1.0], (rows, n)) * rng.uniform(0.5, 1.5, (rows, n)), dtype)
     if affine is not None and (affine.scale or affine.bias):
-        w = _representable(rng, n, 1.0) if affine.scale else None
-        b = _representable(rng, n, 0.25) if affine.bias else None
+        w = representable(rng, n, 1.0) if affine.scale else None
+        b = representable(rng, n, 0.25) if affine.bias else None
         out = prober.call(x, w, b)
         g = affine.offset + w.astype(np.float64) if w is not None else np.ones(n)
         shift = b.astype(np.float64) if b is not None else np.zeros(n)
@@ -613,16 +642,33 @@ def _probe_half(
             else "without parameters w = 1 and b = 0, and both orders round ŷ once"
         )
     y_hat = reference.normalize(x.astype(np.float64), spec)
+    predicted, differ = _half_predictions(y_hat, g, shift, dtype, out.dtype)
+    y = out.astype(np.float64)
+    promotion = "the input dtype" if out.dtype == dtype else "promotes"
+    head = f"{dtype.name} input: output dtype {out.dtype.name} ({promotion})"
+    cast, finding = _cast_verdict(y, predicted, differ, why_same)
+    compared: Cast = cast or "after_scale"
+    error = tolerances.measure(y, predicted[compared], out.dtype)
+    notes.append(
+        f"{head}; {finding}; error {error.error:.2g} {error.bound.unit} from the reference "
+        f"with {compared}"
+    )
+    return cast
+
+
+def _half_predictions(
+    y_hat: np.ndarray, g: np.ndarray, shift: np.ndarray, dtype: np.dtype, out_dtype: np.dtype
+) -> tuple[dict[Cast, np.ndarray], np.ndarray]:
+    """Each cast order's output for ``dtype`` inputs, and where the two differ as evidence."""
     predicted: dict[Cast, np.ndarray] = {
         "after_scale": y_hat * g + shift,
         "before_scale": round_to(y_hat, dtype).astype(np.float64) * g + shift,
     }
     # An element whose rounding is decided by the last float32 bits (a near tie) is not evidence.
-    near_tie = _near_tie(y_hat, dtype)
-    out_dtype = out.dtype
+    ties = near_tie(y_hat, dtype)
     if is_half(out_dtype):
         for value in predicted.values():
-            near_tie |= _near_tie(value, out_dtype)
+            ties |= near_tie(value, out_dtype)
         predicted = {c: round_to(v, out_dtype).astype(np.float64) for c, v in predicted.items()}
         differ = predicted["after_scale"] != predicted["before_scale"]
     else:
@@ -630,37 +676,29 @@ def _probe_half(
         differ = gap > 4 * np.spacing(np.abs(predicted["after_scale"]).astype(out_dtype)).astype(
             np.float64
         )
-    differ &= ~near_tie
-    y = out.astype(np.float64)
-    promotion = "the input dtype" if out_dtype == dtype else "promotes"
-    head = f"{dtype.name} input: output dtype {out_dtype.name} ({promotion})"
+    return predicted, differ & ~ties
+
+
+def _cast_verdict(
+    y: np.ndarray, predicted: dict[Cast, np.ndarray], differ: np.ndarray, why_same: str
+) -> tuple[Cast | None, str]:
+    """The order ``y`` is closer to on at least 90% of the ``differ`` elements, and the finding."""
+    if np.count_nonzero(differ) < MIN_CAST_ELEMENTS:
+        return None, f"cast order undetermined: both orders give the same output ({why_same})"
     distance = {c: np.abs(y - v) for c, v in predicted.items()}
-    cast: Cast | None = None
-    if np.count_nonzero(differ) < _MIN_CAST_ELEMENTS:
-        finding = f"cast order undetermined: both orders give the same output ({why_same})"
-    else:
-        closer: dict[Cast, float] = {
-            "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
-            "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
-        }
-        shares = (
-            f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
-            f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
-            "they differ"
-        )
-        winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
-        if winners:
-            cast = winners[0]
-            finding = f"cast {cast}: {shares}"
-        else:
-            finding = f"cast order undetermined: {shares}"
-    compared: Cast = cast or "after_scale"
-    error = tolerances.measure(y, predicted[compared], out_dtype)
-    notes.append(
-        f"{head}; {finding}; error {error.error:.2g} {error.bound.unit} from the reference "
-        f"with {compared}"
+    closer: dict[Cast, float] = {
+        "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
+        "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
+    }
+    shares = (
+        f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
+        f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
+        "they differ"
     )
-    return cast
+    winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
+    if winners:
+        return winners[0], f"cast {winners[0]}: {shares}"
+    return None, f"cast order undetermined: {shares}"
 
 
 def _smallest_size(dtype: np.dtype) -> float:
@@ -671,7 +709,7 @@ def _smallest_size(dtype: np.dtype) -> float:
     return max(_T_MIN, 64 * float(ml_dtypes.finfo(dtype).smallest_subnormal))
 
 
-def _near_tie(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def near_tie(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Where ``values`` lie within ``2^-18 |v|`` of a rounding midpoint of ``dtype``."""
     step = ulp(values, dtype)
     offset = values / step - np.floor(values / step)
@@ -682,7 +720,7 @@ def _centered(rows: np.ndarray, kind: Kind) -> np.ndarray:
     return rows - rows.mean(axis=1, keepdims=True) if kind == "layer" else rows
 
 
-def _representable(rng: np.random.Generator, n: int, magnitude: float) -> np.ndarray:
+def representable(rng: np.random.Generator, n: int, magnitude: float) -> np.ndarray:
     """Signed ``(1 + m/128) · 2^e · magnitude``, ``e`` in {-1, 0}: exact in bfloat16 and float16."""
     mantissa = 1 + rng.integers(0, 128, n) / 128
     values = rng.choice([-1.0, 1.0], n) * mantissa * rng.choice([0.5, 1.0], n) * magnitude

@@ -20,7 +20,7 @@ from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 # Keras' TensorFlow backend converts tensors with np.array(x), which numpy 2 flags; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy:DeprecationWarning")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 on_tensorflow = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="needs the TensorFlow Keras backend"
 )
@@ -39,10 +39,10 @@ def _random_weights(layer: keras.layers.Layer, seed: int) -> None:
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_reference_checks_pass_on_other_keras_backends(backend):
-    """tests/tf_backend_checks.py in a fresh process with KERAS_BACKEND set."""
+    """tests/tf/test_tf_backend.py in a fresh process with KERAS_BACKEND set."""
     env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/tf_backend_checks.py", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", "-q", "-p", "no:cacheprovider",
          "-W", "ignore::DeprecationWarning"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )

@@ -1,0 +1,207 @@
+"""The command line never hangs or lies: exit status 0 only when a check ran and none failed, 1
+when a check failed or none ran, 2 for a usage error; every error one line, never a traceback."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from normkit import NormSpec, arguments, cli, port
+from normkit.conformance import runner
+from normkit.conformance.targets import TARGETS, select
+
+
+def one_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The single stderr line of a failed command (besides progress lines), without its prefix."""
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith(("conformance: ", "bench: "))]
+    assert len(err) == 1, err
+    prefix = f"normkit {command}: error: "
+    assert err[0].startswith(prefix), err
+    return err[0][len(prefix):]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["conformance", "--backend", "to"], "unknown backends ['to']; known: ['torch', "),
+        (["conformance", "--backend", "tf[jax"], "unknown backends ['tf[jax']"),
+        (["conformance", "--jobs", "0"], "argument --jobs: must be at least 1, got 0"),
+        (["conformance", "--jobs", "-1"], "argument --jobs: must be at least 1, got -1"),
+        (["conformance", "--device", "bogus"], "argument --device: 'bogus' is not a device name"),
+        (
+            ["conformance", "--json", "/nonexistent/x.json"],
+            "argument --json: cannot write /nonexistent/x.json: the folder /nonexistent does not "
+            "exist",
+        ),
+        (
+            ["conformance", "--json", "-", "--markdown", "-"],
+            "--json and --markdown cannot both write to stdout",
+        ),
+        (["identify", "torch.nn.RMSNorm", "--n", "-5"], "argument --n: must be at least 2, got -5"),
+        (
+            ["identify", "torch.nn.RMSNorm", "--device", "bogus"],
+            "argument --device: 'bogus' is not a device name: expected cpu, cuda:N (alias gpu:N)",
+        ),
+        (["bench", "--json", "/nonexistent/x.json"], "argument --json: cannot write /nonexistent"),
+        (["bench", "--device", "gpu0"], "argument --device: 'gpu0' is not a device name"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        code = cli.main(argv)
+        raise SystemExit(code)
+    assert exited.value.code == 2
+    assert one_error(capsys, argv[0]).startswith(message)
+
+
+def test_a_bracketed_target_with_a_comma_is_one_name():
+    assert arguments.names("tf[jax,jit],torch") == ["tf[jax,jit]", "torch"]
+    assert [t.name for t in select(arguments.names("tf[jax,jit]"))] == ["tf[jax,jit]"]
+    assert [t.name for t in select(["tf"])] == [t.name for t in TARGETS if t.name.startswith("tf[")]
+
+
+def test_conformance_accepts_every_target_the_help_lists(monkeypatch, capsys):
+    chosen = []
+
+    def run(targets, cases_for, **kwargs):
+        chosen.extend(t.name for t in targets)
+        return runner.Report([], {}, {})
+
+    monkeypatch.setattr(runner, "run", run)
+    assert cli.main(["conformance", "--backend", "tf[jax,jit]"]) == 1  # nothing ran: not a pass
+    assert chosen == ["tf[jax,jit]"]
+    assert one_error(capsys, "conformance") == "no case ran: no target selected"
+
+
+def test_nothing_installed_is_not_a_pass(monkeypatch, capsys):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else found(name, *a)
+    )
+    assert cli.main(["conformance", "--backend", "torch", "--quick"]) == 1
+    assert one_error(capsys, "conformance") == (
+        "no case ran: torch: torch not installed (pip install 'normkit[torch]')"
+    )
+
+
+def test_a_device_no_backend_sees_is_not_a_pass(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU")
+    argv = [
+        "conformance",
+        "--backend",
+        "torch",
+        "--device",
+        "cuda:0",
+        "--quick",
+        "--kind",
+        "rms",
+        "--dtype",
+        "float32",
+        "--no-pairwise",
+    ]
+    assert cli.main(argv) == 1
+    assert one_error(capsys, "conformance").startswith(
+        "no case ran: torch: device cuda:0 not present (['cpu'])"
+    )
+
+
+def test_json_to_stdout_leaves_stdout_to_the_json(monkeypatch, capsys, tmp_path):
+    from normkit.conformance.cases import matrix
+    from normkit.conformance.result import Result
+
+    case = matrix(quick=True)[0]
+    report = runner.Report([Result("torch", "cpu", case, "PASS")], {}, {"torch": ["cpu"]})
+    monkeypatch.setattr(runner, "run", lambda *a, **k: report)
+    assert cli.main(["conformance", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert [c["status"] for c in json.loads(out)["cases"]] == ["PASS"]
+    assert "1 passed, 0 failed" in err
+
+
+def test_identify_on_a_device_the_framework_lacks(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU")
+    assert cli.main(["identify", "torch.nn.RMSNorm", "--device", "cuda:0"]) == 2
+    assert one_error(capsys, "identify") == "device cuda:0 is not one torch sees: ['cpu']"
+
+
+@pytest.fixture
+def norms_file(tmp_path):
+    pytest.importorskip("safetensors")
+    layers = {"a": ({"weight": np.ones(4, np.float32)}, NormSpec("rms"))}
+    return port.save_norms(tmp_path / "ok.safetensors", layers, convention="torch")
+
+
+def test_port_errors(norms_file, tmp_path, capsys):
+    tampered = tmp_path / "tampered.safetensors"
+    data = bytearray(norms_file.read_bytes())
+    data[20] ^= 0xFF
+    tampered.write_bytes(bytes(data))
+    out = str(tmp_path / "out.safetensors")
+    cases = [
+        ([str(tmp_path / "missing.safetensors"), out], "argument SRC: ", "does not exist"),
+        ([str(tmp_path), out], "argument SRC: ", "is a directory, not a file"),
+        ([str(tampered), out], str(tampered), "is not a readable safetensors file"),
+        (
+            [str(norms_file), str(tmp_path / "nodir" / "out.st")],
+            "argument DST: cannot write",
+            "the folder " + str(tmp_path / "nodir") + " does not exist",
+        ),
+    ]
+    for paths, start, end in cases:
+        try:
+            code = cli.main(["port", *paths, "--to", "flax"])
+        except SystemExit as exited:
+            code = exited.code
+        assert code == 2, paths
+        message = one_error(capsys, "port")
+        assert message.startswith(start) and end in message, message
+
+
+def test_port_still_writes(norms_file, tmp_path, capsys):
+    assert cli.main(["port", str(norms_file), str(tmp_path / "out.npz"), "--to", "flax"]) == 0
+    assert "1 norm layer(s), flax convention" in capsys.readouterr().out
+
+
+def test_device_names_are_one_scheme():
+    from normkit.backends import device_name
+
+    assert [device_name(d) for d in ("cpu", "CPU:0", "gpu:1", "cuda", "gpu", "tpu:2", "mps")] == [
+        "cpu",
+        "cpu",
+        "cuda:1",
+        "cuda:0",
+        "cuda:0",
+        "tpu:2",
+        "mps",
+    ]
+    for bad in ("cpu:1", "gpu0", "cuda:x", "npu:0"):
+        with pytest.raises(ValueError, match="is not a device name"):
+            device_name(bad)
+
+
+def test_the_entry_point_prints_no_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "normkit", "conformance", "--jobs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "normkit conformance: error: argument --jobs: must be at least 1, got 0\n"
+
+
+def test_rich_is_imported_only_to_draw_progress():
+    code = (
+        "import sys, normkit, normkit.cli, normkit.conformance, normkit.bench, normkit.progress\n"
+        "print('rich' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
