@@ -127,8 +127,12 @@ def normalize(
       spec: the norm.
       scale: ``w``, of shape ``spec.param_shape(x.shape)``; None means its initial value.
       bias: ``b``, of the same shape; None means zero.
+
+    Raises ValueError when ``spec.eps`` is out of the range of ``x``'s compute dtype
+    (`NormSpec.check_eps`).
     """
     arr = _check_input(x, "x")
+    spec.check_eps(arr.dtype.name)
     g, b = check_params(arr.shape, spec, scale, bias)
     layout = _Rows.of(arr.shape, spec)
     stat = _statistic(layout.split(arr.astype(np.float64)), spec)
@@ -163,6 +167,7 @@ def normalize_vjp(
     grad = _check_input(dy, "dy")
     if grad.shape != arr.shape:
         raise ValueError(f"dy has shape {grad.shape}, expected the shape of x, {arr.shape}")
+    spec.check_eps(arr.dtype.name)
     g, _ = check_params(arr.shape, spec, scale, bias)
     layout = _Rows.of(arr.shape, spec)
     stat = _statistic(layout.split(arr.astype(np.float64)), spec)

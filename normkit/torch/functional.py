@@ -96,9 +96,11 @@ def normalize(
         (an effective scale of 1). Only if ``spec.scale``.
       bias: ``b``, of the same shape, or None for zero. Only if ``spec.bias``.
 
-    Raises TypeError for a non-float input or parameter, ValueError for a bad axis or shape.
+    Raises TypeError for a non-float input or parameter, ValueError for a bad axis or shape, or
+    an eps out of the range of the compute dtype (`NormSpec.check_eps`).
     """
     _check_tensor(x, "x")
+    spec.check_eps(str(x.dtype).removeprefix("torch."))
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes != trailing:
@@ -125,11 +127,12 @@ def _normalize_trailing(
         g = g + spec.scale_offset
     b = None if bias is None else bias.to(acc)
     inside = spec.eps_placement == "inside"
-    # torch's fused kernels, where they compute the spec. Not for half inputs: on CPU,
-    # F.layer_norm's weight and bias gradients for them are far from float32-accurate.
-    # Nor for rows of n <= 2, whose layer-norm gradient needs `NormFunction`'s float64 backward.
+    # torch's fused kernels, where they compute the spec. F.layer_norm only for float64: in
+    # float32 its one-pass mean is off by 1e-2 on rows of mean 1e6 and spread 1 (the composite
+    # path corrects the mean), and its half-input parameter gradients are far from float32's.
+    # Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed form.
     if inside and x.dtype not in _HALF:
-        if spec.kind == "layer" and n > 2:
+        if spec.kind == "layer" and n > 2 and x.dtype == torch.float64:
             return F.layer_norm(x, shape, g, b, spec.eps)
         if spec.kind == "rms" and b is None and x.device.type == "cuda":
             return F.rms_norm(x, shape, g, spec.eps)
