@@ -47,7 +47,7 @@ class _Rows:
     def center(self, x: Any) -> Any:
         """``x`` (RMS kinds) or ``x - mean(x)`` with one correction pass (LayerNorm)."""
         if self.spec.kind != "layer":
-            return self._bounded(x, x)
+            return x
         if self.n == 2:
             # c = +-(x0 - x1) / 2 from one subtraction, exact when x0 and x1 are close
             # (Sterbenz); x - mean(x) would carry the rounding of x0 + x1. Linear in x with the
@@ -62,14 +62,15 @@ class _Rows:
 
     def _bounded(self, c: Any, x: Any) -> Any:
         """``c`` with the values of magnitude above `big` that come from finite ``x`` clipped to
-        +-big. Their squares overflow either way, and their rows are rescaled; the clip keeps
-        the gradient of the unused plain values finite (a branch not taken still receives a
-        zero cotangent, and 0 * inf would be NaN)."""
+        +-big. Their squares overflow either way, and the rows whose statistic reads them are
+        rescaled; the clip keeps the gradient of the unused plain values finite (a branch not
+        taken still receives a zero cotangent, and 0 * inf would be NaN)."""
         beyond = ops.logical_and(ops.abs(c) > self.big, ops.isfinite(x))
         return ops.where(beyond, ops.sign(c) * self.big, c)
 
     def statistic(self, c: Any) -> Any:
         """``s``: the mean of ``c**2`` over the row, or over its first k elements only."""
+        c = self._bounded(c, c)
         if self.head is None:
             return ops.mean(ops.square(c), axis=self.axes, keepdims=True)
         # The elements after the first k are masked before squaring: a NaN, an inf or a

@@ -36,22 +36,21 @@ def check(spec: NormSpec, x: np.ndarray, dy: np.ndarray, what: str) -> None:
     tolerances.assert_close(w.grad.numpy(), dw, quantity="grad", what=f"{what} dw")
 
 
+SCALES = np.array([1.0, 1e20, 3e38, 1e15, 1e-30, 1.0])
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("scale", [1e20, 3e38, 1e15, 1e-30], ids=lambda s: f"{s:g}")
-def test_rows_far_from_unit_scale(kind: dict, placement: str, scale: float) -> None:
+def test_rows_far_from_unit_scale(kind: dict, placement: str) -> None:
     """|x| above 1.8e19 overflows x**2 in float32; the rows are rescaled, the answer is the
     reference's (values near +-1), and so are the gradients (dy scaled so that they are normal
     float32 numbers). Ordinary rows in the same batch are unaffected."""
     rng = np.random.default_rng(0)
     spec = NormSpec(**kind, eps_placement=placement)
-    x = rng.standard_normal((4, 16))
-    x[1:3] *= scale
-    if scale == 3e38:
-        x[1] = np.sign(x[1]) * 3e38
-    big = min(scale, 1e30)
-    dy = rng.standard_normal(x.shape) * np.array([[1.0], [big], [big], [1.0]])
-    check(spec, x.astype(np.float32), dy.astype(np.float32), f"{spec} scale {scale:g}")
+    x = rng.standard_normal((len(SCALES), 16)) * SCALES[:, None]
+    x[2] = np.sign(x[2]) * 3e38
+    dy = rng.standard_normal(x.shape) * np.minimum(SCALES, 1e30)[:, None]
+    check(spec, x.astype(np.float32), dy.astype(np.float32), f"{spec} scales {SCALES}")
 
 
 def test_module_on_overflowing_rows_matches_the_reference() -> None:
