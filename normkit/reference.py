@@ -174,10 +174,21 @@ def normalize_vjp(
     dy_rows = layout.split(grad.astype(np.float64))
     d = dy_rows * g.reshape(1, -1)
     c = stat.centered
-    if spec.kind == "layer":
-        n = c.shape[1]
+    n = c.shape[1]
+    # Where the statistic reads one value (k = 1; LayerNorm rows of two, c = +-delta), the
+    # factor r + 2 s r'(s) of that value's own term cancels even in float64; it is taken in
+    # its closed form, eps r**3 (inside) or eps r**2 (outside).
+    eps_r = spec.eps * stat.r
+    own = eps_r * stat.r * (stat.r if spec.eps_placement == "inside" else 1.0)
+    if spec.kind == "layer" and n == 2:
+        dx = own * (d - d.mean(axis=1, keepdims=True))
+    elif spec.kind == "layer":
         dx = stat.r * (d - d.mean(axis=1, keepdims=True))
         dx += (2.0 / n) * c * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+    elif stat.k == 1:
+        dx = stat.r * d
+        others = np.sum(d[:, 1:] * c[:, 1:], axis=1, keepdims=True)
+        dx[:, :1] = own * d[:, :1] + 2.0 * c[:, :1] * stat.dr_ds * others
     else:
         dx = stat.r * d
         k = stat.k

@@ -56,7 +56,9 @@ def test_non_real_eps_is_refused(value: object) -> None:
         (1e-320, "float64", "float64"),  # subnormal: 1 / eps overflows float64
     ],
 )
-def test_eps_out_of_the_compute_dtypes_range_is_refused(eps: float, dtype: str, compute: str) -> None:
+def test_eps_out_of_the_compute_dtypes_range_is_refused(
+    eps: float, dtype: str, compute: str
+) -> None:
     spec = NormSpec(eps=eps, eps_placement="outside")
     pattern = re.escape(
         f"NormSpec.eps={eps!r} is out of range for a {dtype} input, which is computed in {compute}"

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from flax import nnx
+from jax.typing import DTypeLike
 
 from normkit.jax import functional
 from normkit.jax._fields import module_kwargs

@@ -33,7 +33,8 @@ class _Rows:
         head: np.ndarray | None,
         work: str,
     ) -> None:
-        self.spec, self.axes, self.target, self.n, self.k, self.head = spec, axes, target, n, k, head
+        self.spec, self.axes, self.target = spec, axes, target
+        self.n, self.k, self.head = n, k, head
         self.work = work
         self.outside = spec.eps_placement == "outside"
         exponent = 256 if work == "float64" else 32
@@ -116,7 +117,8 @@ class _Rows:
         if self.spec.kind == "layer":
             scaled = self.center(scaled)
             widest = ops.max(ops.abs(scaled), axis=self.axes, keepdims=True)
-            second = ops.stop_gradient(1 / ops.maximum(widest, ops.maximum(scaled_floor, self.tiny)))
+            second = 1 / ops.maximum(widest, ops.maximum(scaled_floor, self.tiny))
+            second = ops.stop_gradient(second)
             scaled, scaled_floor = scaled * second, scaled_floor * second
         scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
         scaled_eps = ops.maximum(scaled_eps, self.tiny)

@@ -122,7 +122,9 @@ def _second_derivative(spec: NormSpec, x: np.ndarray, dy: np.ndarray, v: np.ndar
     [(NormSpec("rms"), 1), (NormSpec("layer"), 2), (NormSpec("partial_rms", p=0.1), 6)],
     ids=["rms-n1", "layer-n2", "partial-k1"],
 )
-def test_degenerate_rows_have_exact_second_derivatives(spec: NormSpec, n: int, placement: str) -> None:
+def test_degenerate_rows_have_exact_second_derivatives(
+    spec: NormSpec, n: int, placement: str
+) -> None:
     """Against central differences of the reference gradient (float64, error ~h**2)."""
     spec = spec.replace(eps_placement=placement, eps=1e-2)
     rng = np.random.default_rng(4)

@@ -123,7 +123,12 @@ def test_nan_and_inf_stay_where_the_reference_has_them(kind: dict, placement: st
 
 @pytest.mark.parametrize(
     "eps, dtype",
-    [(1e-46, torch.float32), (1e-39, torch.float32), (1e-39, torch.bfloat16), (1e-320, torch.float64)],
+    [
+        (1e-46, torch.float32),
+        (1e-39, torch.float32),
+        (1e-39, torch.bfloat16),
+        (1e-320, torch.float64),
+    ],
 )
 def test_eps_out_of_range_for_the_dtype_is_refused(eps: float, dtype: torch.dtype) -> None:
     name = str(dtype).removeprefix("torch.")
