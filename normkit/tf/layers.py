@@ -15,6 +15,28 @@ __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
 _HALF = ("float16", "bfloat16")
 
 
+def _known(flag: Any) -> bool | None:
+    """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
+    eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return None
+    elif backend == "jax":
+        import jax
+
+        if isinstance(flag, jax.core.Tracer):
+            return None
+    elif backend == "torch":
+        import torch
+
+        if torch.compiler.is_compiling():
+            return None
+    return bool(ops.convert_to_numpy(flag))
+
+
 class _Rows:
     """The spec's arithmetic on the rows of one input, in the ``work`` dtype.
 
@@ -253,11 +275,18 @@ class _Norm(keras.layers.Layer):
         c = rows.center(x)
         r = rows.r(rows.statistic(c), spec.eps)
         bad = ops.logical_not(ops.logical_and(r >= 1 / rows.bound, r <= rows.bound))
-        c, r, eps = ops.cond(
-            ops.any(bad),
-            lambda: rows.rescaled(x, c, r, bad),
-            lambda: (c, r, ops.full_like(r, spec.eps)),
-        )
+        any_bad = ops.any(bad)
+        known = _known(any_bad)
+        if known is None:
+            c, r, eps = ops.cond(
+                any_bad,
+                lambda: rows.rescaled(x, c, r, bad),
+                lambda: (c, r, ops.full_like(r, spec.eps)),
+            )
+        elif known:
+            c, r, eps = rows.rescaled(x, c, r, bad)
+        else:
+            eps = spec.eps
         y = c * r
         if k == 1 or (spec.kind == "layer" and n == 2):
             exact = rows.degenerate(c, r, eps, y)
