@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
-from normkit.torch._autograd import NormFunction, _acc_dtype
+from normkit.torch._autograd import NormFunction, _acc_dtype, _out_of_range, _traced
 
 __all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm", "SUPPORTED_DTYPES"]
 
@@ -127,13 +127,17 @@ def _normalize_trailing(
         g = g + spec.scale_offset
     b = None if bias is None else bias.to(acc)
     inside = spec.eps_placement == "inside"
-    # torch's fused kernels, where they compute the spec. F.layer_norm only for float64: in
-    # float32 its one-pass mean is off by 1e-2 on rows of mean 1e6 and spread 1 (the composite
-    # path corrects the mean), and its half-input parameter gradients are far from float32's.
-    # Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed form.
+    # torch's fused kernels, where they compute the spec. Not for half inputs: on CPU,
+    # F.layer_norm's weight and bias gradients for them are far from float32-accurate.
+    # Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed form. F.layer_norm
+    # does not correct its mean (float32 rows of mean 1e6 and spread 1 were off by 1e-2) nor
+    # rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s) is out of
+    # range, the batch is recomputed by `NormFunction` (in eager code; traced code always is).
     if inside and x.dtype not in _HALF:
-        if spec.kind == "layer" and n > 2 and x.dtype == torch.float64:
-            return F.layer_norm(x, shape, g, b, spec.eps)
+        if spec.kind == "layer" and n > 2 and not _traced():
+            y, mean, rstd = torch.native_layer_norm(x, shape, g, b, spec.eps)
+            if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
+                return y
         if spec.kind == "rms" and b is None and x.device.type == "cuda":
             return F.rms_norm(x, shape, g, spec.eps)
     rows = x.reshape(x.numel() // n, n)
