@@ -335,8 +335,12 @@ def normalize(
       array([[0.8485, 1.1314]])
       >>> normalize(np.array([[1.0, 3.0]]), NormSpec("layer"), [2.0, 2.0], [0.5, 0.5]).round(4)
       array([[-1.5,  2.5]])
+
+    Raises ValueError when ``spec.eps`` is out of the range of ``x``'s compute dtype
+    (`NormSpec.check_eps`).
     """
     arr = _check_input(x, "x")
+    spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize")
     p = _params(arr.shape, spec, scale, bias, alpha)
     out = output_dtype(arr.dtype, spec, scale, bias, alpha)
@@ -415,10 +419,21 @@ def _grads(
         dalpha = np.asarray(np.sum(d * rows * slope)).reshape(p.alpha.shape)
     else:
         c = stat.centered
-        if spec.kind == "layer":
-            n = c.shape[1]
+        n = c.shape[1]
+        # Where the statistic reads one value (k = 1; LayerNorm rows of two, c = +-delta), the
+        # factor r + 2 s r'(s) of that value's own term cancels even in float64; it is taken in
+        # its closed form, eps r**3 (inside) or eps r**2 (outside).
+        assert spec.eps is not None
+        own = spec.eps * stat.r * stat.r * (stat.r if spec.eps_placement == "inside" else 1.0)
+        if spec.kind == "layer" and n == 2:
+            dx = own * (d - d.mean(axis=1, keepdims=True))
+        elif spec.kind == "layer":
             dx = stat.r * (d - d.mean(axis=1, keepdims=True))
             dx += (2.0 / n) * c * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+        elif stat.k == 1:
+            dx = stat.r * d
+            others = np.sum(d[:, 1:] * c[:, 1:], axis=1, keepdims=True)
+            dx[:, :1] = own * d[:, :1] + 2.0 * c[:, :1] * stat.dr_ds * others
         else:
             dx = stat.r * d
             k = stat.k
@@ -491,6 +506,7 @@ def normalize_vjp(
     """
     arr = _check_input(x, "x")
     grad = _check_grad(dy, "dy", arr.shape)
+    spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize_vjp")
     p = _params(arr.shape, spec, scale, bias, alpha)
     raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p)
@@ -558,6 +574,7 @@ def add_normalize(
     """
     arr = _check_input(x, "x")
     res = _check_input(residual, "residual")
+    spec.check_eps(arr.dtype.name)
     added = _add(arr, res, spec)
     p = _params(arr.shape, spec, scale, bias, alpha)
     out = output_dtype(arr.dtype, spec, scale, bias, alpha)
@@ -589,6 +606,7 @@ def add_normalize_vjp(
     """
     arr = _check_input(x, "x")
     res = _check_input(residual, "residual")
+    spec.check_eps(arr.dtype.name)
     added = _add(arr, res, spec)
     grad = _check_grad(dy, "dy", arr.shape)
     dh64 = np.zeros(arr.shape) if dh is None else _check_grad(dh, "dh", arr.shape)

@@ -47,9 +47,26 @@ EXTENDED_DEFAULTS: dict[str, object] = {
     "backward": "exact",
 }
 
+# The eps each compute dtype carries without loss: from its smallest normal number (a smaller
+# eps is rounded, or flushed to zero, and 1/eps can overflow) to its largest finite one.
+EPS_RANGE: dict[str, tuple[float, float]] = {
+    "float32": (2.0**-126, 3.4028234663852886e38),
+    "float64": (2.0**-1022, 1.7976931348623157e308),
+}
+
 
 def _invalid(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"NormSpec.{field}={value!r} is invalid: {allowed}")
+
+
+def _real(field: str, value: object, allowed: str) -> float:
+    """``value`` (a Python or numpy real number, not a bool) as a float, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _invalid(field, value, allowed)
+    try:
+        return float(value)
+    except OverflowError:
+        raise _invalid(field, value, f"{allowed} (it is beyond the float range)") from None
 
 
 @dataclass(frozen=True)
@@ -164,9 +181,8 @@ class NormSpec:
         object.__setattr__(self, "axis", _normalize_axis(self.axis))
         if not isinstance(self.scale, bool):
             raise _invalid("scale", self.scale, "expected True or False")
-        if isinstance(self.scale_offset, bool) or not isinstance(self.scale_offset, (int, float)):
-            raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
-        if not math.isfinite(self.scale_offset):
+        scale_offset = _real("scale_offset", self.scale_offset, "expected a finite float")
+        if not math.isfinite(scale_offset):
             raise _invalid("scale_offset", self.scale_offset, "expected a finite float")
         if self.scale_offset != 0 and not self.scale:
             raise _invalid("scale_offset", self.scale_offset, "a non-zero offset needs scale=True")
@@ -176,7 +192,7 @@ class NormSpec:
             raise _invalid("bias", self.bias, "expected True, False or None")
         if self.cast not in CASTS:
             raise _invalid("cast", self.cast, f"expected one of {CASTS}")
-        object.__setattr__(self, "scale_offset", float(self.scale_offset))
+        object.__setattr__(self, "scale_offset", scale_offset)
         self._check_extensions()
 
     def _check_norm_fields(self) -> None:
@@ -187,18 +203,16 @@ class NormSpec:
             object.__setattr__(self, "eps_placement", "inside")
         if self.variance is None:
             object.__setattr__(self, "variance", "two_pass")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
-            raise _invalid("eps", self.eps, "expected a positive finite float")
-        if not (math.isfinite(self.eps) and self.eps > 0):
+        eps = _real("eps", self.eps, "expected a positive finite float")
+        if not (math.isfinite(eps) and eps > 0):
             raise _invalid("eps", self.eps, "expected a positive finite float")
         if self.eps_placement not in EPS_PLACEMENTS:
             raise _invalid("eps_placement", self.eps_placement, f"expected one of {EPS_PLACEMENTS}")
         if self.kind == "partial_rms":
             if self.p is None:
                 raise _invalid("p", self.p, "kind='partial_rms' needs a fraction 0 < p <= 1")
-            if isinstance(self.p, bool) or not isinstance(self.p, (int, float)):
-                raise _invalid("p", self.p, "expected a float with 0 < p <= 1")
-            if not (0 < self.p <= 1):
+            p = _real("p", self.p, "expected a float with 0 < p <= 1")
+            if not (0 < p <= 1):
                 raise _invalid("p", self.p, "expected 0 < p <= 1")
         elif self.p is not None:
             raise _invalid("p", self.p, f"p applies only to kind='partial_rms', not {self.kind!r}")
@@ -212,9 +226,9 @@ class NormSpec:
             raise _invalid(
                 "alpha_init", self.alpha_init, f"applies only to kind='dyt', not {self.kind!r}"
             )
-        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "eps", eps)
         if self.p is not None:
-            object.__setattr__(self, "p", float(self.p))
+            object.__setattr__(self, "p", p)
 
     def _check_dyt_fields(self) -> None:
         """DyT has no statistic: eps, eps_placement, p and variance must stay None."""
@@ -224,12 +238,10 @@ class NormSpec:
                 raise _invalid(name, value, "kind='dyt' has no statistic; leave it None")
         if self.alpha_init is None:
             object.__setattr__(self, "alpha_init", DEFAULT_ALPHA_INIT)
-        alpha = self.alpha_init
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise _invalid("alpha_init", alpha, "expected a positive finite float")
+        alpha = _real("alpha_init", self.alpha_init, "expected a positive finite float")
         if not (math.isfinite(alpha) and alpha > 0):
-            raise _invalid("alpha_init", alpha, "expected a positive finite float")
-        object.__setattr__(self, "alpha_init", float(alpha))
+            raise _invalid("alpha_init", self.alpha_init, "expected a positive finite float")
+        object.__setattr__(self, "alpha_init", alpha)
 
     def _check_extensions(self) -> None:
         """residual, offset_dtype, output_dtype and backward (every kind)."""
@@ -262,6 +274,22 @@ class NormSpec:
     def scale_init(self) -> float:
         """The initial value of ``w``: ``1 - scale_offset``, so that the effective scale is 1."""
         return 1.0 - self.scale_offset
+
+    def check_eps(self, dtype: str) -> None:
+        """ValueError unless ``eps`` is within the range of the dtype an input of ``dtype`` (a
+        dtype name) is computed in: float32 for float16, bfloat16 and float32, float64 for
+        float64 (`EPS_RANGE`)."""
+        if self.eps is None:  # DyT: no eps
+            return
+        compute = "float64" if dtype == "float64" else "float32"
+        low, high = EPS_RANGE[compute]
+        if not low <= self.eps <= high:
+            raise ValueError(
+                f"NormSpec.eps={self.eps!r} is out of range for a {dtype} input, which is "
+                f"computed in {compute}: eps must lie in [{low:.6g}, {high:.6g}] (below, {compute} "
+                "rounds it or flushes it to zero and 1/eps can overflow; above, it is not "
+                f"representable in {compute})"
+            )
 
     def resolve_axes(self, ndim: int) -> tuple[int, ...]:
         """The normalized axes of an input of rank ``ndim``: non-negative, increasing."""

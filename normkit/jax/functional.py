@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,8 @@ def normalize(
     Raises:
       TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``) is not floating-point.
       ValueError: an axis is out of range, a parameter has the wrong shape or is given although
-        the spec lacks it, or partial RMS is sharded over several normalized axes.
+        the spec lacks it, partial RMS is sharded over several normalized axes, or ``spec.eps``
+        is out of the range of the compute dtype (`NormSpec.check_eps`).
     """
     spec.require_defaults("normkit.jax")
     x = jnp.asarray(x)
@@ -80,6 +82,7 @@ def normalize(
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"dtype={out_dtype} is not a floating-point dtype")
     x = x.astype(out_dtype)
+    spec.check_eps(out_dtype.name)
     axes = spec.resolve_axes(x.ndim)
     if spec.kind == "partial_rms" and axis_name is not None and len(axes) != 1:
         raise ValueError(
@@ -210,6 +213,9 @@ def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
 
 
 def _centered(xf: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    """``x - mean(x)`` per row for LayerNorm (``x`` for the RMS kinds), with one correction pass:
+    the mean of the centered values is subtracted again, recovering what the rounding of a
+    large mean loses."""
     if plan.spec.kind != "layer":
         return xf
     if n == 2 and plan.axis_name is None:
@@ -217,7 +223,8 @@ def _centered(xf: jax.Array, plan: _Plan, n: int) -> jax.Array:
         # one rounding, relative to the centered values; the mean's rounding is relative to |x|,
         # which at n = 2 can dwarf them.
         return (xf - jnp.flip(xf, axis=plan.axes)) / 2
-    return xf - _row_mean(xf, plan, n)
+    c = xf - _row_mean(xf, plan, n)
+    return c - _row_mean(c, plan, n)
 
 
 def _statistic(c: jax.Array, plan: _Plan, n: int) -> jax.Array:
@@ -228,17 +235,93 @@ def _statistic(c: jax.Array, plan: _Plan, n: int) -> jax.Array:
     return _row_mean(jnp.where(mask, c * c, 0), plan, k)
 
 
-def _r(s: jax.Array, spec: NormSpec) -> jax.Array:
+def _r(s: jax.Array, eps: float | jax.Array, spec: NormSpec) -> jax.Array:
     if spec.eps_placement == "inside":
-        return lax.rsqrt(s + spec.eps)
-    return 1 / (jnp.sqrt(s) + spec.eps)
+        return lax.rsqrt(s + eps)
+    return 1 / (jnp.sqrt(s) + eps)
 
 
-def _dr_ds(s: jax.Array, r: jax.Array, spec: NormSpec) -> jax.Array:
-    if spec.eps_placement == "inside":
-        return -0.5 * r * r * r
-    positive = s > 0
-    return jnp.where(positive, -0.5 * r * r / jnp.sqrt(jnp.where(positive, s, 1)), 0)
+# Rows whose r(s) falls outside [2**-e, 2**e] (or is NaN on a finite row) are recomputed in
+# scaled units: there s, or the sums behind it, may have overflowed or underflowed.
+_SAFE_EXPONENT = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.float64): 256}
+
+
+def _out_of_range(r: jax.Array) -> jax.Array:
+    bound = 2.0 ** _SAFE_EXPONENT[jnp.dtype(r.dtype)]
+    return ~((r >= 1 / bound) & (r <= bound))
+
+
+def _row_max(value: jax.Array, plan: _Plan) -> jax.Array:
+    m = jnp.max(value, axis=plan.axes, keepdims=True)
+    return m if plan.axis_name is None else lax.pmax(m, plan.axis_name)
+
+
+class _Scaled(NamedTuple):
+    """Rows in scaled units: ``c = pre * sigma * centered``, ``s`` its statistic and ``eps`` the
+    eps giving the same ``y_hat = c r(s)``; the true ``r`` is ``pre * sigma * r(s)``. ``pre`` is
+    1 or a power of two that keeps ``sigma`` a normal number (XLA flushes subnormals to zero)."""
+
+    c: jax.Array
+    s: jax.Array
+    eps: jax.Array
+    sigma: jax.Array
+    pre: jax.Array
+
+
+def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
+    """Every row divided by its largest magnitude (at least eps's), so that s lies in [1/k, 1].
+
+    ``sigma = 1 / max(max|x|, floor)``, ``floor = sqrt(eps)`` (inside) or ``eps`` (outside), over
+    the elements the statistic reads; LayerNorm rows are scaled, centered, then scaled again by
+    their largest centered value. The scaling is a constant to autodiff: ``y_hat`` does not
+    depend on it.
+    """
+    spec = plan.spec
+    outside = spec.eps_placement == "outside"
+    floor = spec.eps if outside else float(np.sqrt(spec.eps))
+    tiny = float(jnp.finfo(xf.dtype).tiny)
+    big = 2.0 ** (2 * _SAFE_EXPONENT[jnp.dtype(xf.dtype)])
+    magnitude = jnp.abs(xf)
+    if spec.kind == "partial_rms":
+        magnitude = jnp.where(_partial_mask(xf, plan, n)[0], magnitude, 0)
+    largest = lax.stop_gradient(_row_max(magnitude, plan))
+    pre = jnp.where(largest > big, 1 / big, 1.0).astype(xf.dtype)
+    sigma = 1 / jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny))
+    c = xf * pre * sigma
+    scaled_floor = floor * pre * sigma
+    if spec.kind == "layer":
+        c = _centered(c, plan, n)
+        widest = lax.stop_gradient(_row_max(jnp.abs(c), plan))
+        second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
+        c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
+    s = _statistic(c, plan, n)
+    eps = jnp.maximum(scaled_floor if outside else scaled_floor * scaled_floor, tiny)
+    return _Scaled(c, s, eps, sigma, pre)
+
+
+def _rows(xf: jax.Array, plan: _Plan, n: int, r: jax.Array | None = None) -> _Scaled:
+    """The rows in scaled units: as they are, except those whose ``r`` (the saved true ``r``,
+    or else computed here) is out of range, which `_rescaled` recomputes. The rescaling runs
+    only when some row needs it."""
+    c = _centered(xf, plan, n)
+    s = _statistic(c, plan, n) if r is None else jnp.zeros_like(r)
+    bad = _out_of_range(_r(s, plan.spec.eps, plan.spec) if r is None else r)
+    eps = jnp.full_like(s, plan.spec.eps)
+    one = jnp.ones_like(s)
+
+    def rescale() -> _Scaled:
+        scaled = _rescaled(xf, plan, n)
+        # Rows holding an inf or a NaN get sigma = 0 or NaN and keep their plain values.
+        use = bad & (scaled.sigma > 0)
+        return _Scaled(
+            jnp.where(use, scaled.c, c),
+            jnp.where(use, scaled.s, s),
+            jnp.where(use, scaled.eps, eps),
+            jnp.where(use, scaled.sigma, 1),
+            jnp.where(use, scaled.pre, 1),
+        )
+
+    return lax.cond(jnp.any(bad), rescale, lambda: _Scaled(c, s, eps, one, one))
 
 
 def _broadcast_param(value: jax.Array, x: jax.Array, plan: _Plan, dtype: jnp.dtype) -> jax.Array:
@@ -257,11 +340,12 @@ def _gain(x: jax.Array, scale: jax.Array | None, plan: _Plan, dtype: jnp.dtype) 
 def _forward(
     plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
+    """``(y, r)``: the output and the true ``r(s)`` per row."""
     compute = _stat_dtype(x.dtype)
     n = _row_size(x, plan)
-    c = _centered(x.astype(compute), plan, n)
-    s = _statistic(c, plan, n)
-    y = c * _r(s, plan.spec)
+    rows = _rows(x.astype(compute), plan, n)
+    r = _r(rows.s, rows.eps, plan.spec)
+    y = rows.c * r
     if x.dtype in _HALF and plan.spec.cast == "before_scale":
         y = y.astype(x.dtype).astype(compute)
     g = _gain(x, scale, plan, compute)
@@ -269,7 +353,7 @@ def _forward(
         y = y * g
     if bias is not None:
         y = y + _broadcast_param(bias, x, plan, compute)
-    return y.astype(x.dtype), s
+    return y.astype(x.dtype), r * rows.sigma * rows.pre
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -280,8 +364,8 @@ def _norm(plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | 
 def _norm_fwd(
     plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]]:
-    y, s = _forward(plan, x, scale, bias)
-    return y, (x, s, scale, bias)
+    y, r = _forward(plan, x, scale, bias)
+    return y, (x, r, scale, bias)
 
 
 def _norm_bwd(
@@ -289,37 +373,55 @@ def _norm_bwd(
     residuals: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
     dy: jax.Array,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    x, s, scale, bias = residuals
+    """The gradients of `normkit.reference.normalize_vjp`, in terms of ``y_hat = c r``.
+
+    With ``t = sqrt(s) r = 1 - eps r`` and ``u = y_hat`` (inside) or ``y_hat / sqrt(t)``
+    (outside, 0 where s = 0)::
+
+        rms, partial_rms:  dx_i = r (d_i - [i < k] (1/k) u_i sum_j d_j u_j)
+        layer:             dx_i = r (d_i - mean(d) - (1/n) u_i sum_j d_j u_j)
+
+    No intermediate leaves the dtype's range (``r**3`` would). Where the statistic reads one
+    element (k = 1) or LayerNorm has two, ``1 - u_0**2`` cancels; it is taken in the closed form
+    ``eps r**2`` (inside) or ``eps r`` (outside).
+    """
+    x, r_saved, scale, bias = residuals
     spec = plan.spec
-    compute = s.dtype
+    compute = r_saved.dtype
     n = _row_size(x, plan)
-    c = _centered(x.astype(compute), plan, n)
-    r = _r(s, spec)
+    rows = _rows(x.astype(compute), plan, n, r_saved)
+    # Plain rows keep the saved r; rescaled rows (s recomputed, non-zero) take r in scaled units.
+    r = jnp.where((rows.sigma == 1) & (rows.pre == 1), r_saved, _r(rows.s, rows.eps, spec))
     dyf = dy.astype(compute)
     g = _gain(x, scale, plan, compute)
     d = dyf if g is None else dyf * g
-    sum_dc = _psum(jnp.sum(d * c, axis=plan.axes, keepdims=True), plan)
-    coef = _dr_ds(s, r, spec) * sum_dc
-    if n <= (2 if spec.kind == "layer" else 1):
-        # Degenerate rows (n is the global, static row size): one element (RMS kinds, k = 1) or
-        # two (LayerNorm, c = +-delta, s = delta^2). There the general formula reduces to
-        #   dx = (r + 2 s r'(s)) * (d, or d - mean(d) = +-(d0 - d1)/2 for LayerNorm),
-        #   r + 2 s r'(s) = r - s r^3 = eps r^3          (inside,  1/r^2 = s + eps)
-        #                 = r - sqrt(s) r^2 = eps r^2    (outside, 1/r = sqrt(s) + eps),
-        # a factor of order eps that float32 would get as the difference of two O(1) terms, so
-        # take the closed form; ((eps r) r) r keeps intermediates from overflowing. LayerNorm at
-        # n = 1 gets d - mean(d) = 0, the true dx.
-        eps_rho = spec.eps * r * r * (r if spec.eps_placement == "inside" else 1)
-        dx = eps_rho * (d - _row_mean(d, plan, n) if spec.kind == "layer" else d)
-    elif spec.kind == "layer":
-        dx = r * (d - _row_mean(d, plan, n)) + (2.0 / n) * coef * c
-    elif spec.kind == "partial_rms":
-        mask, k = _partial_mask(x, plan, n)
-        dx = r * d + jnp.where(mask, (2.0 / k) * coef * c, 0)
+    y_hat = rows.c * r
+    if spec.eps_placement == "outside":
+        t = 1 - rows.eps * r
+        u = jnp.where(t > 0, y_hat * lax.rsqrt(jnp.where(t > 0, t, 1)), 0)
+        rest = rows.eps * r
     else:
-        dx = r * d + (2.0 / n) * coef * c
+        u = y_hat
+        rest = rows.eps * r * r
+    if spec.kind == "layer":
+        centered_d = d - _row_mean(d, plan, n)
+        if n <= 2:
+            inner = rest * centered_d
+        else:
+            inner = centered_d - u * _row_mean(d * u, plan, n)
+    elif spec.kind == "rms" and n > 1:
+        inner = d - u * _row_mean(d * u, plan, n)
+    else:
+        mask, k = _partial_mask(x, plan, n)
+        du = d * u
+        if k == 1:
+            others = _psum(jnp.sum(jnp.where(mask, 0, du), axis=plan.axes, keepdims=True), plan)
+            inner = jnp.where(mask, d * rest - u * others, d)
+        else:
+            inner = jnp.where(mask, d - u * _row_mean(du, plan, k), d)
+    dx = r * inner * rows.sigma * rows.pre
     batch = tuple(a for a in range(x.ndim) if a not in plan.axes)
-    dscale = None if scale is None else jnp.sum(dyf * c * r, axis=batch).astype(scale.dtype)
+    dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
     dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
     return dx.astype(x.dtype), dscale, dbias
 

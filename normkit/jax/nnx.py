@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from flax import nnx
+from jax.typing import DTypeLike
 
 from normkit.jax import functional
 from normkit.jax._fields import module_kwargs
@@ -34,11 +34,13 @@ class _Norm(nnx.Module):
     ) -> None:
         self.spec = spec
         self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if len(self.shape) != len(spec.axis) or not all(
-            isinstance(d, int) and d > 0 for d in self.shape
-        ):
+        sizes_valid = all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in self.shape
+        )
+        if len(self.shape) != len(spec.axis) or not sizes_valid:
             raise ValueError(
-                f"shape={shape!r} must give one positive size per normalized axis {spec.axis}"
+                f"shape={shape!r} must give one positive size per normalized axis {spec.axis} "
+                "(ints, not bools)"
             )
         self.dtype = dtype
         self.param_dtype = param_dtype

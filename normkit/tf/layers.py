@@ -15,6 +15,169 @@ __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
 _HALF = ("float16", "bfloat16")
 
 
+def _known(flag: Any) -> bool | None:
+    """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
+    eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return None
+    elif backend == "jax":
+        import jax
+
+        if isinstance(flag, jax.core.Tracer):
+            return None
+    elif backend == "torch":
+        import torch
+
+        if torch.compiler.is_compiling():
+            return None
+    return bool(ops.convert_to_numpy(flag))
+
+
+class _Rows:
+    """The spec's arithmetic on the rows of one input, in the ``work`` dtype.
+
+    Rows whose ``r(s)`` falls outside ``[1/bound, bound]`` (or is NaN on a finite row) are
+    recomputed in scaled units (`rescaled`), where neither ``s`` nor the derivatives autodiff
+    forms (``r**3``) leave the dtype's range; ordinary rows skip that branch.
+    """
+
+    def __init__(
+        self,
+        spec: NormSpec,
+        axes: tuple[int, ...],
+        target: list[int],
+        n: int,
+        k: int,
+        head: np.ndarray | None,
+        work: str,
+    ) -> None:
+        self.spec, self.axes, self.target = spec, axes, target
+        self.n, self.k, self.head = n, k, head
+        self.work = work
+        self.outside = spec.eps_placement == "outside"
+        exponent = 256 if work == "float64" else 32
+        self.bound = 2.0**exponent
+        self.big = 2.0 ** (2 * exponent)
+        self.tiny = float(np.finfo(work).tiny)
+        # The largest r the plain path forms (larger only on rows that `rescaled` replaces):
+        # r**3 stays finite, so its gradient does (see `_bounded`).
+        self.clip_r = 2.0 ** (1.25 * exponent)
+
+    def center(self, x: Any) -> Any:
+        """``x`` (RMS kinds) or ``x - mean(x)`` with one correction pass (LayerNorm)."""
+        if self.spec.kind != "layer":
+            return x
+        if self.n == 2:
+            # c = +-(x0 - x1) / 2 from one subtraction, exact when x0 and x1 are close
+            # (Sterbenz); x - mean(x) would carry the rounding of x0 + x1. Linear in x with the
+            # Jacobian of x - mean(x), [[1, -1], [-1, 1]] / 2, since the sign pattern is (1, -1).
+            sign = ops.cast(np.array([1.0, -1.0]).reshape(self.target), self.work)
+            c = sign * (ops.sum(x * sign, axis=self.axes, keepdims=True) * 0.5)
+            return self._bounded(c, x)
+        # sum(x / n) cannot overflow where sum(x) / n can; the mean of the centered values,
+        # subtracted again, recovers what the rounding of a large mean lost.
+        c = self._bounded(x - ops.sum(x * (1 / self.n), axis=self.axes, keepdims=True), x)
+        return c - ops.sum(c * (1 / self.n), axis=self.axes, keepdims=True)
+
+    def _bounded(self, c: Any, x: Any) -> Any:
+        """``c`` with the values of magnitude above `big` that come from finite ``x`` clipped to
+        +-big. Their squares overflow either way, and the rows whose statistic reads them are
+        rescaled; the clip keeps the gradient of the unused plain values finite (a branch not
+        taken still receives a zero cotangent, and 0 * inf would be NaN)."""
+        beyond = ops.logical_and(ops.abs(c) > self.big, ops.isfinite(x))
+        return ops.where(beyond, ops.sign(c) * self.big, c)
+
+    def statistic(self, c: Any) -> Any:
+        """``s``: the mean of ``c**2`` over the row, or over its first k elements only."""
+        c = self._bounded(c, c)
+        if self.head is None:
+            return ops.mean(ops.square(c), axis=self.axes, keepdims=True)
+        # The elements after the first k are masked before squaring: a NaN, an inf or a
+        # 1e20 there must not enter s, nor its gradient.
+        head = ops.where(self.head, c, ops.zeros_like(c))
+        return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
+
+    def r(self, s: Any, eps: Any) -> Any:
+        """``r(s)``; for eps outside, sqrt's infinite derivative at s = 0 is taken as 0 (as in
+        the reference), and a NaN statistic stays NaN."""
+        if not self.outside:
+            total = s + eps
+            return ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
+        positive = s > 0
+        root = ops.where(
+            positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), ops.stop_gradient(s)
+        )
+        total = root + eps
+        return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total)
+
+    def rescaled(self, x: Any, c: Any, r: Any, bad: Any) -> tuple[Any, Any, Any]:
+        """``(c, r, eps)`` with the ``bad`` rows divided by their largest magnitude (at least
+        eps's: ``sqrt(eps)`` inside, ``eps`` outside), so that their s lies in [1/k, 1].
+
+        LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
+        The factors are constants to autodiff (``y_hat`` does not depend on them); ``pre``, 1
+        or a power of two, keeps them normal numbers (subnormals may be flushed to zero).
+        """
+        eps = self.spec.eps
+        floor = eps if self.outside else float(np.sqrt(eps))
+        magnitude = ops.abs(x)
+        if self.head is not None:
+            magnitude = ops.where(self.head, magnitude, ops.zeros_like(magnitude))
+        largest = ops.stop_gradient(ops.max(magnitude, axis=self.axes, keepdims=True))
+        pre = ops.where(largest > self.big, 1 / self.big, 1.0)
+        sigma = 1 / ops.maximum(largest * pre, ops.maximum(floor * pre, self.tiny))
+        # Rows holding an inf or a NaN (sigma 0 or NaN) keep their plain values; they are
+        # scaled as zeros so that no NaN reaches the gradient through the unused branch.
+        use = ops.logical_and(bad, sigma > 0)
+        sigma = ops.where(use, sigma, 1.0)
+        scaled = ops.where(use, x, ops.zeros_like(x)) * ops.where(use, pre, 1.0) * sigma
+        scaled_floor = floor * pre * sigma
+        if self.spec.kind == "layer":
+            scaled = self.center(scaled)
+            widest = ops.max(ops.abs(scaled), axis=self.axes, keepdims=True)
+            second = 1 / ops.maximum(widest, ops.maximum(scaled_floor, self.tiny))
+            second = ops.stop_gradient(second)
+            scaled, scaled_floor = scaled * second, scaled_floor * second
+        scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
+        scaled_eps = ops.maximum(scaled_eps, self.tiny)
+        scaled_r = self.r(self.statistic(scaled), scaled_eps)
+        return (
+            ops.where(use, scaled, c),
+            ops.where(use, scaled_r, r),
+            ops.where(use, scaled_eps, ops.full_like(r, eps)),
+        )
+
+    def degenerate(self, c: Any, r: Any, eps: Any, y: Any) -> Any:
+        """``y = c r`` where the statistic reads one element per row (``f(c) = c r(c**2)``)
+        or LayerNorm has two (``c = +-(x0 - x1)/2``), with exact first and second derivatives.
+
+        Autodiff would form ``f'`` as the difference of two nearly equal terms. The closed forms
+        (``r = 1/sqrt(c**2 + eps)`` inside, ``1/(|c| + eps)`` outside) are
+        ``f' = eps r**3, f'' = -3 eps c r**5`` (inside) and ``f' = eps r**2,
+        f'' = -2 eps sign(c) r**3`` (outside); ``y = stop(f) + dc f' + dc**2 f''/2`` with
+        ``dc = c - stop(c)`` (zero) has ``f``'s value and its first two derivatives.
+        """
+        if self.head is not None:
+            c = ops.where(self.head, c, ops.zeros_like(c))
+        eps_r = eps * r
+        if self.outside:
+            slope = eps_r * r
+            curvature = -2.0 * eps_r * ops.sign(c) * r * r
+        else:
+            slope = eps_r * r * r
+            curvature = -3.0 * (eps_r * r) * (c * r) * (r * r)
+        dc = c - ops.stop_gradient(c)
+        return (
+            ops.stop_gradient(y)
+            + dc * ops.stop_gradient(slope)
+            + 0.5 * dc * dc * ops.stop_gradient(curvature)
+        )
+
+
 class _Norm(keras.layers.Layer):
     """The shared machinery: weights, dtype policy, shape checks and the spec's arithmetic.
 
@@ -98,56 +261,36 @@ class _Norm(keras.layers.Layer):
         """The spec applied to ``inputs`` (a floating tensor), in the output dtype above."""
         spec = self._spec
         dtype = self._output_dtype(inputs.dtype)
+        spec.check_eps(dtype)
         axes, target = self._broadcast_shape(tuple(inputs.shape))
         # Parameters broadcast as they are over trailing axes; elsewhere they are reshaped.
         param_target = None if axes[0] == len(target) - len(axes) else target
         work = "float64" if dtype == "float64" else "float32"
         x = ops.cast(ops.cast(inputs, dtype), work)
         n = int(np.prod(self._param_shape))
-        # Rows whose normalized output has a single direction left (n = 1 for the RMS kinds,
-        # n = 2 for LayerNorm) are handled below; n is static, so is the choice.
-        degenerate = n == (2 if spec.kind == "layer" else 1)
-        if spec.kind == "layer" and n == 2:
-            # c = +-(x0 - x1) / 2 from one subtraction, exact when x0 and x1 are close (Sterbenz);
-            # x - mean(x) would carry the rounding of x0 + x1, an absolute error of ulp(x) that
-            # is a large relative error of a small c. Linear in x with the Jacobian of
-            # x - mean(x), [[1, -1], [-1, 1]] / 2, since the sign pattern is (1, -1).
-            sign = ops.cast(np.array([1.0, -1.0]).reshape(target), work)
-            x = sign * (ops.sum(x * sign, axis=axes, keepdims=True) * 0.5)
-        elif spec.kind == "layer":
-            x = x - ops.mean(x, axis=axes, keepdims=True)
         k = spec.stat_size(n)
-        if k < n:
-            # The first k of the n normalized elements in row-major order, as a 0/1 mask.
-            first_k = (np.arange(n) < k).reshape(target)
-            s = ops.sum(ops.square(x) * ops.cast(first_k, work), axis=axes, keepdims=True) / k
+        # The first k of the n normalized elements in row-major order, as a boolean mask.
+        head = None if k == n else (np.arange(n) < k).reshape(target)
+        rows = _Rows(spec, axes, target, n, k, head, work)
+        c = rows.center(x)
+        r = rows.r(rows.statistic(c), spec.eps)
+        bad = ops.logical_not(ops.logical_and(r >= 1 / rows.bound, r <= rows.bound))
+        any_bad = ops.any(bad)
+        known = _known(any_bad)
+        if known is None:
+            c, r, eps = ops.cond(
+                any_bad,
+                lambda: rows.rescaled(x, c, r, bad),
+                lambda: (c, r, ops.full_like(r, spec.eps)),
+            )
+        elif known:
+            c, r, eps = rows.rescaled(x, c, r, bad)
         else:
-            s = ops.mean(ops.square(x), axis=axes, keepdims=True)
-        if spec.eps_placement == "inside":
-            r = ops.rsqrt(s + spec.eps)
-        else:
-            # sqrt has an infinite derivative at 0; where s == 0 every x in the statistic is 0,
-            # and the reference takes the term as 0, which the inner where gives.
-            positive = s > 0
-            root = ops.where(positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), 0.0)
-            r = 1.0 / (root + spec.eps)
-        y = x * r
-        if degenerate:
-            # With c the centered row (x for the RMS kinds), y_hat = f(c) = c r(c^2) per element:
-            #   inside:  f'(c) = r - c^2 r^3 = eps r^3     (r = 1 / sqrt(c^2 + eps))
-            #   outside: f'(c) = r - |c| r^2 = eps r^2     (r = 1 / (|c| + eps); 1 / eps at c = 0)
-            # Autodiff of c * r forms the difference of the two nearly equal terms, a quantity of
-            # order eps lost in float32 cancellation. So the value is taken as it is, without a
-            # gradient, and the gradient from the closed form on a zero-valued term:
-            #   y_hat = stop(c r) + (c - stop(c)) * stop(eps rho),  rho = r^3 or r^2,
-            # whose value is c r exactly and whose dy_hat/dx is eps rho dc/dx: the identity for
-            # the RMS kinds (n = 1), [[1, -1], [-1, 1]] / 2 for LayerNorm (n = 2), which is the
-            # Jacobian of y_hat there (y_hat = (f(delta), -f(delta)), delta = (x0 - x1) / 2).
-            # eps r is formed first so that no intermediate overflows for a small eps.
-            slope = spec.eps * r * r
-            if spec.eps_placement == "inside":
-                slope = slope * r
-            y = ops.stop_gradient(y) + (x - ops.stop_gradient(x)) * ops.stop_gradient(slope)
+            eps = spec.eps
+        y = c * r
+        if k == 1 or (spec.kind == "layer" and n == 2):
+            exact = rows.degenerate(c, r, eps, y)
+            y = exact if head is None else ops.where(head, exact, y)
         if spec.cast == "before_scale" and dtype in _HALF:
             # y_hat is rounded to the input dtype before the affine step, but the gradient is
             # that of the exact function, as in the reference (differentiating the casts would
@@ -176,6 +319,7 @@ class _Norm(keras.layers.Layer):
 
     def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
         dtype = self._output_dtype(inputs.dtype)
+        self._spec.check_eps(dtype)
         shape = tuple(inputs.shape)
         if self.built:
             self._broadcast_shape(shape)

@@ -15,6 +15,7 @@ where each of their many parallel regions waits for a descheduled thread.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,17 +55,36 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
-def _rstd(s: torch.Tensor, eps: float, outside: bool) -> torch.Tensor:
+# Rows whose r(s) falls outside [2**-e, 2**e] are recomputed in scaled units: there s (or the
+# sums behind it) may have overflowed or underflowed, and r**3 would leave the dtype's range.
+_SAFE_EXPONENT = {torch.float32: 32, torch.float64: 256}
+
+
+def _rstd(s: torch.Tensor, eps: float | torch.Tensor, outside: bool) -> torch.Tensor:
     """``r(s)``: ``1/sqrt(s + eps)`` (inside) or ``1/(sqrt(s) + eps)`` (outside)."""
     return torch.reciprocal(torch.sqrt(s) + eps) if outside else torch.rsqrt(s + eps)
 
 
-def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
-    """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
-    if not outside:
-        return -0.5 * r * r * r
-    root = torch.sqrt(s)
-    return torch.where(s > 0, -0.5 * r * r / torch.where(s > 0, root, torch.ones_like(root)), 0.0)
+def _out_of_range(r: torch.Tensor) -> torch.Tensor:
+    """Per row: whether ``r`` is outside the range where the plain formulas hold, or NaN (a
+    LayerNorm mean can overflow on finite rows; rows that hold a NaN are left as they are)."""
+    bound = 2.0 ** _SAFE_EXPONENT[r.dtype]
+    return ~((r >= 1 / bound) & (r <= bound))
+
+
+def _traced() -> bool:
+    """Whether data-dependent Python branches are unavailable (compile, vmap, grad transforms)."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
+def _center(xf: torch.Tensor) -> torch.Tensor:
+    """``x - mean(x)`` per row, with one correction pass (the mean of the centered values is
+    subtracted again), which recovers what the rounding of a large mean loses."""
+    if xf.shape[-1] == 2:
+        # x - mean(x) = (x - x_other) / 2: one rounding, relative to the centered values.
+        return (xf - xf.flip(-1)) / 2
+    centered = xf - xf.mean(dim=-1, keepdim=True)
+    return centered - centered.mean(dim=-1, keepdim=True)
 
 
 def _statistic(
@@ -72,16 +92,68 @@ def _statistic(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the centered values (``x``, or ``x - mean(x)`` for layer) in ``acc``, and ``s``."""
     xf = x.to(acc)
-    if kind == "layer" and xf.shape[-1] == 2:
-        # x - mean(x) = (x - x_other) / 2: one rounding, relative to the centered values; the
-        # mean's rounding is relative to |x|, which at n = 2 can dwarf them.
-        centered = (xf - xf.flip(-1)) / 2
-        return centered, centered[:, :1] * centered[:, :1]
+    centered = _center(xf) if kind == "layer" else xf
+    head = centered[:, :k]
+    return centered, torch.linalg.vecdot(head, head).unsqueeze(-1) / k
+
+
+@dataclass(frozen=True)
+class _Scaled:
+    """Rows in scaled units: ``c = sigma * centered`` and ``s`` its statistic, ``eps`` the eps that
+    gives the same ``y_hat = c r(s)``; the true ``r`` is ``sigma * r(s)``. ``sigma`` is None when
+    no row is scaled."""
+
+    c: torch.Tensor
+    s: torch.Tensor
+    eps: float | torch.Tensor
+    sigma: torch.Tensor | None
+
+
+def _rescaled(x: torch.Tensor, kind: str, k: int, eps: float, outside: bool) -> _Scaled:
+    """Every row divided by its largest magnitude (at least eps's), so that s lies in [1/k, 1].
+
+    ``sigma = 1 / max(max|x|, floor)`` with ``floor = sqrt(eps)`` (inside) or ``eps`` (outside);
+    LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
+    sigma is a constant to autograd: ``y_hat`` does not depend on it.
+    """
+    acc = _acc_dtype(x.dtype)
+    xf = x.to(acc)
+    floor = eps if outside else math.sqrt(eps)
+    stat = xf.detach() if kind == "layer" else xf.detach()[:, :k]
+    sigma = 1 / stat.abs().amax(dim=-1, keepdim=True).clamp_min(floor)
+    c = xf * sigma
+    scaled_floor = floor * sigma
     if kind == "layer":
-        var, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
-        return xf - mean, var
-    head = xf[:, :k]
-    return xf, torch.linalg.vecdot(head, head).unsqueeze(-1) / k
+        c = _center(c)
+        second = 1 / torch.maximum(c.detach().abs().amax(dim=-1, keepdim=True), scaled_floor)
+        c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
+    head = c[:, :k]
+    s = torch.linalg.vecdot(head, head).unsqueeze(-1) / k
+    return _Scaled(c, s, scaled_floor if outside else scaled_floor * scaled_floor, sigma)
+
+
+def _scaled_statistic(
+    x: torch.Tensor, kind: str, k: int, eps: float, outside: bool, r: torch.Tensor | None = None
+) -> _Scaled:
+    """`_statistic`, with the rows whose ``r`` is out of range recomputed by `_rescaled`.
+
+    ``r``, when given, is the true ``r`` per row (rows, 1) saved by the forward; it decides
+    which rows are scaled without recomputing ``s``.
+    """
+    centered, s = _statistic(x, kind, k, _acc_dtype(x.dtype))
+    bad = _out_of_range(_rstd(s, eps, outside) if r is None else r)
+    if not _traced() and not bool(bad.any()):
+        return _Scaled(centered, s, eps, None)
+    scaled = _rescaled(x, kind, k, eps, outside)
+    assert scaled.sigma is not None
+    # Rows holding an inf get sigma = 0; they keep the plain values (NaN/inf where they belong).
+    use = bad & (scaled.sigma > 0)
+    return _Scaled(
+        torch.where(use, scaled.c, centered),
+        torch.where(use, scaled.s, s),
+        torch.where(use, scaled.eps, eps),
+        torch.where(use, scaled.sigma, 1.0),
+    )
 
 
 def _forward(
@@ -97,10 +169,14 @@ def _forward(
     """``(y, r)`` for rows ``x`` with effective scale ``g`` and bias ``b`` (both in acc dtype)."""
     acc = _acc_dtype(x.dtype)
     if _in_place(x) and kind != "layer":
-        return _forward_in_place(x, g, b, k, eps, outside)
-    centered, s = _statistic(x, kind, k, acc)
-    r = _rstd(s, eps, outside)
-    y = centered * r
+        result = _forward_in_place(x, g, b, k, eps, outside)
+        if result is not None:
+            return result
+    rows = _scaled_statistic(x, kind, k, eps, outside)
+    r = _rstd(rows.s, rows.eps, outside)
+    y = rows.c * r
+    if rows.sigma is not None:
+        r = r * rows.sigma
     if x.dtype != acc and cast == "before_scale":
         y = round_through(y, x.dtype) if torch.compiler.is_compiling() else y.to(x.dtype).to(acc)
     if g is not None and b is not None:
@@ -119,13 +195,17 @@ def _forward_in_place(
     k: int,
     eps: float,
     outside: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_forward` for the RMS kinds on float32/float64 rows, the affine step in place."""
-    r = torch.linalg.vector_norm(x[:, :k], dim=-1, keepdim=True)
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_forward` for the RMS kinds on float32/float64 rows, the affine step in place; None
+    when a row needs scaling (`_scaled_statistic`)."""
+    head = x[:, :k]
+    r = torch.linalg.vecdot(head, head).unsqueeze(-1).div_(k)
     if outside:
-        r.div_(math.sqrt(k)).add_(eps).reciprocal_()
+        r.sqrt_().add_(eps).reciprocal_()
     else:
-        r.square_().div_(k).add_(eps).rsqrt_()
+        r.add_(eps).rsqrt_()
+    if bool(_out_of_range(r).any()):
+        return None
     y = torch.mul(x, r)
     if g is not None and b is not None:
         torch.addcmul(b, y, g, out=y)
@@ -150,38 +230,54 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dg, db)`` as in `normalize_vjp`: dx in x's dtype, dg and db in the acc dtype.
 
-    Rows in which the output has no direction left to vary (n = 1; n <= 2 for layer) have a
-    gradient of the order of eps that float32 loses to cancellation: they are recomputed in
-    float64 (where the device has it), from ``x`` alone.
+    In terms of ``y_hat = c r`` (bounded, unlike ``r**3``), with ``t = sqrt(s) r = 1 - eps r``
+    and ``z = y_hat / t = c / sqrt(s)`` for eps outside::
+
+        rms, partial_rms:  dx_i = r (d_i - [i < k] (1/k) u_i sum_j d_j u_j)
+        layer:             dx_i = r (d_i - mean(d) - (1/n) u_i sum_j d_j u_j)
+
+    with ``u = y_hat`` (inside) or ``u = sqrt(t) z`` (outside). Where a row has one element in
+    the statistic (k = 1) or LayerNorm two, ``d_0 (1 - u_0**2)`` cancels: it is taken in the
+    closed form ``1 - u_0**2 = eps r**2`` (inside) or ``eps r`` (outside).
     """
     n = x.shape[-1]
-    degenerate = n <= (2 if kind == "layer" else 1)
-    if degenerate and r.dtype != torch.float64 and x.device.type != "mps":
-        _, s = _statistic(x, kind, k, torch.float64)
-        wide_g = None if g is None else g.double()
-        dx, dg, db = _backward(
-            x.double(), _rstd(s, eps, outside).squeeze(-1), wide_g, dy.double(), kind, k, eps,
-            outside, need_g, need_b,
-        )
-        narrow = r.dtype
-        return dx.to(x.dtype), _cast(dg, narrow), _cast(db, narrow)
-    acc = r.dtype
-    if _in_place(x) and kind != "layer":
+    if _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
         return _backward_in_place(x, r, g, dy, k, outside, need_g, need_b)
-    centered, s = _statistic(x, kind, k, acc)
-    # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
-    r = _rstd(s, eps, outside) if torch.is_grad_enabled() else r.unsqueeze(-1)
+    rows = _scaled_statistic(x, kind, k, eps, outside, r.unsqueeze(-1))
+    if rows.sigma is not None or torch.is_grad_enabled():
+        # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
+        r_scaled = _rstd(rows.s, rows.eps, outside)
+    else:
+        r_scaled = r.unsqueeze(-1)
+    acc = r_scaled.dtype
     dyf = dy.to(acc)
     d = dyf * g if g is not None else dyf
-    coef = _dr_ds(r, s, outside) * torch.sum(d * centered, dim=-1, keepdim=True)
-    if kind == "layer":
-        dx = r * (d - d.mean(dim=-1, keepdim=True)) + centered * ((2.0 / n) * coef)
-    elif k == n:
-        dx = torch.addcmul(r * d, centered, (2.0 / k) * coef)
+    y_hat = rows.c * r_scaled
+    if outside:
+        t = 1 - rows.eps * r_scaled
+        u = torch.where(t > 0, y_hat * torch.rsqrt(torch.where(t > 0, t, 1.0)), 0.0)
+        rest = rows.eps * r_scaled
     else:
-        head = torch.addcmul(r * d[:, :k], centered[:, :k], (2.0 / k) * coef)
-        dx = torch.cat([head, r * d[:, k:]], dim=-1)
-    dg = torch.sum(dyf * centered * r, dim=0) if need_g else None
+        u = y_hat
+        rest = rows.eps * r_scaled * r_scaled
+    if kind == "layer":
+        centered_d = d - d.mean(dim=-1, keepdim=True)
+        if n == 2:
+            inner = rest * centered_d
+        else:
+            dot = torch.sum(d * u, dim=-1, keepdim=True)
+            inner = centered_d - u * (dot / n)
+    elif k == 1:
+        others = torch.sum(d[:, 1:] * u[:, 1:], dim=-1, keepdim=True)
+        head = d[:, :1] * rest - u[:, :1] * others
+        inner = torch.cat([head, d[:, 1:]], dim=-1)
+    else:
+        dot = torch.sum(d * u, dim=-1, keepdim=True)
+        inner = torch.cat([d[:, :k] - u[:, :k] * (dot / k), d[:, k:]], dim=-1)
+    dx = r_scaled * inner
+    if rows.sigma is not None:
+        dx = dx * rows.sigma
+    dg = torch.sum(dyf * y_hat, dim=0) if need_g else None
     db = torch.sum(dyf, dim=0) if need_b else None
     return dx.to(x.dtype), dg, db
 
@@ -196,7 +292,8 @@ def _backward_in_place(
     need_g: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`_backward` for the RMS kinds on float32/float64 rows, in one buffer.
+    """`_backward` for the RMS kinds on float32/float64 rows with ``k > 1`` and ``r`` in range,
+    in one buffer.
 
     ``p = dy * x`` gives ``sum_j d_j x_j = p @ g`` and ``dg = p^T r`` (matrix-vector
     products); ``p`` is then overwritten with ``dx = r (dy * g) + (2/k) r'(s) (sum_j d_j x_j) x``
@@ -208,7 +305,8 @@ def _backward_in_place(
     db = dy.sum(dim=0) if need_b else None
     if outside:
         # r'(s) = -r^2 / (2 sqrt(s)); sqrt(s) is recomputed: 1/r - eps would lose precision.
-        root = torch.linalg.vector_norm(x[:, :k], dim=-1).div_(math.sqrt(k))
+        head = x[:, :k]
+        root = torch.linalg.vecdot(head, head).div_(k).sqrt_()
         coef = torch.where(root > 0, -r * r / torch.where(root > 0, root, 1.0), 0.0) / k
     else:
         coef = r * r * r * (-1.0 / k)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import kernels
-from normkit.torch._autograd import NormFunction, _acc_dtype
+from normkit.torch._autograd import NormFunction, _acc_dtype, _out_of_range, _traced
 from normkit.torch.kernels import Kernel
 
 __all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm", "SUPPORTED_DTYPES"]
@@ -105,10 +105,12 @@ def normalize(
         `normkit.torch.kernels`.
 
     Raises TypeError for a non-float input or parameter, ValueError for a bad axis, shape or
-    kernel name, RuntimeError for a kernel that cannot run here.
+    kernel name, or an eps out of the range of the compute dtype (`NormSpec.check_eps`),
+    RuntimeError for a kernel that cannot run here.
     """
     spec.require_defaults("normkit.torch")
     _check_tensor(x, "x")
+    spec.check_eps(str(x.dtype).removeprefix("torch."))
     kernels.check_kernel(kernel)
     # A DTensor sharded on a normalized dim: its statistic is reduced across the shards.
     if "torch.distributed.tensor" in sys.modules:  # only then can x be a DTensor
@@ -159,10 +161,15 @@ def _normalize_trailing(
     inside = spec.eps_placement == "inside"
     # torch's fused kernels, where they compute the spec. Not for half inputs: on CPU,
     # F.layer_norm's weight and bias gradients for them are far from float32-accurate.
-    # Nor for rows of n <= 2, whose layer-norm gradient needs `NormFunction`'s float64 backward.
+    # Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed form. F.layer_norm
+    # does not correct its mean (float32 rows of mean 1e6 and spread 1 were off by 1e-2) nor
+    # rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s) is out of
+    # range, the batch is recomputed by `NormFunction` (in eager code; traced code always is).
     if inside and x.dtype not in _HALF:
-        if spec.kind == "layer" and n > 2:
-            return F.layer_norm(x, shape, g, b, spec.eps)
+        if spec.kind == "layer" and n > 2 and not _traced():
+            y, mean, rstd = torch.native_layer_norm(x, shape, g, b, spec.eps)
+            if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
+                return y
         if spec.kind == "rms" and b is None and x.device.type == "cuda":
             return F.rms_norm(x, shape, g, spec.eps)
     rows = x.reshape(x.numel() // n, n)
