@@ -104,7 +104,7 @@ def ratio_figure(rows: Sequence[Row], title: str = "") -> Figure:
                         gridspec_kw={"height_ratios": heights})[:, 0]
     every = [r for values in table.values() for v in values.values() for r in v]
     low, high = min(every + [0.8]), max(every + [1.25])
-    for ax, (backend, device) in zip(axes, panels):
+    for ax, (backend, device) in zip(axes, panels, strict=False):
         comparisons = [c for c in table if (c.backend, c.device) == (backend, device)]
         show_mode = len({c.mode for c in comparisons}) > 1
         for i, comparison in enumerate(comparisons):
@@ -201,7 +201,7 @@ def throughput_figure(rows: Sequence[Row], title: str = "") -> Figure:
                 ax.set_ylabel("GB/s (bytes moved / median)", fontsize=8.5)
         handles, labels = [], []
         for ax in axes[i]:
-            for handle, label in zip(*ax.get_legend_handles_labels()):
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                 if label not in labels:
                     handles.append(handle)
                     labels.append(label)

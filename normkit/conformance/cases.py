@@ -40,7 +40,7 @@ class Case:
     @property
     def label(self) -> str:
         s = self.spec
-        parts = [s.kind, f"eps={s.eps:g}", s.eps_placement]
+        parts = [s.kind, f"eps={s.eps:g}", str(s.eps_placement)]
         if s.p is not None:
             parts.append(f"p={s.p:g}")
         if s.scale_offset:

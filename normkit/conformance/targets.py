@@ -141,7 +141,9 @@ def _jax(api: str) -> Target:
 TARGETS: tuple[Target, ...] = (
     _torch("torch", "normkit.torch modules (eager), kernel='auto'"),
     _torch("torch[composite]", "normkit.torch modules, torch ops", kernel="composite"),
-    _torch("torch[cpu-kernel]", "normkit.torch modules, numba CPU kernel", ("numba",), kernel="cpu"),
+    _torch(
+        "torch[cpu-kernel]", "normkit.torch modules, numba CPU kernel", ("numba",), kernel="cpu"
+    ),
     _torch(
         "torch[triton]", "normkit.torch modules, Triton kernels (interpreted off a GPU)",
         ("triton",), kernel="triton",

@@ -560,6 +560,7 @@ def _verify(
     n = prober.n
     sizes = [1.0, 64.0]
     if fit.eps is not None:
+        assert spec.eps is not None  # the fit found one
         transition = math.sqrt(spec.eps) if spec.eps_placement == "inside" else spec.eps
         sizes += [max(0.5 * transition, _smallest_size(prober.dtype)), 2 * transition]
     rows_per_size = 4

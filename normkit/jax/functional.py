@@ -277,6 +277,7 @@ def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
     depend on it.
     """
     spec = plan.spec
+    assert spec.eps is not None  # a normalization kind
     outside = spec.eps_placement == "outside"
     floor = spec.eps if outside else float(np.sqrt(spec.eps))
     tiny = float(jnp.finfo(xf.dtype).tiny)
@@ -303,6 +304,7 @@ def _rows(xf: jax.Array, plan: _Plan, n: int, r: jax.Array | None = None) -> _Sc
     """The rows in scaled units: as they are, except those whose ``r`` (the saved true ``r``,
     or else computed here) is out of range, which `_rescaled` recomputes. The rescaling runs
     only when some row needs it."""
+    assert plan.spec.eps is not None  # a normalization kind
     c = _centered(xf, plan, n)
     s = _statistic(c, plan, n) if r is None else jnp.zeros_like(r)
     bad = _out_of_range(_r(s, plan.spec.eps, plan.spec) if r is None else r)

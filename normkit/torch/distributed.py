@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import register_sharding
 
 from normkit.spec import NormSpec
-from normkit.torch._autograd import _acc_dtype, _dr_ds, _rstd
+from normkit.torch._autograd import _acc_dtype, _rstd
 
 __all__ = ["normalize_sharded", "register_row_sharding", "shards_normalized_axis"]
 
@@ -55,6 +55,14 @@ class _Plan:
     outside: bool
     cast: str
     group: dist.ProcessGroup | None
+
+
+def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
+    """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
+    if not outside:
+        return -0.5 * r * r * r
+    root = torch.sqrt(s)
+    return torch.where(s > 0, -0.5 * r * r / torch.where(s > 0, root, torch.ones_like(root)), 0.0)
 
 
 def _row_sums(value: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -173,6 +181,7 @@ def _apply(
     n = math.prod(moved.shape[len(moved.shape) - len(axes) :])
     rows = moved.reshape(math.prod(moved.shape[: moved.dim() - len(axes)]), n)
     k = spec.stat_size(size)
+    assert spec.eps is not None  # a normalization kind (the spec's defaults are required)
     acc = _acc_dtype(x.dtype)
     g = None if weight is None else weight.to(acc).reshape(n)
     if g is not None and spec.scale_offset != 0:

@@ -8,8 +8,9 @@
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
   (with one warning); ``"composite"`` on every other device.
 
-float64 inputs, parameters in a dtype other than float32 or the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm) always take
-the composite path, which computes them exactly. Each kernel module exports ``norm_rows(x,
+float64 inputs, parameters in a dtype other than float32 or the input's, and degenerate rows
+(n = 1 for the RMS kinds, n <= 2 for LayerNorm) always take the composite path, which computes
+them exactly. Each kernel module exports ``norm_rows(x,
 weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of shape (rows, n).
 """
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from llvmlite import ir  # type: ignore[import-untyped]
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 

@@ -181,7 +181,8 @@ def _norm_backward(
 
         numba.set_num_threads(_threads())
         module.backward(
-            _rows(x), r.contiguous().numpy(), _rows(dy), g.contiguous().numpy(), _rows(dx), dg_blocks.numpy(),
+            _rows(x), r.contiguous().numpy(), _rows(dy), g.contiguous().numpy(), _rows(dx),
+            dg_blocks.numpy(),
             db_blocks.numpy(), KINDS[kind], k, eps, outside, block,
         )
     return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
@@ -272,10 +273,10 @@ def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]
     outputs = []
     for i in range(size):
         sliced = [
-            a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)
+            a.select(d, i) if d is not None else a for a, d in zip(args, in_dims, strict=True)
         ]
         outputs.append(fn(*sliced))
-    stacked = tuple(torch.stack(parts) for parts in zip(*outputs))
+    stacked = tuple(torch.stack(parts) for parts in zip(*outputs, strict=True))
     return stacked, tuple(0 for _ in stacked)
 
 
