@@ -219,30 +219,6 @@ def test_a_long_row_stays_within_the_float32_bound(monkeypatch: pytest.MonkeyPat
     _check_norm(spec, x, *_params(spec, 2**14, torch.float32, seed=9))
 
 
-def _add_norm_expected(
-    x: np.ndarray, residual: np.ndarray, dy: np.ndarray, dh: np.ndarray, spec: NormSpec,
-    rounding: str, scale: np.ndarray | None, bias: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(y, h, dx): h = x + residual as ``rounding`` says, normalized in float64 by the reference.
-
-    The half-precision cast order and y's dtype follow x's dtype, whatever h's.
-    """
-    exact = x.astype(np.float64) + residual.astype(np.float64)
-    half = dtypes.is_half(x.dtype)
-    normalized_h = dtypes.round_to(exact, x.dtype if rounding == "rounded" else np.float32)
-    returned_h = normalized_h if rounding != "float32_normalized" else dtypes.round_to(
-        exact, x.dtype
-    )
-    unit = spec.replace(scale=False, bias=False, scale_offset=0.0)
-    y_hat = reference.normalize(normalized_h.astype(np.float64), unit)
-    if half and spec.cast == "before_scale":
-        y_hat = dtypes.round_to(y_hat, x.dtype).astype(np.float64)
-    g, b = reference.check_params(x.shape, spec, scale, bias)
-    y = dtypes.round_to(y_hat * g + b, x.dtype)
-    dx, _, _ = reference.normalize_vjp(normalized_h, dy, spec, scale, bias)
-    return y, returned_h, dx + dh.astype(np.float64)
-
-
 # Every rounding and dtype in one block; the looped variant on bfloat16.
 ADD_NORM_CASES = [
     (spec, dtype, rounding, fused)
@@ -280,10 +256,12 @@ def test_add_norm_rows(
     dy = _randn(3, n, seed=4, dtype=dtype)
     dh = _randn(3, n, seed=5, dtype=h.dtype)
     torch.autograd.backward((y, h), (dy, dh))
-    want_y, want_h, want_dx = _add_norm_expected(
-        to_numpy(x), to_numpy(residual), to_numpy(dy), to_numpy(dh), spec, rounding,
-        _np(weight), _np(bias),
-    )
+    with_residual = spec.replace(residual=rounding)
+    xn, rn, wn, bn = to_numpy(x), to_numpy(residual), _np(weight), _np(bias)
+    want_y, want_h = reference.add_normalize(xn, rn, with_residual, wn, bn)
+    want_dx = reference.add_normalize_vjp(
+        xn, rn, to_numpy(dy), to_numpy(dh), with_residual, wn, bn
+    ).dx
     tolerances.assert_close(to_numpy(y), want_y, cast=spec.cast, what="y")
     tolerances.assert_close(to_numpy(h), want_h, what="h")
     assert xl.grad is not None and rl.grad is not None
