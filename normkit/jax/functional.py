@@ -323,7 +323,15 @@ def _rows(xf: jax.Array, plan: _Plan, n: int, r: jax.Array | None = None) -> _Sc
             jnp.where(use, scaled.pre, 1),
         )
 
-    return lax.cond(jnp.any(bad), rescale, lambda: _Scaled(c, s, eps, one, one))
+    def plain() -> _Scaled:
+        return _Scaled(c, s, eps, one, one)
+
+    any_bad = jnp.any(bad)
+    if isinstance(any_bad, jax.core.Tracer):  # traced (jit, grad, vmap): both branches staged
+        return lax.cond(any_bad, rescale, plain)
+    # Eager: decide in Python, so the common case runs no cond (whose branches, fresh closures
+    # here, eager JAX would compile on every call).
+    return rescale() if bool(any_bad) else plain()
 
 
 def _broadcast_param(value: jax.Array, x: jax.Array, plan: _Plan, dtype: jnp.dtype) -> jax.Array:
