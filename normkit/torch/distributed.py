@@ -13,8 +13,10 @@ the same all-reduce as ``s``). The backward all-reduces its row sums (``sum_j d_
 ``sum_j d_j`` for LayerNorm); the weight and bias gradients stay local to each rank's block.
 
 `normalize_sharded` takes a plain tensor and a process group, or a ``DTensor`` (sharded on a
-normalized dim over one mesh dim); `register_row_sharding` gives a row-wise custom op (a kernel)
-a DTensor sharding rule. The collectives run eagerly: no double backward, no ``torch.compile``.
+normalized dim over one mesh dim). A DTensor sharded only on other dims needs no collective:
+`localize` hands each rank's rows (and the parameters, their gradients marked as sums over the
+ranks where they must be) to the local computation, whichever kernel runs it.
+`register_row_sharding` gives a row-wise custom op (a kernel) a DTensor sharding rule. The collectives run eagerly: no double backward, no ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from torch.distributed.tensor.experimental import register_sharding
 from normkit.spec import NormSpec
 from normkit.torch._autograd import _acc_dtype, _rstd
 
-__all__ = ["normalize_sharded", "register_row_sharding", "shards_normalized_axis"]
+__all__ = [
+    "LocalRows", "localize", "normalize_sharded", "register_row_sharding", "shards_normalized_axis"
+]
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -267,6 +271,51 @@ def shards_normalized_axis(x: torch.Tensor, spec: NormSpec) -> bool:
         return False
     axes = spec.resolve_axes(x.dim())
     return any(isinstance(p, Shard) and p.dim % x.dim() in axes for p in x.placements)
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """A DTensor's local block and its parameters' (`localize`), and how to wrap the result."""
+
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    like: DTensor
+
+    def wrap(self, y: torch.Tensor) -> DTensor:
+        """The local result ``y`` (``x``'s shape, contiguous) as a DTensor laid out like x."""
+        like = self.like
+        stride = torch.empty(like.shape, device="meta").stride()
+        return DTensor.from_local(y, like.device_mesh, like.placements, shape=like.shape,
+                                  stride=stride)
+
+
+def localize(
+    x: DTensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> LocalRows:
+    """The blocks each rank normalizes on its own: ``x`` not sharded on a normalized dim.
+
+    ``weight`` and ``bias`` are DTensors on ``x``'s mesh, replicated; their local gradients are
+    marked Partial (summed over the ranks) on each mesh dim where ``x`` is sharded.
+    """
+    _check_float(x, "x")
+    if shards_normalized_axis(x, spec):
+        raise ValueError("x is sharded on a normalized dim: use normalize_sharded")
+    for mesh_dim, p in enumerate(x.placements):
+        if p.is_partial():
+            raise ValueError(
+                f"x has the placement {p} on mesh dim {mesh_dim}: redistribute it to Replicate "
+                "or Shard before normalizing"
+            )
+    param_shape = spec.param_shape(tuple(x.shape))
+    _check_param(weight, "weight", spec.scale, param_shape)
+    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    return LocalRows(
+        x.to_local(),
+        _local_param(weight, "weight", x, [], None),
+        _local_param(bias, "bias", x, [], None),
+        x,
+    )
 
 
 def _normalize_dtensor(

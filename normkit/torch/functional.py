@@ -112,12 +112,16 @@ def normalize(
     _check_tensor(x, "x")
     spec.check_eps(str(x.dtype).removeprefix("torch."))
     kernels.check_kernel(kernel)
-    # A DTensor sharded on a normalized dim: its statistic is reduced across the shards.
+    # A DTensor sharded on a normalized dim has its statistic reduced across the shards; any
+    # other DTensor is normalized rank by rank, by the kernel asked for.
     if "torch.distributed.tensor" in sys.modules:  # only then can x be a DTensor
         from normkit.torch import distributed
 
         if distributed.shards_normalized_axis(x, spec):
             return distributed.normalize_sharded(x, spec, weight, bias)
+        if isinstance(x, distributed.DTensor):
+            local = distributed.localize(x, spec, weight, bias)
+            return local.wrap(normalize(local.x, spec, local.weight, local.bias, kernel=kernel))
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes != trailing:

@@ -152,11 +152,11 @@ def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
         _check(NormSpec(), x, dy, None, None, "nan/inf")
 
 
-def test_eps_below_float32_outside_the_root(spy: Spy) -> None:
-    """r = 1/eps = 1e39 overflows float32; a zero row is still zero, its gradient dy/eps."""
-    x = np.zeros((2, 8), np.float32)
-    dy = np.full_like(x, 1e-35)
-    _check(NormSpec(eps=1e-39, eps_placement="outside"), x, dy, None, None, "eps 1e-39")
+def test_eps_below_float32_is_refused_before_the_kernel() -> None:
+    """1/eps = 1e39 would overflow float32: such an eps is refused (`NormSpec.check_eps`)."""
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="eps=1e-39 is out of range for a float32 input"):
+        normalize(x, NormSpec(eps=1e-39, eps_placement="outside"), kernel="cpu")
 
 
 @pytest.mark.parametrize("outside", [False, True], ids=["inside", "outside"])

@@ -15,6 +15,7 @@ threading layer, chosen because it survives ``fork``, is not reentrant) and run 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -97,12 +98,36 @@ def _threads() -> int:
     return max(1, min(torch.get_num_threads(), limit))
 
 
+_NUMPY_DTYPES = {
+    torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16,
+}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous plain tensor whose memory holds its values.
+
+    A tensor subclass (e.g. the AsyncCollectiveTensor a DTensor's gradient arrives as) may not
+    have its data in place until a torch op runs on it: it is copied through one.
+    """
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.contiguous()
+
+
 def _rows(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``: float32, or the bits of bfloat16 as int16, of float16 as uint16."""
-    if t.dtype == torch.float32:
-        return t.numpy()
-    bits = t.view(torch.int16).numpy()
-    return bits if t.dtype == torch.bfloat16 else bits.view(np.uint16)
+    """A numpy view of contiguous ``t``: float32, or the bits of bfloat16 as int16, of float16
+    as uint16.
+
+    Made from the raw pointer, not by ``Tensor.numpy``, which marks the storage non-resizable
+    for good (FSDP2 frees gathered parameters by resizing their storage to 0). The view is
+    valid while ``t`` lives: only for the duration of a kernel call.
+    """
+    assert t.is_contiguous()
+    dtype = np.dtype(_NUMPY_DTYPES[t.dtype])
+    if t.numel() == 0:
+        return np.empty(t.shape, dtype)
+    buffer = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(buffer, dtype).reshape(t.shape)
 
 
 def _block(rows: int) -> int:
@@ -129,7 +154,7 @@ def _norm(
     if module is None:
         y, r = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
         return y, r
-    x = x.contiguous()
+    x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
     y = torch.empty_like(x)
     r = torch.empty(x.shape[0], dtype=torch.float32)
     with _lock:
@@ -137,7 +162,7 @@ def _norm(
 
         numba.set_num_threads(_threads())
         module.forward(
-            _rows(x), g.contiguous().numpy(), b.contiguous().numpy(), _rows(y), r.numpy(),
+            _rows(x), _rows(g), _rows(b), _rows(y), _rows(r),
             KINDS[kind], k, eps, outside, cast == "before_scale", _block(x.shape[0]),
         )
     return y, r
@@ -168,8 +193,7 @@ def _norm_backward(
             y, _ = NormFunction.apply(*leaves, bias, kind, k, eps, outside, "after_scale")
             dx, dg, db = torch.autograd.grad(y, [*leaves, bias], dy)
         return dx, dg, db
-    x = x.contiguous()
-    dy = dy.contiguous()
+    x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     rows, n = x.shape
     dx = torch.empty_like(x)
     block = _block(rows)
@@ -181,9 +205,8 @@ def _norm_backward(
 
         numba.set_num_threads(_threads())
         module.backward(
-            _rows(x), r.contiguous().numpy(), _rows(dy), g.contiguous().numpy(), _rows(dx),
-            dg_blocks.numpy(),
-            db_blocks.numpy(), KINDS[kind], k, eps, outside, block,
+            _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx),
+            _rows(dg_blocks), _rows(db_blocks), KINDS[kind], k, eps, outside, block,
         )
     return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
 
