@@ -16,7 +16,8 @@ the same all-reduce as ``s``). The backward all-reduces its row sums (``sum_j d_
 normalized dim over one mesh dim). A DTensor sharded only on other dims needs no collective:
 `localize` hands each rank's rows (and the parameters, their gradients marked as sums over the
 ranks where they must be) to the local computation, whichever kernel runs it.
-`register_row_sharding` gives a row-wise custom op (a kernel) a DTensor sharding rule. The collectives run eagerly: no double backward, no ``torch.compile``.
+`register_row_sharding` gives a row-wise custom op (a kernel) a DTensor sharding rule. The
+collectives run eagerly: no double backward, no ``torch.compile``.
 """
 
 from __future__ import annotations

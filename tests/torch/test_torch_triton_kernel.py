@@ -24,7 +24,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton kernels need triton: pip install normkit[triton]")
 
-from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.torch.conformance import to_numpy  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
 
