@@ -51,7 +51,8 @@ class TorchBridge:
     def to_tensor(self, a: np.ndarray, device: str = "cpu") -> Any:
         import torch
 
-        a = np.ascontiguousarray(a)
+        # A copy: the tensor owns its memory (a view of ``a`` would alias the caller's array).
+        a = np.array(a, copy=True, order="C")
         place = device_name(device)
         if a.dtype == dtypes.bfloat16:
             return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).to(place)
@@ -60,7 +61,9 @@ class TorchBridge:
     def to_numpy(self, t: Any) -> np.ndarray:
         import torch
 
-        t = t.detach().cpu()
+        # A copy: ``Tensor.numpy`` on ``t``'s own storage would mark it non-resizable for good
+        # (which breaks FSDP2, whose parameters are freed by resizing their storage).
+        t = t.detach().to("cpu", copy=True)
         if t.dtype == torch.bfloat16:
             return np.asarray(t.view(torch.uint16).numpy().view(dtypes.bfloat16))
         return np.asarray(t.numpy())

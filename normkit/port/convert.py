@@ -36,12 +36,9 @@ def to_numpy(value: Any) -> np.ndarray:
     """``value`` as a numpy array: numpy, a torch tensor or parameter (detached, moved to the
     CPU; bfloat16 kept), a Keras variable, a JAX array or a Flax ``Param``."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, imported by whoever made it
-        import torch
+        from normkit.backends import bridge
 
-        tensor = value.detach().cpu()
-        if tensor.dtype == torch.bfloat16:
-            return tensor.view(torch.int16).numpy().view(dtypes.bfloat16)
-        return tensor.numpy()
+        return bridge("torch").to_numpy(value)
     if hasattr(value, "get_value") and not isinstance(value, np.ndarray):  # flax nnx Variable
         value = value.get_value()
     return np.asarray(value)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from normkit import dtypes
+from normkit.backends import bridge
 from normkit.port.convert import to_numpy
 from normkit.port.files import save_norms
 from normkit.port.plan import plan_import
@@ -185,7 +186,5 @@ def import_norms(model: nn.Module, path: str | os.PathLike[str]) -> list[str]:
 
 def to_torch(value: np.ndarray) -> torch.Tensor:
     """A numpy array as a torch tensor (a copy), bfloat16 included."""
-    array = to_numpy(value)
-    if array.dtype == dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy())
+    tensor: torch.Tensor = bridge("torch").to_tensor(to_numpy(value))
+    return tensor

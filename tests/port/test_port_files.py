@@ -311,9 +311,10 @@ def test_cli_rewrites_a_file_for_another_convention(tmp_path, capsys):
     assert params["scale"].tobytes() == dtypes.round_to(w.astype(np.float64) + 1, np.float32).tobytes()
 
 
-def test_cli_needs_a_known_convention(capsys):
+def test_cli_needs_a_known_convention(capsys, tmp_path):
+    src = port.save(tmp_path / "n.safetensors", layer_params(), LAYER)
     with pytest.raises(SystemExit):
-        parse(["a", "b", "--to", "jax"])
+        parse([str(src), str(tmp_path / "out.npz"), "--to", "jax"])
     assert "invalid choice: 'jax'" in capsys.readouterr().err
 
 

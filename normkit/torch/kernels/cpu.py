@@ -126,8 +126,8 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     dtype = np.dtype(_NUMPY_DTYPES[t.dtype])
     if t.numel() == 0:
         return np.empty(t.shape, dtype)
-    buffer = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    return np.frombuffer(buffer, dtype).reshape(t.shape)
+    memory = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.ctypeslib.as_array(memory).view(dtype).reshape(t.shape)
 
 
 def _block(rows: int) -> int:
