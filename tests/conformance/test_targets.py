@@ -26,7 +26,10 @@ def test_install_hints_and_environments_come_from_the_backend_registry():
 
 def test_prefixes_select_whole_names_only():
     assert [t.name for t in select(["jax"])] == ["jax.linen", "jax.nnx", "jax.functional"]
-    assert [t.name for t in select(["torch"])] == ["torch"]
+    assert [t.name for t in select(["torch"])] == [
+        "torch", "torch[composite]", "torch[cpu-kernel]", "torch[triton]"
+    ]
+    assert [t.name for t in select(["torch[triton]"])] == ["torch[triton]"]
     for unknown in ("to", "tf[jax", "jax.", "tf[jax,jit"):
         with pytest.raises(ValueError, match="unknown backends"):
             select([unknown])
