@@ -82,9 +82,9 @@ def test_nothing_installed_is_not_a_pass(monkeypatch, capsys):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "torch" else found(name, *a)
     )
-    assert cli.main(["conformance", "--backend", "torch", "--quick"]) == 1
+    assert cli.main(["conformance", "--backend", "torch[composite]", "--quick"]) == 1
     assert one_error(capsys, "conformance") == (
-        "no case ran: torch: torch not installed (pip install 'normkit[torch]')"
+        "no case ran: torch[composite]: torch not installed (pip install 'normkit[torch]')"
     )
 
 

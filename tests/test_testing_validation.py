@@ -58,7 +58,7 @@ def before_scale(x, weight, bias):
          "NormSpec.axis=(-3, -1): axis -3 is out of range for an input of rank 2"),
         ({"spec": "rms"}, TypeError, "spec must be a normkit.NormSpec, got str 'rms'"),
         ({"spec": SPEC.to_dict()}, TypeError, "spec must be a normkit.NormSpec, got dict"),
-        ({"backend": "mxnet"}, ValueError, "backend='mxnet' is invalid"),
+        ({"backend": "mxnet"}, ValueError, "unknown backend 'mxnet'; known: ['torch', 'tf', 'jax']"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(kwargs, error, message):
