@@ -20,7 +20,7 @@ import numpy as np
 from normkit import reference
 from normkit.backends import bridge as get_bridge
 from normkit.conformance.cases import Case
-from normkit.conformance.compare import compare
+from normkit.conformance.compare import Inputs, compare
 from normkit.dtypes import DTYPE_NAMES, is_half, round_to
 from normkit.identify.forward import (
     HALF_PROBE_ELEMENTS,
@@ -109,7 +109,7 @@ def assert_conforms(
                 scale = bias = None
             checked = _CheckedFn(fn, backend, params, grad, label)
             outputs = _run(bridge, checked, (x, dy, scale, bias), grad, device, label, backend)
-            arrays = (x, dy, scale, bias)
+            arrays = Inputs(x, dy, scale, bias)
             problems, measured = compare(spec, arrays, outputs, quantities)  # type: ignore[arg-type]
             if problems:
                 worst = max((m.error / m.bound.value for m in measured.values()), default=math.inf)

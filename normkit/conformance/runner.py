@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from normkit import tolerances, workers
+from normkit.conformance import compare
 from normkit.conformance.cases import Case
-from normkit.conformance.compare import QUANTITIES
 from normkit.conformance.result import Result
 from normkit.conformance.targets import Target
 from normkit.progress import Progress
@@ -200,20 +200,26 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
             for r in group
         }
         case = group[0].case
+        inputs = case.arrays()
+        dtypes = compare.expected_dtypes(case.spec, inputs)
+        measured_in = {
+            q: compare.tolerance(q, case.spec, inputs, dtypes[q])
+            for q in compare.quantities(case.spec)
+        }
         for (na, a), (nb, b) in itertools.combinations(sorted(loaded.items()), 2):
             pair = pairs.setdefault((na, nb), Pairwise(na, nb))
             pair.cases += 1
             worst = 0.0
-            for q in QUANTITIES:
+            for q, (dtype, magnitude) in measured_in.items():
                 if q not in a.files or q not in b.files or a[q].shape != b[q].shape:
                     continue
-                dtype = case.dtype if q in ("y", "dx") else case.param_dtype
                 m = tolerances.measure(
                     a[q].astype(np.float64),
                     b[q].astype(np.float64),
                     dtype=dtype,
-                    quantity="forward" if q == "y" else "grad",
-                    cast=case.spec.cast,
+                    quantity="forward" if q in compare.FORWARD_QUANTITIES else "grad",
+                    cast=case.spec.cast if q == "y" else "after_scale",
+                    magnitude=magnitude,
                 )
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
             if worst > 1:

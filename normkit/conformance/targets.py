@@ -16,8 +16,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from normkit import backends
-from normkit.backends import Outputs
 from normkit.spec import NormSpec
+
+HookOutputs = tuple[np.ndarray | None, ...]
+"""What `Hook.evaluate` returns: numpy arrays named, in order, by
+`normkit.conformance.compare.quantities` (``y, dx, dscale, dbias``, then ``h, dresidual`` with a
+residual, then ``dalpha`` for DyT), in the dtypes the implementation produced; None for a
+parameter the spec lacks."""
 
 
 class Hook(Protocol):
@@ -25,7 +30,21 @@ class Hook(Protocol):
 
     ``VARIANTS`` names the variant keywords ``evaluate`` takes, with their allowed values (None:
     any value, passed through to the implementation). ``evaluate`` raises NotImplementedError
-    for a case the implementation does not support (a SKIP); any other exception is a FAIL.
+    for a case the implementation does not support (a SKIP; only where the framework truly
+    cannot, e.g. float64 on a device without it, saying why); any other exception is a FAIL.
+
+    The contract of ``evaluate(spec, x, dy, scale, bias, *, residual, dh, alpha, device,
+    **variant)``:
+
+    - ``x`` and ``dy`` (the cotangent of ``y``) in the case dtype; ``scale``, ``bias`` in the
+      parameter dtype, or None for the layer's initial value (float32 parameters then).
+    - ``residual`` and ``dh`` are given exactly when ``spec.residual`` is set: ``residual`` of
+      x's shape and dtype, ``dh`` the cotangent of ``h`` in h's dtype (float32 for
+      ``residual="float32"`` with a half x, else x's). The backward is that of
+      ``sum(dy * y) + sum(dh * h)``.
+    - ``alpha`` (DyT only): shape ``(1,)`` in the parameter dtype, or None for ``alpha_init``;
+      ``dalpha`` comes back with alpha's shape and dtype.
+    - Returns `HookOutputs`: a spec without a residual and not DyT gets today's 4-tuple.
     """
 
     VARIANTS: Mapping[str, tuple[object, ...] | None]
@@ -34,8 +53,10 @@ class Hook(Protocol):
 
     def evaluate(
         self, spec: NormSpec, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None = None,
-        bias: np.ndarray | None = None, *, device: str = "cpu", **variant: Any,
-    ) -> Outputs: ...
+        bias: np.ndarray | None = None, *, residual: np.ndarray | None = None,
+        dh: np.ndarray | None = None, alpha: np.ndarray | None = None, device: str = "cpu",
+        **variant: Any,
+    ) -> HookOutputs: ...
 
 
 def check_variant(

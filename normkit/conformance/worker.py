@@ -19,7 +19,7 @@ import numpy as np
 
 from normkit import dtypes, workers
 from normkit.conformance.cases import Case
-from normkit.conformance.compare import QUANTITIES, compare
+from normkit.conformance.compare import compare, quantities
 from normkit.conformance.result import Result
 from normkit.conformance.targets import Hook
 
@@ -53,21 +53,31 @@ def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
 def _run_case(
     hook: Hook, name: str, variant: dict[str, Any], case: Case, device: str, outdir: str | None
 ) -> Result:
-    x, dy, scale, bias = case.inputs()
+    inputs = case.arrays()
+    x, dy, scale, bias, residual, dh, alpha = inputs
+    # the contract's keywords, only where the spec has them: a plain spec's call is unchanged
+    extra: dict[str, Any] = {}
+    if case.spec.residual is not None:
+        extra.update(residual=residual, dh=dh)
+    if case.spec.kind == "dyt":
+        extra["alpha"] = alpha
     try:
-        outputs = hook.evaluate(case.spec, x, dy, scale, bias, device=device, **variant)
+        outputs = tuple(
+            hook.evaluate(case.spec, x, dy, scale, bias, **extra, device=device, **variant)
+        )
     except NotImplementedError as exc:
         return Result(name, device, case, "SKIP", str(exc))
     except Exception as exc:  # an implementation's failure is a finding, not a crash
         return Result(
             name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0]
         )
-    problems, measured = compare(case.spec, (x, dy, scale, bias), outputs)
+    problems, measured = compare(case.spec, inputs, outputs)
     figures = {q: m.to_dict() for q, m in measured.items()}
-    if outdir:
+    names = quantities(case.spec)
+    if outdir and len(outputs) == len(names):
         path = os.path.join(outdir, f"{name}@{device}@{case.id}.npz")
         arrays: dict[str, Any] = {
-            q: _savable(o) for q, o in zip(QUANTITIES, outputs, strict=True) if o is not None
+            q: _savable(o) for q, o in zip(names, outputs, strict=True) if o is not None
         }
         np.savez(path, **arrays)
     return Result(name, device, case, "FAIL" if problems else "PASS", "; ".join(problems), figures)
