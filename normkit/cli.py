@@ -22,7 +22,7 @@ import normkit
 from normkit import arguments, backends, dtypes
 from normkit.bench import cli as bench_cli
 from normkit.port import cli as port_cli
-from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS, NormSpec
+from normkit.spec import ALL_KINDS, CASTS, EPS_PLACEMENTS, KINDS, NormSpec
 
 
 def _add_info(parser: argparse.ArgumentParser) -> None:
@@ -113,9 +113,9 @@ def _add_conformance(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true", help="a small matrix (about a minute on CPU)")
     add("--backend", type=arguments.names,
         help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
-    add("--kind", type=arguments.names, help=f"comma-separated kinds of {list(KINDS)}")
+    add("--kind", type=arguments.names, help=f"comma-separated kinds of {list(ALL_KINDS)}")
     add("--dtype", type=arguments.names,
-        help="comma-separated dtypes: float32, float16, bfloat16")
+        help="comma-separated dtypes: float32, float16, bfloat16, float64")
     add("--device", type=arguments.devices,
         help="comma-separated devices: cpu, cuda:N (alias gpu:N), tpu:N, mps (default: all seen)")
     add("--peers", action="store_true",
@@ -138,7 +138,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
         raise ValueError("--json and --markdown cannot both write to stdout")
     result = conformance.run(
         backends=args.backend,
-        kinds=tuple(args.kind) if args.kind else KINDS,
+        kinds=tuple(args.kind) if args.kind else ALL_KINDS,
         dtypes=tuple(args.dtype) if args.dtype else None,
         devices=args.device,
         quick=args.quick,

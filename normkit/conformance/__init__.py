@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from normkit.backends import device_name
-from normkit.conformance.cases import CASE_DTYPES, Case, matrix
+from normkit.conformance.cases import CASE_DTYPES, MATRIX_DTYPES, Case, matrix
 from normkit.conformance.runner import Report
 from normkit.conformance.targets import TARGETS, Hook, Target, select
 from normkit.identify import Identification, identify
-from normkit.spec import KINDS
+from normkit.spec import ALL_KINDS
 
 __all__ = [
     "run", "identify", "Identification", "Case", "Hook", "Report", "Target", "TARGETS", "matrix",
@@ -24,7 +24,7 @@ __all__ = [
 def run(
     *,
     backends: Sequence[str] | None = None,
-    kinds: Sequence[str] = KINDS,
+    kinds: Sequence[str] = ALL_KINDS,
     dtypes: Sequence[str] | None = None,
     devices: Sequence[str] | None = None,
     quick: bool = False,
@@ -39,7 +39,8 @@ def run(
       backends: target names or prefixes (``"torch"``, ``"tf"``, ``"tf[jax,jit]"``, ``"jax.nnx"``);
         all when None. A target whose framework is not installed is skipped with the reason.
       kinds: the norm kinds to cover.
-      dtypes: the input dtypes (float32, float16, bfloat16); all when None.
+      dtypes: the input dtypes (float32, float16, bfloat16, float64); all when None (the peers:
+        all but float64).
       devices: device names (``"cpu"``, ``"cuda:0"`` or its alias ``"gpu:0"``, ...); every
         device each backend sees when None.
       quick: a small matrix that still touches every option.
@@ -50,7 +51,6 @@ def run(
     """
     from normkit.conformance import runner
 
-    case_dtypes = tuple(dtypes) if dtypes else CASE_DTYPES
     wanted = [device_name(d) for d in devices] if devices else None
     if peers:
         from normkit.conformance import peers as peer_targets
@@ -58,13 +58,13 @@ def run(
         chosen = select(list(backends) if backends else None, peer_targets.PEERS)
         return runner.run(
             chosen,
-            lambda t: peer_targets.cases(t, quick=quick, case_dtypes=case_dtypes),
+            lambda t: peer_targets.cases(t, quick=quick, case_dtypes=dtypes or CASE_DTYPES),
             devices=wanted,
             jobs=jobs,
             pairwise=False,
             progress=progress,
         )
-    cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=case_dtypes)
+    cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=tuple(dtypes or MATRIX_DTYPES))
     chosen = select(list(backends) if backends else None)
     return runner.run(
         chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise, progress=progress

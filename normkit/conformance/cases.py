@@ -14,10 +14,15 @@ import numpy as np
 
 from normkit import dtypes
 from normkit.conformance.compare import Inputs
-from normkit.spec import EXTENDED_DEFAULTS, KINDS, NormSpec
+from normkit.spec import ALL_KINDS, EXTENDED_DEFAULTS, KINDS, RESIDUALS, NormSpec
 
 CASE_DTYPES = ("float32", "float16", "bfloat16")
+"""The dtypes of the peers' cases, and of the matrix but float64."""
+MATRIX_DTYPES = (*CASE_DTYPES, "float64")
+"""Every input dtype of the matrix."""
 PARTIAL_P = 0.25
+FEATURES = (*EXTENDED_DEFAULTS, "dyt", "float64")
+"""What a case may exercise beyond the original matrix (`Case.features`)."""
 
 
 @dataclass(frozen=True)
@@ -29,23 +34,19 @@ class Case:
     shape: tuple[int, ...]
     dtype: str
     param_dtype: str = "float32"
-    x_mean: float = 0.0
 
     @property
     def id(self) -> str:
         """A stable identifier, also the seed of the inputs."""
-        fields: list[object] = [
-            self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype
-        ]
-        if self.x_mean:
-            fields.append(self.x_mean)
-        text = json.dumps(fields, sort_keys=True)
+        text = json.dumps(
+            [self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype], sort_keys=True
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property
     def label(self) -> str:
         """The case in words: the kind and every option that is not its default, the dtype and
-        shape, the parameter dtype when not float32, the input's mean when not 0."""
+        shape, and the parameter dtype when not float32."""
         s = self.spec
         if s.kind == "dyt":
             parts = [s.kind, f"alpha_init={s.alpha_init:g}"]
@@ -69,8 +70,20 @@ class Case:
             if getattr(s, name) not in (default, None)  # None: DyT has no variance
         ]
         params = "" if self.param_dtype == "float32" else f" params {self.param_dtype}"
-        mean = f" mean {self.x_mean:g}" if self.x_mean else ""
-        return f"{' '.join(parts)} {self.dtype}{list(self.shape)}{params}{mean}"
+        return f"{' '.join(parts)} {self.dtype}{list(self.shape)}{params}"
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """What of `FEATURES` the case exercises: the extended fields off their default, DyT,
+        float64 inputs."""
+        s = self.spec
+        found = [name for name, default in EXTENDED_DEFAULTS.items()
+                 if getattr(s, name) not in (default, None)]
+        if s.kind == "dyt":
+            found.append("dyt")
+        if self.dtype == "float64":
+            found.append("float64")
+        return tuple(f for f in FEATURES if f in found)
 
     def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """``(x, dy, scale, bias)``, the first four of `arrays`."""
@@ -80,7 +93,7 @@ class Case:
     def arrays(self) -> Inputs:
         """Every input of the case, drawn from its seed (`compare.Inputs`).
 
-        ``x`` (standard normal, plus ``x_mean``) and ``dy`` (standard normal) in the case dtype;
+        ``x`` and ``dy`` (standard normal) in the case dtype;
         the scale around its effective value 1 (``w = scale_init + 0.1 N(0, 1)``), the bias
         around 0, so every option changes the output measurably, both in the parameter dtype.
         Then, drawn after those (so a spec without them keeps its inputs), with a residual:
@@ -90,7 +103,7 @@ class Case:
         """
         rng = np.random.default_rng(int(self.id, 16))
         dtype = dtypes.DTYPE_NAMES[self.dtype]
-        x = dtypes.round_to(rng.standard_normal(self.shape) + self.x_mean, dtype)
+        x = dtypes.round_to(rng.standard_normal(self.shape), dtype)
         dy = dtypes.round_to(rng.standard_normal(self.shape), dtype)
         spec = self.spec
         pshape = spec.param_shape(self.shape)
@@ -117,7 +130,6 @@ class Case:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "param_dtype": self.param_dtype,
-            "x_mean": self.x_mean,
         }
 
     @classmethod
@@ -125,15 +137,7 @@ class Case:
         spec = NormSpec.from_dict(data["spec"])  # type: ignore[arg-type]
         shape = data["shape"]
         assert isinstance(shape, list | tuple)
-        mean = data.get("x_mean", 0.0)
-        assert isinstance(mean, int | float)
-        return cls(
-            spec,
-            tuple(shape),
-            str(data["dtype"]),
-            str(data.get("param_dtype", "float32")),
-            float(mean),
-        )
+        return cls(spec, tuple(shape), str(data["dtype"]), str(data.get("param_dtype", "float32")))
 
 
 FULL_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
@@ -176,24 +180,149 @@ def specs(kinds: tuple[str, ...] = KINDS, *, quick: bool = False) -> list[NormSp
     return found
 
 
+Shapes = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+EXTENDED_SHAPES: Shapes = (((5, 7), (-1,)), ((4, 2, 64), (-2, -1)))
+"""The shapes of the families of the extended fields: odd, and multi-axis with n = 128."""
+QUICK_EXTENDED_SHAPES: Shapes = (((5, 7), (-1,)),)
+
+# A family member: a spec, and the (input dtype, cast, parameter dtype) it runs on.
+Setting = tuple[str, str, str]
+Member = tuple[NormSpec, tuple[Setting, ...]]
+
+_F32, _F16, _BF16, _F64 = "float32", "float16", "bfloat16", "float64"
+_AFTER, _BEFORE = "after_scale", "before_scale"
+
+
+def _residual_family(quick: bool) -> list[Member]:
+    """Each rounding of the sum, on half inputs (where they differ) and float32."""
+    if quick:
+        return [
+            (NormSpec(residual="rounded"), ((_BF16, _BEFORE, _F32),)),
+            (NormSpec(residual="float32"), ((_F16, _AFTER, _F32),)),
+        ]
+    settings = ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32))
+    found: list[Member] = [(NormSpec(residual=mode), settings) for mode in RESIDUALS]
+    found.append(
+        (NormSpec("layer", residual="float32_normalized"), ((_BF16, _BEFORE, _F32),))
+    )
+    found.append((NormSpec(residual="rounded"), ((_F64, _AFTER, _F32),)))
+    return found
+
+
+def _variance_family(quick: bool) -> list[Member]:
+    """LayerNorm with the fast variance (zero-mean rows: on rows of a large mean a float32
+    implementation's summation order moves the cancelling difference beyond the tolerance)."""
+    spec = NormSpec("layer", variance="fast")
+    if quick:
+        return [(spec, ((_F32, _AFTER, _F32),))]
+    return [(spec, ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32),
+                    (_F64, _AFTER, _F32)))]
+
+
+def _offset_family(quick: bool) -> list[Member]:
+    """``scale_offset + w`` in the half parameter's own dtype."""
+    spec = NormSpec(scale_offset=1.0, offset_dtype="param")
+    if quick:
+        return [(spec, ((_BF16, _AFTER, _BF16),))]
+    return [(spec, ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
+                    (_F32, _AFTER, _BF16)))]
+
+
+def _promote_family(quick: bool) -> list[Member]:
+    """The output in the promoted dtype: float32 params with half inputs, half params with
+    float32 inputs."""
+    spec = NormSpec(output_dtype="promote")
+    if quick:
+        return [(spec, ((_BF16, _BEFORE, _F32),))]
+    return [
+        (spec, ((_BF16, _BEFORE, _F32), (_F16, _AFTER, _F32), (_F32, _AFTER, _BF16),
+                (_F32, _AFTER, _F16))),
+        (NormSpec("layer", output_dtype="promote"), ((_BF16, _AFTER, _F32),)),
+    ]
+
+
+def _dyt_family(quick: bool) -> list[Member]:
+    """DyT: both initial alphas, with and without bias, on every dtype."""
+    if quick:
+        return [
+            (NormSpec("dyt", alpha_init=0.5), ((_BF16, _AFTER, _F32),)),
+            (NormSpec("dyt", alpha_init=1.0, bias=False), ((_F32, _AFTER, _F32),)),
+        ]
+    settings = ((_F32, _AFTER, _F32), (_F16, _AFTER, _F32), (_BF16, _AFTER, _F32),
+                (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))
+    found: list[Member] = [
+        (NormSpec("dyt", alpha_init=alpha, bias=bias), settings)
+        for alpha, bias in itertools.product((0.5, 1.0), (True, False))
+    ]
+    found.append((NormSpec("dyt", residual="rounded"), ((_BF16, _AFTER, _F32),)))
+    return found
+
+
+def _autograd_family(quick: bool) -> list[Member]:
+    """The gradients of autograd through the eager forward: half inputs, both casts, params in
+    the input dtype (as `module.to(dtype)`), and Llama's float32 weights."""
+    spec = NormSpec(backward="autograd")
+    if quick:
+        return [(spec, ((_BF16, _BEFORE, _BF16),))]
+    return [
+        (spec, ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
+                (_F16, _BEFORE, _F16))),
+        (NormSpec("layer", backward="autograd"), ((_BF16, _BEFORE, _BF16),)),
+        (spec.replace(output_dtype="promote"), ((_BF16, _BEFORE, _F32),)),
+        (spec.replace(residual="rounded"), ((_BF16, _BEFORE, _BF16),)),
+    ]
+
+
+FAMILIES = {
+    "residual": _residual_family,
+    "variance": _variance_family,
+    "offset_dtype": _offset_family,
+    "output_dtype": _promote_family,
+    "dyt": _dyt_family,
+    "backward": _autograd_family,
+}
+"""The extended fields' own small families of cases, each `(quick) -> [(spec, settings)]`."""
+
+
+def _checked_filters(kinds: tuple[str, ...], case_dtypes: tuple[str, ...]) -> None:
+    unknown = sorted(set(case_dtypes) - set(MATRIX_DTYPES))
+    if unknown:
+        raise ValueError(f"unknown dtypes {unknown}; conformance covers {list(MATRIX_DTYPES)}")
+    unknown = sorted(set(kinds) - set(ALL_KINDS))
+    if unknown:
+        raise ValueError(f"unknown kinds {unknown}; allowed: {list(ALL_KINDS)}")
+
+
 def matrix(
     *,
     quick: bool = False,
-    kinds: tuple[str, ...] = KINDS,
-    case_dtypes: tuple[str, ...] = CASE_DTYPES,
+    kinds: tuple[str, ...] = ALL_KINDS,
+    case_dtypes: tuple[str, ...] = MATRIX_DTYPES,
 ) -> list[Case]:
-    """The case matrix: `specs` x dtypes (both cast orders for half dtypes) x shapes."""
-    unknown = sorted(set(case_dtypes) - set(CASE_DTYPES))
-    if unknown:
-        raise ValueError(f"unknown dtypes {unknown}; conformance covers {list(CASE_DTYPES)}")
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        raise ValueError(f"unknown kinds {unknown}; allowed: {list(KINDS)}")
+    """The case matrix, restricted to ``kinds`` and input dtypes ``case_dtypes``.
+
+    `specs` x dtypes (both cast orders for half dtypes) x shapes (`FULL_SHAPES`, or
+    `QUICK_SHAPES` with ``quick``), then the `FAMILIES` of the extended fields, each member on
+    its own dtypes and `EXTENDED_SHAPES` (`QUICK_EXTENDED_SHAPES`).
+    """
+    _checked_filters(kinds, case_dtypes)
     cases = []
-    for spec in specs(kinds, quick=quick):
+    base_kinds = tuple(k for k in kinds if k in KINDS)
+    for spec in specs(base_kinds, quick=quick):
         for dtype in case_dtypes:
-            casts = ("after_scale", "before_scale") if dtype != "float32" else ("after_scale",)
+            half = dtypes.is_half(dtypes.DTYPE_NAMES[dtype])
+            casts = (_AFTER, _BEFORE) if half else (_AFTER,)
             shapes = QUICK_SHAPES if quick else FULL_SHAPES
             for cast, (shape, axis) in itertools.product(casts, shapes):
                 cases.append(Case(spec.replace(cast=cast, axis=axis), shape, dtype))
+    shapes = QUICK_EXTENDED_SHAPES if quick else EXTENDED_SHAPES
+    for family in FAMILIES.values():
+        for spec, settings in family(quick):
+            if spec.kind not in kinds:
+                continue
+            for (dtype, cast, param_dtype), (shape, axis) in itertools.product(settings, shapes):
+                if dtype in case_dtypes:
+                    changed = spec.replace(cast=cast, axis=axis)
+                    cases.append(Case(changed, shape, dtype, param_dtype))
     return cases

@@ -8,8 +8,9 @@ from collections import defaultdict
 from typing import Any
 
 from normkit import __version__, tolerances
+from normkit.conformance.cases import FEATURES
 from normkit.conformance.runner import PAIRWISE_FACTOR, Report
-from normkit.spec import KINDS, NormSpec
+from normkit.spec import ALL_KINDS, NormSpec
 
 
 def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -22,20 +23,38 @@ def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
         cell = cells[(f"{r.target}@{r.device}", r.case.spec.kind)]
         cell[{"PASS": 0, "FAIL": 1, "SKIP": 2}[r.status]] += 1
         cell[3] = max(cell[3], r.worst)
-    header = ["implementation", *KINDS, "passed", "failed", "skipped"]
+    header = ["implementation", *ALL_KINDS, "passed", "failed", "skipped"]
     rows = []
     for name in sorted({row for row, _ in cells}):
         counts = [0, 0, 0]
         row = [name]
-        for kind in KINDS:
+        for kind in ALL_KINDS:
             passed, failed, skipped, worst = cells.get((name, kind), [0, 0, 0, 0.0])
             counts = [counts[0] + passed, counts[1] + failed, counts[2] + skipped]
             total = passed + failed
             row.append(f"{passed}/{total} worst {worst:.2f}" if total else "-")
         rows.append([*row, *(str(c) for c in counts)])
     for name, reason in sorted(report.skipped_targets.items()):
-        rows.append([name, *("-" for _ in KINDS), "0", "0", f"all: {reason}"])
+        rows.append([name, *("-" for _ in ALL_KINDS), "0", "0", f"all: {reason}"])
     return header, rows
+
+
+def _features(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Rows of target@device x `FEATURES` (the extended fields, DyT, float64): passed/run."""
+    cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in report.results:
+        if r.status != "SKIP":
+            for feature in r.case.features:
+                cells[(f"{r.target}@{r.device}", feature)][r.status == "FAIL"] += 1
+    seen = [f for f in FEATURES if any(feature == f for _, feature in cells)]
+    rows = []
+    for name in sorted({row for row, _ in cells}):
+        row = [name]
+        for feature in seen:
+            passed, failed = cells.get((name, feature), [0, 0])
+            row.append(f"{passed}/{passed + failed}" if passed + failed else "-")
+        rows.append(row)
+    return ["implementation", *seen], rows
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -168,7 +187,8 @@ def peers_markdown(report: Report, title: str) -> str:
     for r in report.results:
         if r.status != "SKIP":
             by_dtype[(r.target, r.case.dtype)][r.status == "FAIL"] += 1
-    dtypes_seen = sorted({d for _, d in by_dtype}, key=["float32", "float16", "bfloat16"].index)
+    order = ["float32", "float16", "bfloat16", "float64"]
+    dtypes_seen = sorted({d for _, d in by_dtype}, key=order.index)
     notes = departures(report)
     header = [
         "built-in layer",
@@ -262,6 +282,17 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
         "",
         LEGEND,
     ]
+    fh, fr = _features(report)
+    if fr:
+        out += [
+            "",
+            "## Extended fields",
+            "",
+            "Cases passed / run that exercise each field of the spec off its default "
+            "(residual, variance, offset_dtype, output_dtype, backward), DyT and float64 inputs.",
+            "",
+            _markdown_table(fh, fr),
+        ]
     if report.pairwise:
         ph, pr = _pairwise_rows(report)
         out += [

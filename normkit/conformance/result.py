@@ -32,6 +32,7 @@ class Result:
             "device": self.device,
             "case_id": self.case.id,
             "case": self.case.label,
+            "features": list(self.case.features),
             **self.case.to_dict(),
             "status": self.status,
             "reason": self.reason,

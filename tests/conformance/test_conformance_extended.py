@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from normkit import dtypes
-from normkit.conformance import runner
-from normkit.conformance.cases import Case
+from normkit import cli, conformance, dtypes
+from normkit.conformance import report, runner
+from normkit.conformance.cases import FEATURES, MATRIX_DTYPES, Case, matrix
 from normkit.conformance.compare import compare, expected_dtypes, quantities
 from normkit.conformance.targets import Target
-from normkit.spec import NormSpec
+from normkit.spec import ALL_KINDS, RESIDUALS, NormSpec
 from tests.helpers.conformance_fakes import bump, reference_outputs
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -37,7 +37,7 @@ CASES = [
     Case(NormSpec(residual="rounded", cast="before_scale"), (6, 16), "bfloat16"),
     Case(NormSpec(residual="float32"), (6, 16), "float16"),
     Case(NormSpec("layer", residual="float32_normalized"), (6, 16), "bfloat16"),
-    Case(NormSpec("layer", variance="fast"), (6, 16), "float32", x_mean=8.0),
+    Case(NormSpec("layer", variance="fast"), (6, 16), "float32"),
     Case(NormSpec(scale_offset=1.0, offset_dtype="param"), (6, 16), "float32", "bfloat16"),
     Case(NormSpec(output_dtype="promote", cast="before_scale"), (6, 16), "bfloat16"),
     Case(NormSpec(output_dtype="promote"), (6, 16), "float32", "float16"),
@@ -112,9 +112,13 @@ def test_the_new_inputs_are_drawn_only_where_the_spec_has_them():
     again = Case(NormSpec("dyt", alpha_init=0.5), (4, 8), "float32", "bfloat16").arrays()
     for a, b in zip(dyt, again):
         np.testing.assert_array_equal(a, b)
-    mean = Case(NormSpec("layer"), (4, 64), "float32", x_mean=100.0)
-    assert 99 < float(mean.arrays().x.mean()) < 101
-    assert Case.from_dict(json.loads(json.dumps(mean.to_dict()))) == mean
+    kept = Case(NormSpec(residual="float32"), (4, 8), "bfloat16")
+    assert Case.from_dict(json.loads(json.dumps(kept.to_dict()))) == kept
+    inputs = kept.arrays()
+    assert inputs.residual.dtype == dtypes.bfloat16 and inputs.dh.dtype == np.float32
+    x, dy, scale, bias = kept.inputs()
+    for a, b in zip((x, dy, scale, bias), inputs[:4]):
+        np.testing.assert_array_equal(a, b)
 
 
 # ---- the worker, through the fake hook ------------------------------------------------------
@@ -157,8 +161,90 @@ def test_the_worker_passes_the_contract_keywords(extended_report):
     assert all(r.reason.startswith("dalpha: FAIL") for r in wrong_dalpha)
 
 
+def test_the_reports_show_the_new_fields(extended_report):
+    data = json.loads(report.to_json(extended_report))
+    case = next(c for c in data["cases"] if c["target"] == "right" and c["spec"]["kind"] == "dyt")
+    assert "dalpha" in case["measurements"] and "dyt" in case["features"]
+    assert case["case"].startswith("dyt alpha_init=1 bias")
+    md = report.markdown(extended_report)
+    table = md.split("## Extended fields")[1].split("##")[0]
+    assert "| implementation | residual | variance | offset_dtype | output_dtype | backward | dyt" \
+        " | float64 |" in table
+    # the four cases with a residual (three roundings and DyT's): "wrong h" fails them all
+    assert "| right@cpu | 4/4 |" in table and "| wrong h@cpu | 0/4 |" in table
+    assert "| dyt |" in md.split("\n")[4]
+
+
 def test_pairwise_reads_the_new_quantities(extended_report):
     pair = next(p for p in extended_report.pairwise if {p.a, p.b} == {"right@cpu", "wrong h@cpu"})
     assert pair.disagreements == sum(c.spec.residual is not None for c in CASES)
     same = next(p for p in extended_report.pairwise if {p.a, p.b} == {"right@cpu", "right too@cpu"})
     assert same.disagreements == 0 and same.worst == 0
+
+
+# ---- the matrix's families ------------------------------------------------------------------
+
+
+def test_each_family_exercises_its_field_in_full_and_quick():
+    full, quick = matrix(), matrix(quick=True)
+    assert len(full) == len({c.id for c in full}) == 968
+    assert len(quick) == len({c.id for c in quick}) == 80
+    for cases in (full, quick):
+        by_feature = {f: [c for c in cases if f in c.features] for f in FEATURES}
+        assert all(by_feature.values()), [f for f, found in by_feature.items() if not found]
+    # every residual rounding on half and float32 inputs
+    residual = {(c.spec.residual, c.dtype) for c in full if c.spec.residual}
+    assert {(m, d) for m in RESIDUALS for d in ("float32", "bfloat16", "float16")} <= residual
+    dyt = [c for c in full if c.spec.kind == "dyt"]
+    assert {(c.spec.alpha_init, c.spec.bias) for c in dyt} == {
+        (a, b) for a in (0.5, 1.0) for b in (True, False)
+    }
+    assert {c.dtype for c in dyt} == set(MATRIX_DTYPES)
+    offset = [c for c in full if c.spec.offset_dtype == "param"]
+    assert {c.param_dtype for c in offset} == {"bfloat16", "float16"}
+    assert all(c.spec.scale_offset == 1 for c in offset)
+    promote = {(c.dtype, c.param_dtype) for c in full if c.spec.output_dtype == "promote"}
+    assert {("bfloat16", "float32"), ("float32", "bfloat16"), ("float32", "float16")} <= promote
+    autograd = {(c.dtype, c.spec.cast) for c in full if c.spec.backward == "autograd"}
+    assert {(d, k) for d in ("bfloat16", "float16") for k in ("after_scale", "before_scale")} == (
+        autograd
+    )
+    assert {c.dtype for c in full if c.spec.variance == "fast"} == set(MATRIX_DTYPES)
+    extended = [c for c in full if set(c.features) - {"float64"}]
+    assert len(extended) == 104  # small beside the 864 of the original matrix in four dtypes
+
+
+def test_the_families_are_deterministic_and_labelled():
+    first = [(c.id, c.label) for c in matrix()]
+    assert first == [(c.id, c.label) for c in matrix()]
+    labels = [c.label for c in matrix(quick=True) if c.features]
+    for needle in ("residual=rounded", "variance=fast", "offset_dtype=param",
+                   "output_dtype=promote", "dyt alpha_init=0.5", "backward=autograd",
+                   "float64[5, 7]", "params bfloat16"):
+        assert any(needle in label for label in labels), needle
+
+
+def test_kind_and_dtype_filters_reach_the_families():
+    dyt = matrix(kinds=("dyt",))
+    assert dyt and all(c.spec.kind == "dyt" for c in dyt)
+    assert len(matrix(kinds=("dyt",), quick=True)) == 2
+    f64 = matrix(case_dtypes=("float64",))
+    assert f64 and all(c.dtype == "float64" for c in f64)
+    assert {c.spec.kind for c in f64} == {"rms", "partial_rms", "layer", "dyt"}
+    assert all(c.spec.cast == "after_scale" for c in f64)
+
+
+def test_the_cli_runs_dyt_in_float64(monkeypatch, capsys):
+    asked = {}
+
+    def run(**kwargs):
+        asked.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(conformance, "run", run)
+    with pytest.raises(SystemExit):
+        cli.main(["conformance", "--kind", "dyt", "--dtype", "float64"])
+    assert asked["kinds"] == ("dyt",) and asked["dtypes"] == ("float64",)
+    with pytest.raises(SystemExit):
+        cli.main(["conformance"])
+    assert asked["kinds"] == ALL_KINDS and asked["dtypes"] is None
