@@ -4,8 +4,16 @@ Each peer is checked as people use it: torch modules and Hugging Face's with par
 input's dtype (``module.to(dtype)``) or, where a model keeps them so, in float32 with half
 activations; Keras layers under the ``mixed_<dtype>`` policy for half inputs (float32
 variables); Flax modules with their default float32 ``param_dtype``. Every module is built
-locally from its class and a default configuration (no download). Where a peer departs from
-its spec, the conformance report shows where; `explain` says why.
+locally from its class and its model configuration's default eps (no download). Where a peer
+departs from its spec, the conformance report shows where.
+
+The specs, from each installed source: Flax's LayerNorm uses ``use_fast_variance=True`` and
+returns ``result_type(x, params)``; Keras' LayerNormalization on TensorFlow takes its variance
+from ``tf.nn.moments`` (two-pass); Hugging Face's Gemma and Gemma3 compute ``1 + w`` in float32
+and apply it before the single cast to the input dtype; T5 casts ``ŷ`` only to a half weight's
+dtype, so a float32 weight gives a float32 result; Qwen3 normalizes the head dimension with
+Llama's arithmetic, OLMo2 the whole projection with Gemma's order (``(w * ŷ).to(dtype)``);
+Cohere's LayerNorm subtracts the mean and has no bias.
 """
 
 from __future__ import annotations

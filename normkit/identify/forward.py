@@ -7,8 +7,8 @@ layer as such a ``forward``.
 Model. Every kind computes, per row, ``y = ŷ · G + B`` with ``ŷ = c · r(s)``, where ``c`` is the
 row (centered for LayerNorm), ``s`` the mean of ``c_i²`` over the first ``k`` elements,
 ``r(s) = 1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside), ``G = scale_offset + w``
-and ``B = b``; DyT has ``ŷ = tanh(alpha x)``. The probes, in order (the structure is probed in the most precise dtype asked for,
-float32 by default):
+and ``B = b``; DyT has ``ŷ = tanh(alpha x)``. The probes, in order (the structure is probed in
+the most precise dtype asked for, float32 by default):
 
 1. Parameters (``accepts_params=True`` only). With ``b = 0``, ``f(x; w=0) = offset · ŷ`` and
    ``f(x; w=1) = (offset + 1) · ŷ``: their difference is ``ŷ`` and their ratio gives the offset;
@@ -53,24 +53,24 @@ float32 by default):
    (`normkit.identify.variance`; float32 and float64 probes only).
 8. Half precision, per half dtype asked for: the output dtype with float32 parameters (the input
    dtype, ``output_dtype="input"``, or float32, ``"promote"``), the error against the
-   reference, the cast order and, with an offset, where ``offset + w`` is computed. With parameters, ``w`` and ``b`` exactly
-   representable in both half dtypes make ``"before_scale"`` (``ŷ`` rounded before the affine
-   step) and ``"after_scale"`` predict different outputs on many elements; the order the output
-   is closer to on at least 90% of those elements is the answer. Elements within ``2^-18`` of a
-   rounding midpoint are left out: there a float32 implementation (or eps lost in a float32
-   sum) may round either way, and half-precision inputs and parameters make exact ties common.
-   With an offset, ``|w| < 1/8`` makes ``offset + w`` round in the half dtype on most elements;
-   the output then also tells ``offset_dtype="param"`` (parameters held in the input dtype, the
-   sum rounded there) from ``"float32"``. The best of the (cast, offset dtype) predictions is
-   compared with the one that differs in each field alone.
+   reference, the cast order and, with an offset, where ``offset + w`` is computed. With
+   parameters, ``w`` and ``b`` exactly representable in both half dtypes make
+   ``"before_scale"`` (``ŷ`` rounded before the affine step) and ``"after_scale"`` predict
+   different outputs on many elements; the order the output is closer to on at least 90% of
+   those elements is the answer. Elements within ``2^-18`` of a rounding midpoint are left out:
+   there a float32 implementation (or eps lost in a float32 sum) may round either way, and
+   half-precision inputs and parameters make exact ties common. With an offset, ``|w| < 1/8``
+   makes ``offset + w`` round in the half dtype on most elements; the output then also tells
+   ``offset_dtype="param"`` (parameters held in the input dtype, the sum rounded there) from
+   ``"float32"``. The best of the (cast, offset dtype) predictions is compared with the one
+   that differs in each field alone.
 
 A forward probe has one input and one output: a ``residual`` cannot be seen (an add and norm is
 identified as the norm of ``h``), nor the ``backward`` rounding model (always undetermined).
 
 What cannot be determined is listed in `Identification.undetermined`, never guessed, and the
 spec takes the field's `NormSpec` default (DyT's ``alpha_init`` is the layer's current alpha).
-Without parameters the layer's own are used: no scale
-and a fixed scale, offset 0 with ``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias
+Without parameters the layer's own are used: no scale and a fixed scale, offset 0 with ``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias
 give the same function, and at the initial values (``G = 1, B = 0``) both cast orders round ``ŷ``
 once. (A trained layer's non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast
 order.) An eps too small to change any probe (below about 4e-26 inside, 2e-14 outside, in
