@@ -70,11 +70,12 @@ identified as the norm of ``h``), nor the ``backward`` rounding model (always un
 
 What cannot be determined is listed in `Identification.undetermined`, never guessed, and the
 spec takes the field's `NormSpec` default (DyT's ``alpha_init`` is the layer's current alpha).
-Without parameters the layer's own are used: no scale and a fixed scale, offset 0 with ``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias
-give the same function, and at the initial values (``G = 1, B = 0``) both cast orders round ``ŷ``
-once. (A trained layer's non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast
-order.) An eps too small to change any probe (below about 4e-26 inside, 2e-14 outside, in
-float32) is reported as such. ``p`` is known only to the interval of fractions that give the same
+Without parameters the layer's own are used: no scale and a fixed scale, offset 0 with
+``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias give the same function, and at
+the initial values (``G = 1, B = 0``) both cast orders round ``ŷ`` once. (A trained layer's
+non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast order.) An eps too small
+to change any probe (below about 4e-26 inside, 2e-14 outside, in float32) is reported as such.
+``p`` is known only to the interval of fractions that give the same
 ``k`` for this ``n``.
 """
 
