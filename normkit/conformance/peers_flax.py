@@ -10,6 +10,7 @@ from flax import nnx
 
 from normkit.backends import FrameworkFn, Outputs
 from normkit.bridges import JaxBridge
+from normkit.conformance.peers import refuse_extras
 from normkit.conformance.targets import check_variant
 from normkit.identify import Identification
 from normkit.identify import identify as identify_fn
@@ -28,11 +29,15 @@ def evaluate(
     scale: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     *,
+    residual: np.ndarray | None = None,
+    dh: np.ndarray | None = None,
+    alpha: np.ndarray | None = None,
     device: str = "cpu",
     **variant: Any,
 ) -> Outputs:
     """``(y, dx, dscale, dbias)`` of the built-in ``layer`` with float32 params (Flax's default)."""
     check_variant(variant, VARIANTS)
+    refuse_extras(residual, dh, alpha)
     layer = str(variant["layer"])
     return BRIDGE.vjp(peer_function(layer, x.shape[-1]), x, dy, scale, bias, device)
 

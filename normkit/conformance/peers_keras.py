@@ -15,6 +15,7 @@ import tensorflow as tf
 from normkit import dtypes
 from normkit.backends import FrameworkFn, Outputs
 from normkit.bridges import TensorFlowBridge
+from normkit.conformance.peers import refuse_extras
 from normkit.conformance.targets import check_variant
 from normkit.identify import Identification
 from normkit.identify import identify as identify_fn
@@ -46,11 +47,15 @@ def evaluate(
     scale: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     *,
+    residual: np.ndarray | None = None,
+    dh: np.ndarray | None = None,
+    alpha: np.ndarray | None = None,
     device: str = "cpu",
     **variant: Any,
 ) -> Outputs:
     """``(y, dx, dscale, dbias)`` of the built-in ``layer``; half inputs under ``mixed_<dtype>``."""
     check_variant(variant, VARIANTS)
+    refuse_extras(residual, dh, alpha)
     layer = str(variant["layer"])
     with tf.device(BRIDGE.device(device)):
         norm = _layer(layer, f"mixed_{x.dtype.name}" if dtypes.is_half(x.dtype) else "float32")

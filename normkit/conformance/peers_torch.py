@@ -1,4 +1,8 @@
-"""Conformance hook for torch's and Hugging Face's built-in norm modules (see `peers`)."""
+"""Conformance hook for torch's and Hugging Face's built-in norm modules (see `peers`).
+
+The Hugging Face modules are built from their classes with their configurations' default eps;
+nothing is downloaded.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,48 @@ import torch
 
 from normkit.backends import FrameworkFn, Outputs
 from normkit.bridges import TorchBridge
+from normkit.conformance.peers import refuse_extras
 from normkit.conformance.targets import check_variant
 from normkit.identify import Identification
 from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
-LAYERS = ("torch.nn.RMSNorm", "torch.nn.LayerNorm", "transformers.LlamaRMSNorm",
-               "transformers.GemmaRMSNorm")
-VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS}
+LAYERS = (
+    "torch.nn.RMSNorm", "torch.nn.LayerNorm", "transformers.LlamaRMSNorm",
+    "transformers.GemmaRMSNorm", "transformers.Gemma3RMSNorm", "transformers.T5LayerNorm",
+    "transformers.Qwen3RMSNorm", "transformers.Olmo2RMSNorm", "transformers.CohereLayerNorm",
+)
+WEIGHTS = ("input", "float32")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS, "weights": WEIGHTS}
 BRIDGE = TorchBridge()
 devices = BRIDGE.devices
+
+
+def _transformers(layer: str, n: int) -> torch.nn.Module:
+    """The Hugging Face module of size ``n``, with the eps its model's configuration uses."""
+    import transformers.models as hf
+
+    if layer == "transformers.LlamaRMSNorm":
+        eps = hf.llama.LlamaConfig().rms_norm_eps
+        return hf.llama.modeling_llama.LlamaRMSNorm(n, eps=eps)
+    if layer == "transformers.GemmaRMSNorm":
+        return hf.gemma.modeling_gemma.GemmaRMSNorm(n, eps=hf.gemma.GemmaConfig().rms_norm_eps)
+    if layer == "transformers.Gemma3RMSNorm":
+        eps = hf.gemma3.Gemma3TextConfig().rms_norm_eps
+        return hf.gemma3.modeling_gemma3.Gemma3RMSNorm(n, eps=eps)
+    if layer == "transformers.T5LayerNorm":
+        eps = hf.t5.T5Config().layer_norm_epsilon
+        return hf.t5.modeling_t5.T5LayerNorm(n, eps=eps)
+    if layer == "transformers.Qwen3RMSNorm":  # q_norm: Qwen3RMSNorm(head_dim)
+        eps = hf.qwen3.Qwen3Config().rms_norm_eps
+        return hf.qwen3.modeling_qwen3.Qwen3RMSNorm(n, eps=eps)
+    if layer == "transformers.Olmo2RMSNorm":  # q_norm: Olmo2RMSNorm(heads * head_dim)
+        eps = hf.olmo2.Olmo2Config().rms_norm_eps
+        return hf.olmo2.modeling_olmo2.Olmo2RMSNorm(n, eps)
+    if layer == "transformers.CohereLayerNorm":
+        cohere_eps = hf.cohere.CohereConfig().layer_norm_eps
+        return hf.cohere.modeling_cohere.CohereLayerNorm(n, eps=cohere_eps)
+    raise ValueError(f"unknown torch peer {layer!r}")
 
 
 def _module(layer: str, n: int) -> torch.nn.Module:
@@ -26,15 +62,7 @@ def _module(layer: str, n: int) -> torch.nn.Module:
         return torch.nn.RMSNorm(n)
     if layer == "torch.nn.LayerNorm":
         return torch.nn.LayerNorm(n)
-    if layer == "transformers.LlamaRMSNorm":
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        return LlamaRMSNorm(n, eps=1e-6)
-    if layer == "transformers.GemmaRMSNorm":
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-
-        return GemmaRMSNorm(n, eps=1e-6)
-    raise ValueError(f"unknown torch peer {layer!r}")
+    return _transformers(layer, n)
 
 
 def evaluate(
@@ -44,30 +72,43 @@ def evaluate(
     scale: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     *,
+    residual: np.ndarray | None = None,
+    dh: np.ndarray | None = None,
+    alpha: np.ndarray | None = None,
     device: str = "cpu",
     **variant: Any,
 ) -> Outputs:
     """``(y, dx, dweight, dbias)`` of the built-in ``layer`` over the last axis of ``x``."""
     check_variant(variant, VARIANTS)
-    layer = str(variant["layer"])
-    return BRIDGE.vjp(peer_function(layer, x.shape[-1], device), x, dy, scale, bias, device)
+    refuse_extras(residual, dh, alpha)
+    fn = peer_function(str(variant["layer"]), x.shape[-1], device, str(variant["weights"]))
+    return BRIDGE.vjp(fn, x, dy, scale, bias, device)
 
 
-def peer_function(layer: str, n: int, device: str = "cpu") -> FrameworkFn:
-    """``fn(x, weight, bias)``: the built-in ``layer`` of size ``n`` with those parameters."""
+def peer_function(
+    layer: str, n: int, device: str = "cpu", weights: str = "input"
+) -> FrameworkFn:
+    """``fn(x, weight, bias)``: the built-in ``layer`` of size ``n`` with those parameters, kept
+    in the input's dtype (``weights="input"``: ``module.to(x.dtype)``) or in float32."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is invalid: expected one of {list(WEIGHTS)}")
     module = _module(layer, n).to(device)
     names = {name for name, _ in module.named_parameters()}
 
     def fn(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype if weights == "input" else torch.float32
         given = (("weight", weight), ("bias", bias))
-        params = {k: v.to(x.dtype) for k, v in given if v is not None and k in names}
-        return torch.func.functional_call(module.to(x.dtype), params, (x,))
+        params = {k: v.to(dtype) for k, v in given if v is not None and k in names}
+        return torch.func.functional_call(module.to(dtype), params, (x,))
 
     return fn
 
 
-def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
-    """What the built-in ``layer`` computes, probed with parameters in the input's dtype."""
+def identify(
+    *, layer: str, weights: str = "input", n: int = 64, device: str = "cpu"
+) -> Identification:
+    """What the built-in ``layer`` computes, probed with parameters kept as ``weights`` says."""
     return identify_fn(
-        peer_function(layer, n, device), (n,), backend="torch", params=True, device=device
+        peer_function(layer, n, device, weights), (n,), backend="torch", params=True,
+        device=device,
     )

@@ -7,15 +7,19 @@ layer as such a ``forward``.
 Model. Every kind computes, per row, ``y = ŷ · G + B`` with ``ŷ = c · r(s)``, where ``c`` is the
 row (centered for LayerNorm), ``s`` the mean of ``c_i²`` over the first ``k`` elements,
 ``r(s) = 1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside), ``G = scale_offset + w``
-and ``B = b``. The probes, in order (the structure is probed in the most precise dtype asked for,
-float32 by default):
+and ``B = b``; DyT has ``ŷ = tanh(alpha x)``. The probes, in order (the structure is probed in
+the most precise dtype asked for, float32 by default):
 
 1. Parameters (``accepts_params=True`` only). With ``b = 0``, ``f(x; w=0) = offset · ŷ`` and
    ``f(x; w=1) = (offset + 1) · ŷ``: their difference is ``ŷ`` and their ratio gives the offset;
    no difference means the implementation has no scale. A known ``b`` either moves the output by
    exactly ``b`` (bias) or not at all (no bias). Every later probe passes ``w = 1 - offset`` and
    ``b = 0``, so it sees ``ŷ`` itself.
-2. ``B = f(0)``: a zero row has ``ŷ = 0`` under every kind and placement.
+2. ``B = f(0)``: a zero row has ``ŷ = 0`` under every kind and placement; the output must
+   depend on the input.
+2b. Elementwise: if a large first, middle or last element changes no other output of its row,
+   there is no statistic: the kind is DyT, and ``alpha`` comes from ``f(2x) / f(x)``
+   (`normkit.identify.dyt`); a function no fixed ``alpha`` fits is rejected. DyT skips 3 to 6.
 3. Scale invariance: a norm gives ``f(512 x) = f(256 x)`` (eps is negligible at that size); the
    identity, or any homogeneous function, does not.
 4. The statistic's support: setting ``x_j`` to a large value of the opposite sign changes the
@@ -43,23 +47,35 @@ float32 by default):
 7. Check: the identified spec must reproduce the output on fresh rows with non-zero means, at
    unit and large size and around the eps transition (up to a per-element scale ``G`` fitted by
    least squares when the layer's own parameters are in use). A function that passed the probes
-   above but is none of the three kinds (e.g. Keras' ``rms_scaling`` LayerNormalization, which
+   above but is none of the kinds (e.g. Keras' ``rms_scaling`` LayerNormalization, which
    centers the variance but not the output) fails here.
-8. Half precision, per half dtype asked for: the output dtype (promotion to float32 is noted),
-   the error against the reference, and the cast order. With parameters, ``w`` and ``b`` exactly
-   representable in both half dtypes make ``"before_scale"`` (``ŷ`` rounded before the affine
-   step) and ``"after_scale"`` predict different outputs on many elements; the order the output
-   is closer to on at least 90% of those elements is the answer. Elements within ``2^-18`` of a
-   rounding midpoint are left out: there a float32 implementation (or eps lost in a float32
-   sum) may round either way, and half-precision inputs and parameters make exact ties common.
+7b. LayerNorm's variance, two-pass or fast, from rows with a large mean
+   (`normkit.identify.variance`; float32 and float64 probes only).
+8. Half precision, per half dtype asked for: the output dtype with float32 parameters (the input
+   dtype, ``output_dtype="input"``, or float32, ``"promote"``), the error against the
+   reference, the cast order and, with an offset, where ``offset + w`` is computed. With
+   parameters, ``w`` and ``b`` exactly representable in both half dtypes make
+   ``"before_scale"`` (``ŷ`` rounded before the affine step) and ``"after_scale"`` predict
+   different outputs on many elements; the order the output is closer to on at least 90% of
+   those elements is the answer. Elements within ``2^-18`` of a rounding midpoint are left out:
+   there a float32 implementation (or eps lost in a float32 sum) may round either way, and
+   half-precision inputs and parameters make exact ties common. With an offset, ``|w| < 1/8``
+   makes ``offset + w`` round in the half dtype on most elements; the output then also tells
+   ``offset_dtype="param"`` (parameters held in the input dtype, the sum rounded there) from
+   ``"float32"``. The best of the (cast, offset dtype) predictions is compared with the one
+   that differs in each field alone.
+
+A forward probe has one input and one output: a ``residual`` cannot be seen (an add and norm is
+identified as the norm of ``h``), nor the ``backward`` rounding model (always undetermined).
 
 What cannot be determined is listed in `Identification.undetermined`, never guessed, and the
-spec takes the field's `NormSpec` default. Without parameters the layer's own are used: no scale
-and a fixed scale, offset 0 with ``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias
-give the same function, and at the initial values (``G = 1, B = 0``) both cast orders round ``ŷ``
-once. (A trained layer's non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast
-order.) An eps too small to change any probe (below about 4e-26 inside, 2e-14 outside, in
-float32) is reported as such. ``p`` is known only to the interval of fractions that give the same
+spec takes the field's `NormSpec` default (DyT's ``alpha_init`` is the layer's current alpha).
+Without parameters the layer's own are used: no scale and a fixed scale, offset 0 with
+``w = 1`` and offset 1 with ``w = 0``, no bias and a zero bias give the same function, and at
+the initial values (``G = 1, B = 0``) both cast orders round ``ŷ`` once. (A trained layer's
+non-zero bias shows in ``f(0)``, and its ``w != 1`` can reveal the cast order.) An eps too small
+to change any probe (below about 4e-26 inside, 2e-14 outside, in float32) is reported as such.
+``p`` is known only to the interval of fractions that give the same
 ``k`` for this ``n``.
 """
 
@@ -68,7 +84,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import ml_dtypes
 import numpy as np
@@ -76,7 +92,9 @@ import numpy.typing as npt
 
 from normkit import reference, tolerances
 from normkit.dtypes import as_float_dtype, is_half, round_to, ulp
-from normkit.spec import Cast, EpsPlacement, Kind, NormSpec
+from normkit.identify.dyt import fit_alpha
+from normkit.identify.variance import variance_verdict
+from normkit.spec import Cast, EpsPlacement, Kind, NormSpec, OffsetDtype, OutputDtype
 
 __all__ = ["Forward", "Identification", "identify_forward"]
 
@@ -85,7 +103,7 @@ Forward: TypeAlias = Callable[[np.ndarray, np.ndarray | None, np.ndarray | None]
 ``w`` and ``b`` (float32, length ``n``) or None for "leave the layer's own". A parameter the
 implementation does not have must be ignored."""
 
-_NOT_A_NORM = "does not behave like RMSNorm, partial RMSNorm or LayerNorm: "
+_NOT_A_NORM = "does not behave like RMSNorm, partial RMSNorm, LayerNorm or DyT: "
 
 _SEED = 0
 _T_MIN, _T_MAX = 1e-12, 1e3  # the eps sweep's row sizes
@@ -150,7 +168,7 @@ def identify_forward(
         the output dtype in each half-precision one.
 
     Raises:
-      ValueError: ``n < 2``, no dtype, or ``forward`` is not one of the three kinds (the message
+      ValueError: ``n < 2``, no dtype, or ``forward`` is none of the kinds (the message
         says which probe failed and by how much).
       TypeError: a dtype that normkit does not support.
     """
@@ -170,24 +188,63 @@ def identify_forward(
         prober.scale = np.full(n, 1.0 - measured.offset, np.float32) if measured.scale else None
         prober.bias = np.zeros(n, np.float32) if measured.bias else None
     zero_output = prober.h(np.zeros((1, n), probe_dtype))[0]
-    structure, fit = _structure(prober, rng, zero_output, notes, undetermined)
+    _check_depends(prober, rng, zero_output)
+    if _elementwise(prober, rng, zero_output):
+        structure, fit = _dyt_structure(prober, rng, zero_output, notes)
+    else:
+        structure, fit = _structure(prober, rng, zero_output, notes, undetermined)
     gain = _verify(prober, rng, structure, fit, zero_output, fit_gain=measured is None, notes=notes)
+    if structure.kind == "layer":
+        variance, finding = variance_verdict(
+            prober.h, n, probe_dtype, rng, structure, zero_output, gain
+        )
+        notes.append(finding)
+        if variance is None:
+            undetermined.append("variance")
+        structure = structure.replace(variance=variance or "two_pass")
 
     affine = measured or _affine_without_params(prober, zero_output, notes, undetermined)
     halves = [d for d in resolved if is_half(d)]
-    cast = _cast_order(prober, rng, halves, structure, measured, gain, zero_output, notes)
-    if cast is None:
-        undetermined.append("cast")
+    half = _half_findings(prober, rng, halves, structure, measured, gain, zero_output, notes)
+    undetermined += [name for name, value in half.items() if value is None]
 
     spec = structure.replace(
         scale=affine.scale,
         scale_offset=affine.offset,
         bias=None if "bias" in undetermined else affine.bias,
-        cast=cast or "after_scale",
+        cast=half["cast"] or "after_scale",
+        offset_dtype=half["offset_dtype"] or "float32",
+        output_dtype=half["output_dtype"] or "input",
     )
+    notes += _UNOBSERVABLE
+    undetermined.append("backward")
     notes.append(f"{prober.calls} calls to the implementation")
     in_field_order = tuple(f for f in spec.to_dict() if f in undetermined)
     return Identification(spec, in_field_order, tuple(notes))
+
+
+_UNOBSERVABLE = [
+    "residual: none; the probes call forward(x) -> y, one input and one output (an add and "
+    "norm's h = x + residual is identified as the norm of h)",
+    "backward: undetermined (the probes see the forward only; the rounding of half-precision "
+    "gradients shows in a conformance run)",
+]
+
+
+def _dyt_structure(
+    prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray, notes: list[str]
+) -> tuple[NormSpec, _EpsFit]:
+    """DyT's alpha, for an elementwise implementation (no element affects the others)."""
+    tolerance = max(0.05, 32 * prober.res)
+    fit = fit_alpha(prober.h, prober.n, prober.dtype, rng, zero_output, tolerance)
+    if fit.alpha is None:
+        raise ValueError(
+            _NOT_A_NORM + "it acts elementwise, with no statistic over the row, and is not DyT "
+            f"(w tanh(alpha x) + b): {fit.note}"
+        )
+    alpha = _significant(fit.alpha, fit.spread)
+    notes.append(f"kind dyt: no element affects the rest of its row; {fit.note}")
+    return NormSpec("dyt", alpha_init=alpha), _EpsFit(None, None, fit.spread, fit.note)
 
 
 def _structure(
@@ -217,7 +274,7 @@ def _structure(
     return structure, fit
 
 
-def _cast_order(
+def _half_findings(
     prober: _Prober,
     rng: np.random.Generator,
     halves: list[np.dtype],
@@ -226,19 +283,36 @@ def _cast_order(
     gain: np.ndarray,
     zero_output: np.ndarray,
     notes: list[str],
-) -> Cast | None:
-    """The cast order every half dtype agrees on (step 8), or None (with a note why)."""
-    casts = [
+) -> dict[str, str | None]:
+    """Cast order, offset dtype and output dtype from the half dtypes (step 8); None where they
+    do not show or disagree (with a note why).
+
+    The cast order must show in every half dtype; the offset dtype and output dtype in at least
+    one, with none disagreeing.
+    """
+    found = [
         _probe_half(prober, rng, half, structure, measured, gain, zero_output, notes)
         for half in halves
     ]
-    if casts and all(c == casts[0] for c in casts):
-        return casts[0]
+    casts = [f.cast for f in found]
+    cast = casts[0] if casts and all(c == casts[0] for c in casts) else None
     if not casts:
-        notes.append("cast: no half-precision dtype was probed")
+        notes.append("cast, offset_dtype, output_dtype: no half-precision dtype was probed")
     elif len({c for c in casts if c is not None}) > 1:
         notes.append("cast: the half dtypes disagree on the cast order")
-    return None
+    offsets: set[str] = {f.offset_dtype for f in found if f.offset_dtype}
+    outputs: set[str] = {f.output_dtype for f in found if f.output_dtype}
+    for name, values in (("offset_dtype", offsets), ("output_dtype", outputs)):
+        if len(values) > 1:
+            notes.append(f"{name}: the half dtypes disagree ({sorted(values)})")
+    offset: str | None = offsets.pop() if len(offsets) == 1 else None
+    if measured is not None and measured.offset == 0:
+        offset = "float32"  # the only value without an offset
+    return {
+        "cast": cast,
+        "offset_dtype": offset,
+        "output_dtype": outputs.pop() if len(outputs) == 1 else None,
+    }
 
 
 class _Prober:
@@ -358,6 +432,28 @@ def _affine_without_params(
     return _Affine(scale=True, offset=0.0, bias=bias)
 
 
+def _check_depends(prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray) -> None:
+    """The output must change with the input: ``f(x) != f(0)`` for unit-size rows."""
+    y = prober.h(prober.round(rng.normal(size=(4, prober.n)))) - zero_output
+    size = _max_abs(y)
+    if size <= 32 * prober.res * _max_abs(zero_output) or size == 0:
+        raise ValueError(_NOT_A_NORM + "its output does not depend on the input (f(x) = f(0))")
+
+
+def _elementwise(prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray) -> bool:
+    """Whether no element affects the others: a large ``x_j`` (first, middle or last; a
+    statistic reads at least one of them) changes no other output of its row."""
+    n = prober.n
+    base = prober.round(rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 1.5, n))
+    js = np.unique([0, n // 2, n - 1])
+    rows = np.repeat(base.astype(np.float64)[None], len(js) + 1, axis=0)
+    rows[np.arange(len(js)), js] = -np.sign(rows[np.arange(len(js)), js]) * 16 * math.sqrt(n)
+    y = prober.h(prober.round(rows)) - zero_output
+    change = np.abs(y[:-1] - y[-1])
+    change[np.arange(len(js)), js] = 0.0
+    return _max_abs(change) <= _INFLUENCE * _max_abs(y[-1])
+
+
 def _check_scale_invariance(
     prober: _Prober, rng: np.random.Generator, zero_output: np.ndarray
 ) -> None:
@@ -366,8 +462,6 @@ def _check_scale_invariance(
     y = prober.h(prober.round(np.concatenate([256 * x, 512 * x]))) - zero_output
     low, high = y[:4], y[4:]
     size = _max_abs(low)
-    if size <= 32 * prober.res * _max_abs(zero_output) or size == 0:
-        raise ValueError(_NOT_A_NORM + "its output does not depend on the input (f(x) = f(0))")
     change = _max_abs(high - low) / size
     if change > _SCALE_INVARIANCE:
         raise ValueError(
@@ -559,7 +653,9 @@ def _verify(
     """
     n = prober.n
     sizes = [1.0, 64.0]
-    if fit.eps is not None:
+    if spec.alpha_init is not None:  # DyT: around the knee of the tanh
+        sizes += [0.5 / spec.alpha_init, 2 / spec.alpha_init]
+    elif fit.eps is not None:
         assert spec.eps is not None  # the fit found one
         transition = math.sqrt(spec.eps) if spec.eps_placement == "inside" else spec.eps
         sizes += [max(0.5 * transition, _smallest_size(prober.dtype)), 2 * transition]
@@ -609,6 +705,18 @@ def _verify(
     return gain
 
 
+@dataclass(frozen=True)
+class _HalfFinding:
+    """What one half dtype's probe shows; None where it does not."""
+
+    cast: Cast | None
+    offset_dtype: OffsetDtype | None
+    output_dtype: OutputDtype | None
+
+
+_Candidate: TypeAlias = tuple[Cast, OffsetDtype]
+
+
 def _probe_half(
     prober: _Prober,
     rng: np.random.Generator,
@@ -618,22 +726,29 @@ def _probe_half(
     gain: np.ndarray,
     zero_output: np.ndarray,
     notes: list[str],
-) -> Cast | None:
-    """Output dtype, error and cast order for ``dtype`` inputs; None if the order does not show.
+) -> _HalfFinding:
+    """Output dtype, error, cast order and offset dtype for ``dtype`` inputs.
 
     ``affine`` is what `_probe_params` measured, or None when the parameters cannot be set (then
-    the prediction uses the fitted ``gain`` and ``f(0)``).
+    the prediction uses the fitted ``gain`` and ``f(0)``). With an offset, ``w`` is small
+    (``|w| < 1/8``, exact in both half dtypes), so that ``offset + w`` rounds in ``dtype`` on
+    most elements: that rounding (``offset_dtype="param"``, the parameters held in ``dtype``)
+    and the cast order predict different outputs, and the output is matched against each.
     """
     n = prober.n
     rows = max(4, -(-HALF_PROBE_ELEMENTS // n))
     x = prober.round(rng.choice([-1.0, 1.0], (rows, n)) * rng.uniform(0.5, 1.5, (rows, n)), dtype)
+    offsets: tuple[OffsetDtype, ...] = ("float32",)
     if affine is not None and (affine.scale or affine.bias):
-        w = representable(rng, n, 1.0) if affine.scale else None
+        offset = affine.offset if affine.scale else 0.0
+        w = representable(rng, n, 1.0 if offset == 0 else 0.0625) if affine.scale else None
         b = representable(rng, n, 0.25) if affine.bias else None
         out = prober.call(x, w, b)
-        g = affine.offset + w.astype(np.float64) if w is not None else np.ones(n)
+        g = offset + w.astype(np.float64) if w is not None else np.ones(n)
         shift = b.astype(np.float64) if b is not None else np.zeros(n)
         why_same = "on these inputs and parameters"
+        if offset != 0:
+            offsets = ("float32", "param")
     else:
         out = prober.call(x, prober.scale, prober.bias)
         g, shift = gain, zero_output
@@ -643,63 +758,108 @@ def _probe_half(
             else "without parameters w = 1 and b = 0, and both orders round ŷ once"
         )
     y_hat = reference.normalize(x.astype(np.float64), spec)
-    predicted, differ = _half_predictions(y_hat, g, shift, dtype, out.dtype)
+    candidates: dict[_Candidate, np.ndarray] = {}
+    ties = near_tie(y_hat, dtype)
+    for held in offsets:
+        scale = g if held == "float32" else round_to(g, dtype).astype(np.float64)
+        for order, value in _half_predictions(y_hat, scale, shift, dtype).items():
+            candidates[(order, held)] = value
+    if is_half(out.dtype):
+        for value in candidates.values():
+            ties |= near_tie(value, out.dtype)
+        candidates = {c: round_to(v, out.dtype).astype(np.float64) for c, v in candidates.items()}
     y = out.astype(np.float64)
-    promotion = "the input dtype" if out.dtype == dtype else "promotes"
-    head = f"{dtype.name} input: output dtype {out.dtype.name} ({promotion})"
-    cast, finding = _cast_verdict(y, predicted, differ, why_same)
-    compared: Cast = cast or "after_scale"
-    error = tolerances.measure(y, predicted[compared], out.dtype)
-    notes.append(
-        f"{head}; {finding}; error {error.error:.2g} {error.bound.unit} from the reference "
-        f"with {compared}"
+    output_dtype, head = _output_dtype(dtype, out.dtype, accepts=affine is not None)
+    best = min(candidates, key=lambda c: _mismatches(y, candidates[c], out.dtype, ties))
+    cast, cast_finding = _verdict(
+        y, candidates, best, (_flip(best[0]), best[1]), out.dtype, ties, why_same
     )
-    return cast
+    findings = [cast_finding]
+    offset_dtype: OffsetDtype | None = None
+    if len(offsets) > 1:
+        other: _Candidate = (best[0], "param" if best[1] == "float32" else "float32")
+        offset_dtype, offset_finding = _verdict(
+            y, candidates, best, other, out.dtype, ties, "the offset sums are exact"
+        )
+        findings.append(offset_finding)
+    error = tolerances.measure(y, candidates[best], out.dtype)
+    notes.append(
+        f"{head}; {'; '.join(findings)}; error {error.error:.2g} {error.bound.unit} from the "
+        f"reference with {best[0]}"
+    )
+    return _HalfFinding(cast, offset_dtype, output_dtype)
+
+
+def _output_dtype(
+    dtype: np.dtype, out: np.dtype, *, accepts: bool
+) -> tuple[OutputDtype | None, str]:
+    """``output_dtype`` from the output's dtype for ``dtype`` inputs and float32 parameters."""
+    head = f"{dtype.name} input: output dtype {out.name}"
+    if out == np.dtype(np.float32):
+        return "promote", head + " (promotes: output_dtype promote)"
+    if out == dtype and accepts:
+        return "input", head + " (the input dtype with float32 parameters: output_dtype input)"
+    if out == dtype:
+        return None, head + (
+            " (the input dtype; output_dtype undetermined: the layer's own parameters' dtype "
+            "is unknown)"
+        )
+    return None, head + " (neither the input dtype nor the promoted one)"
+
+
+def _flip(cast: Cast) -> Cast:
+    return "before_scale" if cast == "after_scale" else "after_scale"
 
 
 def _half_predictions(
-    y_hat: np.ndarray, g: np.ndarray, shift: np.ndarray, dtype: np.dtype, out_dtype: np.dtype
-) -> tuple[dict[Cast, np.ndarray], np.ndarray]:
-    """Each cast order's output for ``dtype`` inputs, and where the two differ as evidence."""
-    predicted: dict[Cast, np.ndarray] = {
+    y_hat: np.ndarray, g: np.ndarray, shift: np.ndarray, dtype: np.dtype
+) -> dict[Cast, np.ndarray]:
+    """Each cast order's output for ``dtype`` inputs, before the final rounding."""
+    return {
         "after_scale": y_hat * g + shift,
         "before_scale": round_to(y_hat, dtype).astype(np.float64) * g + shift,
     }
-    # An element whose rounding is decided by the last float32 bits (a near tie) is not evidence.
-    ties = near_tie(y_hat, dtype)
+
+
+def _differ(a: np.ndarray, b: np.ndarray, out_dtype: np.dtype, ties: np.ndarray) -> np.ndarray:
+    """Where two predictions differ as evidence: not near a tie, and (for a float32 output) by
+    more than 4 of its ulps."""
     if is_half(out_dtype):
-        for value in predicted.values():
-            ties |= near_tie(value, out_dtype)
-        predicted = {c: round_to(v, out_dtype).astype(np.float64) for c, v in predicted.items()}
-        differ = predicted["after_scale"] != predicted["before_scale"]
-    else:
-        gap = np.abs(predicted["after_scale"] - predicted["before_scale"])
-        differ = gap > 4 * np.spacing(np.abs(predicted["after_scale"]).astype(out_dtype)).astype(
-            np.float64
-        )
-    return predicted, differ & ~ties
+        return (a != b) & ~ties
+    spacing = np.spacing(np.abs(a).astype(out_dtype)).astype(np.float64)
+    return (np.abs(a - b) > 4 * spacing) & ~ties
 
 
-def _cast_verdict(
-    y: np.ndarray, predicted: dict[Cast, np.ndarray], differ: np.ndarray, why_same: str
-) -> tuple[Cast | None, str]:
-    """The order ``y`` is closer to on at least 90% of the ``differ`` elements, and the finding."""
+def _mismatches(y: np.ndarray, predicted: np.ndarray, out_dtype: np.dtype, ties: np.ndarray) -> int:
+    return int(np.count_nonzero(_differ(y, predicted, out_dtype, ties)))
+
+
+def _verdict(
+    y: np.ndarray,
+    candidates: dict[_Candidate, np.ndarray],
+    best: _Candidate,
+    other: _Candidate,
+    out_dtype: np.dtype,
+    ties: np.ndarray,
+    why_same: str,
+) -> tuple[Any, str]:
+    """The field where ``best`` and ``other`` differ, if ``y`` is closer to ``best`` on at least
+    90% of the elements where their predictions differ; else None. With the finding."""
+    field = "cast" if best[0] != other[0] else "offset_dtype"
+    mine, theirs = (best[0], other[0]) if field == "cast" else (best[1], other[1])
+    differ = _differ(candidates[best], candidates[other], out_dtype, ties)
     if np.count_nonzero(differ) < MIN_CAST_ELEMENTS:
-        return None, f"cast order undetermined: both orders give the same output ({why_same})"
-    distance = {c: np.abs(y - v) for c, v in predicted.items()}
-    closer: dict[Cast, float] = {
-        "after_scale": np.mean((distance["after_scale"] < distance["before_scale"])[differ]),
-        "before_scale": np.mean((distance["before_scale"] < distance["after_scale"])[differ]),
-    }
-    shares = (
-        f"closer to after_scale on {closer['after_scale']:.0%} and to before_scale on "
-        f"{closer['before_scale']:.0%} of the {np.count_nonzero(differ)} elements where "
-        "they differ"
+        return None, f"{field} undetermined: both give the same output ({why_same})"
+    closer = np.mean(
+        (np.abs(y - candidates[best]) < np.abs(y - candidates[other]))[differ]
     )
-    winners = [c for c, share in closer.items() if share >= _CAST_AGREEMENT]
-    if winners:
-        return winners[0], f"cast {winners[0]}: {shares}"
-    return None, f"cast order undetermined: {shares}"
+    share = (
+        f"closer to {mine} than to {theirs} on {closer:.0%} of the "
+        f"{np.count_nonzero(differ)} elements where they differ"
+    )
+    if closer >= _CAST_AGREEMENT:
+        return mine, f"{field} {mine}: {share}"
+    return None, f"{field} undetermined: {share}"
 
 
 def _smallest_size(dtype: np.dtype) -> float:
@@ -746,6 +906,8 @@ def _fraction_note(k: int, n: int, p: float) -> str:
 
 
 def _describe_structure(spec: NormSpec, eps_known: bool) -> str:
+    if spec.alpha_init is not None:
+        return f"dyt with alpha={spec.alpha_init:.6g}"
     eps = f"eps={spec.eps:.3g} {spec.eps_placement}" if eps_known else "eps negligible"
     partial = f", p={spec.p:.6g}" if spec.p is not None else ""
     return f"{spec.kind} with {eps}{partial}"

@@ -36,7 +36,7 @@ def identify(
       dtypes: the input dtypes to probe.
 
     Returns the spec with what could not be determined (``undetermined``) and the findings
-    (``notes``). Raises ValueError if ``fn`` does not behave like any of the three kinds, or
+    (``notes``). Raises ValueError if ``fn`` does not behave like any kind, or
     the device is not one the framework sees.
     """
     framework = bridge(backend)

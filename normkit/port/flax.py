@@ -21,8 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from normkit import dtypes
-from normkit.jax import linen as nk_linen
-from normkit.jax import nnx as nk_nnx
 from normkit.port.files import save_norms
 from normkit.port.plan import plan_import
 from normkit.spec import NormSpec
@@ -31,8 +29,7 @@ __all__ = [
     "export_norms", "import_norms", "linen_norms", "export_linen_norms", "import_linen_norms",
 ]
 
-_NNX = (nk_nnx.RMSNorm, nk_nnx.PartialRMSNorm, nk_nnx.LayerNorm)
-_LINEN = (nk_linen.RMSNorm, nk_linen.PartialRMSNorm, nk_linen.LayerNorm)
+_PARAMS = ("scale", "bias", "alpha")
 _LIST_ITEM = re.compile(r"^(.+)_(\d+)$")
 
 
@@ -40,12 +37,23 @@ def _nnx_norms(model: nnx.Module) -> dict[str, Any]:
     return {
         ".".join(str(part) for part in path): module
         for path, module in nnx.iter_modules(model)
-        if isinstance(module, _NNX)
+        if _is_norm(module)
     }
 
 
+def _is_norm(module: Any) -> bool:
+    """A normkit norm layer: one with a `NormSpec` ``spec`` (DyT included)."""
+    return isinstance(getattr(module, "spec", None), NormSpec)
+
+
 def _params(module: Any) -> dict[str, Any]:
-    return {n: v for n in ("scale", "bias") if (v := getattr(module, n)) is not None}
+    return {n: v for n in _PARAMS if (v := getattr(module, n, None)) is not None}
+
+
+def _shape(module: Any) -> tuple[int, ...]:
+    """The shape of the layer's ``w`` and ``b``."""
+    present = [v for n, v in _params(module).items() if n != "alpha"]
+    return tuple(present[0].shape) if present else tuple(getattr(module, "shape", ()))
 
 
 def export_norms(model: nnx.Module, path: str | os.PathLike[str]) -> Path:
@@ -58,7 +66,7 @@ def import_norms(model: nnx.Module, path: str | os.PathLike[str]) -> list[str]:
     """Load ``path`` into the NNX ``model``'s normkit norms in place; see
     `normkit.port.import_norms`."""
     norms = _nnx_norms(model)
-    planned = plan_import(path, {name: (m.spec, m.shape) for name, m in norms.items()}, "flax")
+    planned = plan_import(path, {name: (m.spec, _shape(m)) for name, m in norms.items()}, "flax")
     for name, params in planned.items():
         for param, value in params.items():
             variable = getattr(norms[name], param)
@@ -77,7 +85,7 @@ def linen_norms(
 
     def record(next_fun: Any, call_args: Any, call_kwargs: Any, context: Any) -> Any:
         norm = context.module
-        if isinstance(norm, _LINEN) and context.method_name == "__call__":
+        if _is_norm(norm) and context.method_name == "__call__":
             scope = tuple(str(p) for p in norm.path)
             found[".".join(_LIST_ITEM.sub(r"\1.\2", p) for p in scope)] = (scope, norm.spec)
         return next_fun(*call_args, **call_kwargs)
@@ -117,8 +125,7 @@ def import_linen_norms(
     norms = linen_norms(module, variables, *args, **kwargs)
     shapes = {}
     for name, (scope, spec) in norms.items():
-        present = list(_params(_Lookup(variables["params"], scope)).values())
-        shapes[name] = (spec, tuple(present[0].shape) if present else ())
+        shapes[name] = (spec, _shape(_Lookup(variables["params"], scope)))
     planned = plan_import(path, shapes, "flax")
     params = dict(variables["params"])
     for name, values in planned.items():
@@ -140,6 +147,7 @@ class _Lookup:
             node = node[part]
         self.scale = node.get("scale")
         self.bias = node.get("bias")
+        self.alpha = node.get("alpha")
 
 
 def _as_jax(value: Any, dtype: Any) -> jax.Array:

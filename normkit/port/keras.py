@@ -12,21 +12,19 @@ import keras
 from normkit import dtypes
 from normkit.port.files import save_norms
 from normkit.port.plan import plan_import
-from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm
+from normkit.spec import NormSpec
 
 __all__ = ["export_norms", "import_norms", "named_layers", "norm_layers"]
 
-_NORMKIT = (RMSNorm, PartialRMSNorm, LayerNorm)
-
-
-def norm_layers(model: keras.layers.Layer) -> dict[str, RMSNorm | PartialRMSNorm | LayerNorm]:
-    """The normkit norm layers in ``model`` by path (see `normkit.port.models`).
+def norm_layers(model: keras.layers.Layer) -> dict[str, keras.layers.Layer]:
+    """The normkit norm layers in ``model`` by path (see `normkit.port.models`): every layer
+    with a `NormSpec` ``spec``, DyT included.
 
     ValueError if one is not built yet (call the model once so its weights exist).
     """
     found = {}
     for path, layer in named_layers(model).items():
-        if isinstance(layer, _NORMKIT):
+        if isinstance(getattr(layer, "spec", None), NormSpec):
             if not layer.built:
                 raise ValueError(
                     f"{path or '<root>'}: the layer is not built, so it has no weights yet; call "
@@ -87,9 +85,9 @@ def import_norms(model: keras.layers.Layer, path: str | os.PathLike[str]) -> lis
 
 
 def _weights(layer: keras.layers.Layer) -> dict[str, Any]:
-    return {n: v for n in ("scale", "bias") if (v := getattr(layer, n)) is not None}
+    return {n: v for n in ("scale", "bias", "alpha") if (v := getattr(layer, n, None)) is not None}
 
 
 def _shape(layer: keras.layers.Layer) -> tuple[int, ...]:
-    weights = list(_weights(layer).values())
+    weights = [v for n, v in _weights(layer).items() if n != "alpha"]
     return tuple(weights[0].shape) if weights else ()

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from normkit.port.convert import convert
+from normkit.port.convert import ALPHA, ALPHA_SHAPE, convert
 from normkit.port.files import load_norms
 from normkit.spec import NormSpec
 
@@ -23,8 +23,9 @@ def plan_import(
     model_norms: Mapping[str, tuple[NormSpec, tuple[int, ...]]],
     convention: str,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """The parameters in ``path`` for each of ``model_norms`` (``{path: (spec, param shape)}``),
-    named in ``convention`` and converted to each layer's spec; ValueError on any mismatch."""
+    """The parameters in ``path`` for each of ``model_norms`` (``{path: (spec, param shape)}``,
+    the shape of ``w`` and ``b``; DyT's ``alpha`` is ``(1,)``), named in ``convention`` and
+    converted to each layer's spec (``scale_offset`` only); ValueError on any mismatch."""
     layers = load_norms(path, to=convention)
     missing = sorted(set(model_norms) - set(layers))
     extra = sorted(set(layers) - set(model_norms))
@@ -42,10 +43,11 @@ def plan_import(
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}: layer {name!r}: {err}") from None
         for param, value in converted.items():
-            if value.shape != tuple(shape):
+            want = ALPHA_SHAPE if param == ALPHA else tuple(shape)
+            if value.shape != want:
                 raise ValueError(
                     f"{path}: layer {name!r}: {param!r} has shape {value.shape} in the file, the "
-                    f"model's has {tuple(shape)}"
+                    f"model's has {want}"
                 )
         planned[name] = converted
     return planned

@@ -157,23 +157,41 @@ def _replacement(old: nn.Module, spec: NormSpec) -> nn.Module:
     return new.train(old.training)
 
 
-def _norms(model: nn.Module) -> dict[str, RMSNorm | PartialRMSNorm | LayerNorm]:
-    return {path: m for path, m in model.named_modules() if isinstance(m, _NORMKIT)}
+_PARAMS = ("weight", "bias", "alpha")
+
+
+def _norms(model: nn.Module) -> dict[str, nn.Module]:
+    """The normkit norm layers (every module with a `NormSpec` ``spec``, DyT included)."""
+    return {
+        path: m
+        for path, m in model.named_modules()
+        if isinstance(getattr(m, "spec", None), NormSpec)
+    }
+
+
+def _params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n in _PARAMS if (p := getattr(module, n, None)) is not None}
+
+
+def _shape(module: nn.Module) -> tuple[int, ...]:
+    """The shape of the layer's ``w`` and ``b``."""
+    for name in ("weight", "bias"):
+        if (p := getattr(module, name, None)) is not None:
+            return tuple(p.shape)
+    return tuple(getattr(module, "normalized_shape", ()))
 
 
 def export_norms(model: nn.Module, path: str | os.PathLike[str]) -> Path:
-    """Write every normkit norm of ``model`` (``named_modules`` paths, torch convention)."""
-    layers = {
-        name: ({n: p for n in ("weight", "bias") if (p := getattr(m, n)) is not None}, m.spec)
-        for name, m in _norms(model).items()
-    }
+    """Write every normkit norm of ``model`` (``named_modules`` paths, torch convention), DyT's
+    ``alpha`` included."""
+    layers = {name: (_params(m), m.spec) for name, m in _norms(model).items()}
     return save_norms(path, layers, convention="torch")
 
 
 def import_norms(model: nn.Module, path: str | os.PathLike[str]) -> list[str]:
     """Load ``path`` into ``model``'s normkit norms in place; see `normkit.port.import_norms`."""
     norms = _norms(model)
-    shapes = {name: (m.spec, m.normalized_shape) for name, m in norms.items()}
+    shapes = {name: (m.spec, _shape(m)) for name, m in norms.items()}
     planned = plan_import(path, shapes, "torch")
     with torch.no_grad():
         for name, params in planned.items():

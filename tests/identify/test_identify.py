@@ -10,8 +10,10 @@ from normkit.dtypes import is_half
 from normkit.identify import Identification, identify_forward
 from normkit.spec import CASTS, EPS_PLACEMENTS, KINDS
 
-NOT_A_NORM = "does not behave like RMSNorm, partial RMSNorm or LayerNorm: "
-WITHOUT_PARAMS = ("scale", "scale_offset", "bias", "cast")
+NOT_A_NORM = "does not behave like RMSNorm, partial RMSNorm, LayerNorm or DyT: "
+# Without parameters: the affine fields, and the output dtype (the layer's own parameters' dtype
+# is unknown); a forward probe never sees the backward.
+WITHOUT_PARAMS = ("scale", "scale_offset", "bias", "cast", "offset_dtype", "output_dtype", "backward")
 
 
 def reference_forward(spec, accepts_params):
@@ -89,16 +91,18 @@ def assert_structure(found: Identification, spec: NormSpec, n: int):
     assert abs(found.spec.eps / spec.eps - 1) < 0.1, found.describe()
 
 
-def assert_affine(found: Identification, spec: NormSpec):
-    """With parameters: scale, offset, bias and (when an affine step exists) the cast order."""
+def assert_affine(found: Identification, spec: NormSpec, unseen: tuple[str, ...] = ()):
+    """With parameters: scale, offset, bias and (when an affine step exists) the cast order;
+    every field but ``unseen`` and the backward determined."""
     assert found.spec.scale == spec.scale, found.describe()
     assert found.spec.scale_offset == spec.scale_offset, found.describe()
     assert found.spec.bias == spec.bias, found.describe()
+    assert found.spec.offset_dtype == spec.offset_dtype, found.describe()
     if spec.scale or spec.bias:
         assert found.spec.cast == spec.cast, found.describe()
-        assert found.undetermined == (), found.describe()
+        assert found.undetermined == (*unseen, "backward"), found.describe()
     else:
-        assert found.undetermined == ("cast",), found.describe()
+        assert found.undetermined == ("cast", *unseen, "backward"), found.describe()
 
 
 @pytest.mark.parametrize("seed", range(48))
@@ -175,18 +179,85 @@ def test_recovers_float32_implementations(spec, n):
     assert without.undetermined == WITHOUT_PARAMS
 
 
-def test_flax_variance_and_output_promotion():
-    flax_layer = NormSpec("layer", eps=1e-6)
+def test_flax_fast_variance_and_output_promotion():
+    flax_layer = NormSpec("layer", eps=1e-6, variance="fast", output_dtype="promote")
     found = identify_forward(
         float32_forward(flax_layer, variance="moments", promote=True), 64, accepts_params=True
     )
-    assert_structure(found, flax_layer, 64)
-    assert_affine(found, flax_layer)
-    assert any("bfloat16 input: output dtype float32 (promotes)" in note for note in found.notes)
-    llama = NormSpec("rms", eps=1e-6, cast="before_scale")
+    assert found.spec.replace(eps=1e-6) == flax_layer, found.describe()
+    assert found.undetermined == ("backward",)
+    assert any(
+        note.startswith("variance fast (E[x^2] - E[x]^2)") and "square of the mean" in note
+        for note in found.notes
+    ), found.describe()
+    assert any(
+        "bfloat16 input: output dtype float32 (promotes: output_dtype promote)" in note
+        for note in found.notes
+    )
+    two_pass = identify_forward(
+        float32_forward(flax_layer, promote=True), 64, accepts_params=True
+    )
+    assert two_pass.spec.variance == "two_pass", two_pass.describe()
+    llama = NormSpec("rms", eps=1e-6, cast="before_scale", output_dtype="promote")
     found = identify_forward(float32_forward(llama, promote=True), 64, accepts_params=True)
     assert found.spec == llama, found.describe()
-    assert any("float16 input: output dtype float32 (promotes)" in note for note in found.notes)
+
+
+def test_variance_does_not_show_in_half_precision_probes():
+    flax_layer = NormSpec("layer", eps=1e-6, variance="fast")
+    found = identify_forward(
+        float32_forward(flax_layer, variance="moments"), 32, accepts_params=True,
+        dtypes=("bfloat16",),
+    )
+    assert found.undetermined == ("variance", "backward"), found.describe()
+    assert any("half-precision row's squares and sums are exact" in n for n in found.notes)
+
+
+def held_in_input_dtype(spec):
+    """The reference with the parameters held in the input's dtype (``module.to(dtype)``)."""
+
+    def forward(x, scale, bias):
+        cast = [None if p is None else p.astype(x.dtype) for p in (scale, bias)]
+        return reference.normalize(x, spec, cast[0] if spec.scale else None,
+                                   cast[1] if spec.bias else None)
+
+    return forward
+
+
+@pytest.mark.parametrize("offset_dtype", ["param", "float32"])
+@pytest.mark.parametrize("cast", ["after_scale", "before_scale"])
+def test_offset_dtype_shows_with_half_parameters(offset_dtype, cast):
+    spec = NormSpec("rms", scale_offset=1.0, offset_dtype=offset_dtype, cast=cast)
+    found = identify_forward(held_in_input_dtype(spec), 32, accepts_params=True)
+    assert found.spec == spec, found.describe()
+    assert found.undetermined == ("backward",)
+
+
+DYT_SPECS = [
+    NormSpec("dyt"),
+    NormSpec("dyt", alpha_init=1.0, bias=False, cast="before_scale"),
+    NormSpec("dyt", alpha_init=0.2, scale_offset=1.0),
+]
+
+
+@pytest.mark.parametrize("spec", DYT_SPECS, ids=repr)
+def test_dyt_kind_and_alpha(spec):
+    found = identify_forward(reference_forward(spec, True), 24, accepts_params=True)
+    assert found.spec.kind == "dyt" and found.spec.eps is None, found.describe()
+    assert abs(found.spec.alpha_init / spec.alpha_init - 1) < 1e-3, found.describe()
+    assert found.spec.replace(alpha_init=spec.alpha_init) == spec, found.describe()
+    assert found.undetermined == ("backward",)
+    without = identify_forward(reference_forward(spec, False), 24, accepts_params=False)
+    assert without.spec.kind == "dyt", without.describe()
+    assert abs(without.spec.alpha_init / spec.alpha_init - 1) < 1e-3, without.describe()
+    assert "scale" in without.undetermined
+
+
+def test_residual_and_backward_are_not_observable_through_a_forward_probe():
+    found = identify_forward(reference_forward(NormSpec(), True), 16, accepts_params=True)
+    assert found.spec.residual is None and "backward" in found.undetermined
+    assert any(note.startswith("residual: none; the probes call forward(x) -> y") for note in found.notes)
+    assert any(note.startswith("backward: undetermined (the probes see the forward only") for note in found.notes)
 
 
 def test_parameters_not_at_their_initial_values_without_params():
@@ -202,7 +273,7 @@ def test_parameters_not_at_their_initial_values_without_params():
     found = identify_forward(trained, 32, accepts_params=False)
     assert_structure(found, spec, 32)
     assert found.spec.bias is True and found.spec.cast == "before_scale"
-    assert found.undetermined == ("scale", "scale_offset")
+    assert found.undetermined == ("scale", "scale_offset", "offset_dtype", "output_dtype", "backward")
     assert any("not at their initial values" in note for note in found.notes)
 
 
@@ -214,7 +285,7 @@ def test_bfloat16_only_probes(seed):
         reference_forward(spec, True), 64, accepts_params=True, dtypes=("bfloat16",)
     )
     assert_structure(found, spec, 64)
-    assert_affine(found, spec)
+    assert_affine(found, spec, ("variance",) if spec.kind == "layer" else ())
 
 
 def test_negligible_eps_and_no_half_dtype_are_reported_undetermined():
@@ -222,17 +293,22 @@ def test_negligible_eps_and_no_half_dtype_are_reported_undetermined():
     found = identify_forward(
         reference_forward(spec, True), 16, accepts_params=True, dtypes=("float32",)
     )
-    assert found.undetermined == ("eps", "eps_placement", "cast")
+    assert found.undetermined == (
+        "eps", "eps_placement", "cast", "output_dtype", "backward"
+    )
     assert found.spec.eps == NormSpec().eps
     assert any(note.startswith("eps: too small to change any probe") for note in found.notes)
-    assert any("no half-precision dtype was probed" in note for note in found.notes)
+    assert any(
+        note == "cast, offset_dtype, output_dtype: no half-precision dtype was probed"
+        for note in found.notes
+    )
 
 
 def test_describe_lists_spec_undetermined_and_notes():
     found = identify_forward(reference_forward(NormSpec(), False), 16, accepts_params=False)
     text = found.describe()
     assert text.splitlines()[0] == repr(found.spec)
-    assert "undetermined: scale, scale_offset, bias, cast" in text
+    assert "undetermined: " + ", ".join(WITHOUT_PARAMS) in text
     assert "- eps 1e-06 (inside the sqrt)" in text
 
 
@@ -254,8 +330,12 @@ def keras_rms_scaling(x, scale, bias):
     return (x64 / np.sqrt(np.var(x64, axis=1, keepdims=True) + 1e-3)).astype(x.dtype)
 
 
-def tanh(x, scale, bias):
-    return np.tanh(x.astype(np.float32)).astype(x.dtype)
+def test_tanh_is_dyt_with_alpha_1():
+    def tanh(x, scale, bias):
+        return np.tanh(x.astype(np.float32)).astype(x.dtype)
+
+    found = identify_forward(tanh, 16, accepts_params=False)
+    assert found.spec.kind == "dyt" and abs(found.spec.alpha_init - 1) < 1e-4, found.describe()
 
 
 def max_scaling(x, scale, bias):
@@ -265,9 +345,14 @@ def max_scaling(x, scale, bias):
 @pytest.mark.parametrize(
     ("forward", "reason"),
     [
-        pytest.param(lambda x, s, b: x, "it is not scale-invariant", id="identity"),
-        pytest.param(tanh, "it is not scale-invariant", id="tanh"),
-        pytest.param(lambda x, s, b: np.sign(x), "it acts elementwise", id="sign"),
+        pytest.param(lambda x, s, b: x, "it acts elementwise.*not DyT", id="identity"),
+        pytest.param(lambda x, s, b: x * x * x, "it acts elementwise.*not DyT", id="cube"),
+        pytest.param(
+            lambda x, s, b: x - x.mean(axis=1, keepdims=True), "it is not scale-invariant",
+            id="centering",
+        ),
+        pytest.param(lambda x, s, b: np.sign(x), "it acts elementwise.*not DyT", id="sign"),
+        pytest.param(lambda x, s, b: np.arctan(x), "no fixed alpha fits", id="arctan"),
         pytest.param(lambda x, s, b: 0 * x, "its output does not depend on the input", id="zero"),
         pytest.param(max_scaling, "the closest spec it matches", id="max-scaling"),
         pytest.param(statistic_from_the_end, "not a leading block", id="trailing-statistic"),

@@ -33,7 +33,7 @@ def own_params(spec, scale, bias):
 
 def assert_recovered(found, spec, n):
     got = found.spec
-    assert found.undetermined == (), found.describe()
+    assert found.undetermined == ("backward",), found.describe()
     assert got.kind == spec.kind and got.eps_placement == spec.eps_placement, found.describe()
     assert got.stat_size(n) == spec.stat_size(n), found.describe()
     assert abs(got.eps - spec.eps) <= 0.1 * spec.eps, found.describe()
@@ -85,7 +85,9 @@ def test_identify_without_params_says_what_it_cannot_know():
     spec = NormSpec("partial_rms", p=0.25, eps=1e-4, eps_placement="outside", axis=(-2, -1))
     found = identify(lambda x: normalize(x, spec), (2, 16), backend="torch")
     assert found.spec.kind == "partial_rms" and found.spec.stat_size(32) == 8
-    assert set(found.undetermined) == {"scale", "scale_offset", "bias", "cast"}
+    assert set(found.undetermined) == {
+        "scale", "scale_offset", "bias", "cast", "offset_dtype", "output_dtype", "backward"
+    }
 
 
 @pytest.mark.parametrize("peer", [p for p in PEERS if "rms_scaling" not in p.name], ids=lambda p: p.name)
@@ -94,14 +96,16 @@ def test_identify_recovers_what_each_peer_appears_to_implement(peer):
         pytest.skip(peer.missing())
     os.environ.update(peer.env)
     hook = importlib.import_module(peer.hook)
-    found = hook.identify(**peer.variant, n=32).spec
+    found = hook.identify(**peer.variant, n=32)
     claims = peer.claims
-    assert abs(found.eps - claims.eps) <= 0.1 * claims.eps
-    assert found.replace(eps=claims.eps) == claims
+    assert abs(found.spec.eps - claims.eps) <= 0.1 * claims.eps
+    # the forward cannot show the backward's rounding model: the spec keeps the default
+    assert "backward" in found.undetermined
+    assert found.spec.replace(eps=claims.eps, backward=claims.backward) == claims, found.describe()
 
 
 def test_keras_rms_scaling_is_not_a_norm_of_any_kind():
     peer = next(p for p in PEERS if "rms_scaling" in p.name)
     hook = importlib.import_module(peer.hook)
-    with pytest.raises(ValueError, match="does not behave like RMSNorm, partial RMSNorm or LayerNorm"):
+    with pytest.raises(ValueError, match="does not behave like RMSNorm, partial RMSNorm, LayerNorm or DyT"):
         hook.identify(**peer.variant, n=32)
