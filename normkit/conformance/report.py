@@ -224,10 +224,11 @@ def peers_markdown(report: Report, title: str) -> str:
         rows.append([target.name, claimed, *cells, identified, "<br>".join(found) or "none found"])
     intro = (
         "Each built-in layer runs as people use it (torch and Hugging Face modules with "
-        "parameters in the input dtype, Keras layers under `mixed_<dtype>` for half inputs, Flax "
-        "with float32 params) and is checked, forward and backward, against the NormSpec it "
-        "appears to implement. Cells: cases passed / run. The spec found by `normkit identify` is "
-        "shown beside it. Departures name the worst error and the shape where it occurs: on rows "
+        "parameters in the input dtype, or float32 where the name says `[float32-weight]`, Keras "
+        "layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is checked, "
+        "forward and backward, against the NormSpec it appears to implement. Cells: cases passed "
+        "/ run. The spec found by `normkit identify` is shown beside it; identify probes the "
+        "forward only, so it never sees the `backward` field. Departures name the worst error and the shape where it occurs: on rows "
         "of one element (3x1) the exact gradient is of the order of eps, which a plain float32 "
         "backward loses to cancellation."
     )
@@ -239,11 +240,12 @@ def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[
     if not found:
         return "-", []
     if "error" in found:
-        return "not one of the three kinds", [found["error"]]
+        return "not a norm or DyT", [found["error"]]
     spec = NormSpec.from_dict(found["spec"])
     text = _spec_text(spec)
-    if found["undetermined"]:
-        text += f" (undetermined: {', '.join(found['undetermined'])})"
+    unseen = [name for name in found["undetermined"] if name != "backward"]
+    if unseen:
+        text += f" (undetermined: {', '.join(unseen)})"
     differences = []
     if claims is not None:
         for name, value in spec.to_dict().items():
