@@ -322,7 +322,10 @@ def _eps(
         error = _confirm(probe, spec.replace(eps=value), shape, device)
         if error.passed:
             return source, value
-        tried.append(f"{source} = {value:g} ({error.describe()})")
+        tried.append(
+            f"{source} = {value:g} (error {error.error:.2g} {error.bound.unit}, "
+            f"bound {error.bound.value:g})"
+        )
     return "no eps reproduces its float32 outputs: " + "; ".join(tried)
 
 
@@ -365,15 +368,14 @@ def _confirm(
     rng = np.random.default_rng(_SEED)
     assert spec.eps is not None
     transition = math.sqrt(spec.eps) if spec.eps_placement == "inside" else spec.eps
-    sizes = np.repeat([1.0, 0.5 * transition, 2.0 * transition], _CONFIRM_ROWS)[:, None]
-    n = math.prod(shape)
-    rows = sizes * (rng.normal(size=(len(sizes), n)) + rng.normal(size=(len(sizes), 1)))
-    x = rows.astype(np.float32)
-    w = (spec.scale_init + 0.5 * rng.normal(size=n)).astype(np.float32) if spec.scale else None
-    b = (0.5 * rng.normal(size=n)).astype(np.float32) if spec.bias else None
-    w_, b_ = (None if a is None else a.reshape(shape) for a in (w, b))
-    y = bridge("torch").forward(probe, x.reshape(len(x), *shape), w_, b_, device)
-    y = y.reshape(len(x), n)
+    sizes = np.repeat([1.0, 0.5 * transition, 2.0 * transition], _CONFIRM_ROWS)
+    trailing = (1,) * len(shape)
+    size = sizes.reshape(-1, *trailing)
+    mean = rng.normal(size=(len(sizes), *trailing))
+    x = (size * (rng.normal(size=(len(sizes), *shape)) + mean)).astype(np.float32)
+    w = (spec.scale_init + 0.5 * rng.normal(size=shape)).astype(np.float32) if spec.scale else None
+    b = (0.5 * rng.normal(size=shape)).astype(np.float32) if spec.bias else None
+    y = bridge("torch").forward(probe, x, w, b, device)
     expected = reference.normalize(x.astype(np.float64), spec, w, b)
     return tolerances.measure(y, expected, "float32")
 

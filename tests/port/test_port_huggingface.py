@@ -8,10 +8,11 @@ gives the same tokens and the logits stay within `LOGITS_REL`.
 from __future__ import annotations
 
 import copy
+import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -213,3 +214,219 @@ def test_swap_norms_keeps_a_tiny_models_tokens_and_logits(name):
             for module in (original.get_submodule(swap.path), new):
                 check_follows_spec(module, swap.spec, new.normalized_shape, dtype, generator,
                                    f"{swap.path} {type(module).__name__} {dtype}")
+
+
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm",
+                                  "T5LayerNorm", "CohereLayerNorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_hf_norms_are_bit_exact_in_half_precision(name, dtype):
+    family = name.removesuffix("RMSNorm").removesuffix("LayerNorm").lower()
+    module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    generator = torch.Generator().manual_seed(1)
+    original = module(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        original.weight.copy_(torch.randn(32, generator=generator))
+    x = (3 * torch.randn(4, 7, 32, generator=generator)).to(dtype)
+    swapped, report = swap_norms(copy.deepcopy(original))
+    assert report.swapped[0].path == "" and isinstance(swapped, (RMSNorm, LayerNorm))
+    assert swapped.weight.dtype == dtype
+    with torch.no_grad():
+        assert torch.equal(swapped(x), original(x))
+
+
+def test_swap_norms_replaces_torch_layer_norms_and_rms_norms():
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Sequential(
+        nn.LayerNorm(16, eps=1e-5), nn.RMSNorm(16), nn.LayerNorm(16, bias=False),
+        nn.RMSNorm([4, 16], eps=1e-3, elementwise_affine=False), nn.LayerNorm(16, elementwise_affine=False),
+        nn.LayerNorm([4, 16], eps=1e-12),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    model[0].bias.requires_grad_(False)
+    model[2].train(False)
+    x = torch.randn(3, 4, 16, generator=generator)
+    with torch.no_grad():
+        before = [m(x) for m in model]
+        same, report = swap_norms(model)
+        after = [m(x) for m in model]
+    assert same is model and report.left_alone == ()
+    assert [s.spec for s in report.swapped] == [
+        NormSpec("layer", eps=1e-5),
+        NormSpec("rms", eps=torch.finfo(torch.float32).eps),
+        NormSpec("layer", eps=1e-5, bias=False),
+        NormSpec("rms", eps=1e-3, axis=(-2, -1), scale=False),
+        NormSpec("layer", eps=1e-5, scale=False, bias=False),
+        NormSpec("layer", eps=1e-12, axis=(-2, -1)),
+    ]
+    assert [s.eps_from for s in report.swapped] == ["module.eps", "torch eps=None"] + ["module.eps"] * 4
+    assert isinstance(model[0], LayerNorm) and not model[0].bias.requires_grad
+    assert model[0].weight.requires_grad and model[1].training and not model[2].training
+    for b, a in zip(before, after, strict=True):
+        tolerances.assert_close(a.numpy(), b.double().numpy())
+
+
+def test_a_norm_at_the_root_and_a_shared_norm_are_replaced():
+    swapped, report = swap_norms(nn.LayerNorm(8))
+    assert isinstance(swapped, LayerNorm) and [s.path for s in report.swapped] == [""]
+    shared = nn.RMSNorm(8, eps=1e-6)
+    model = nn.Sequential(shared, nn.Linear(8, 8), shared)
+    _, report = swap_norms(model)
+    assert [s.path for s in report.swapped] == ["0", "2"] and model[0] is model[2]
+    assert isinstance(model[0], RMSNorm)
+
+
+class ScaledRMSNorm(nn.Module):
+    """An RMSNorm in the Gemma style, eps fixed in the code: ``x / rms * (1 + weight)``."""
+
+    def __init__(self, n, eps_attribute=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+        if eps_attribute is not None:
+            self.eps = eps_attribute
+
+    def forward(self, x):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (normed * (1 + self.weight.float())).type_as(x)
+
+
+def test_eps_comes_from_the_module_else_the_config_else_the_measurement():
+    config = transformers.LlamaConfig(rms_norm_eps=1e-5)
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8)), config=config)
+    assert report.swapped == (Swap("0", "ScaledRMSNorm", NormSpec("rms", eps=1e-5, scale_offset=1.0), "config.rms_norm_eps"),)
+    # an attribute or a config value the module does not use is passed over
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8, eps_attribute=1e-3)), config=transformers.LlamaConfig(rms_norm_eps=1e-6))
+    assert report.swapped[0].eps_from == "measured" and report.swapped[0].spec.eps == pytest.approx(1e-5, rel=1e-4)
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8, eps_attribute=1e-5)), config=config)
+    assert report.swapped[0].eps_from == "module.eps"
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x, gate=None):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return y if gate is None else y * torch.sigmoid(gate)
+
+
+class ShiftedRMSNorm(nn.LayerNorm):
+    """Has a third parameter."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.shift = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return super().forward(x) + self.shift
+
+
+class UnweightedRMSNorm(nn.Module):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class MismatchedLayerNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n + 1))
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias[:-1])
+
+
+class TanhNorm(nn.Module):
+    """Elementwise, not a norm."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight
+
+
+class Float32RMSNorm(nn.Module):
+    """Returns float32 for every input (no cast back)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        x = x.float()
+        return self.weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class HalfAffineLayerNorm(nn.Module):
+    """Normalizes in float32, then multiplies and adds in the input dtype (two roundings)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        y = nn.functional.layer_norm(x.float(), x.shape[-1:], eps=1e-5).to(x.dtype)
+        return self.weight * y + self.bias
+
+
+class IdleWeightRMSNorm(UnweightedRMSNorm):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+
+class ApproximateRMSNorm(nn.Module):
+    """An RMSNorm whose float32 path is 2^-12 off (as with an approximate rsqrt): within
+    identify's 1% check, not within normkit's float32 bound."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32:
+            y = y * (1 + 2**-12)
+        return (y * self.weight.float()).type_as(x)
+
+
+LEFT_ALONE = {
+    GatedRMSNorm: r"its forward\(x, gate=None\) takes more than the input",
+    ShiftedRMSNorm: r"it has parameters other than weight and bias: \['shift'\]",
+    UnweightedRMSNorm: r"it has no weight, bias or normalized_shape, so its normalized size is unknown",
+    MismatchedLayerNorm: r"its weight and bias have different shapes: \[\(8,\), \(9,\)\]",
+    TanhNorm: r"identify: ValueError: does not behave like RMSNorm, partial RMSNorm or LayerNorm: no element affects the other outputs of its row: it acts elementwise, with no statistic over the row",
+    Float32RMSNorm: r"it returns float32 for bfloat16 inputs, float32 for float16 inputs; normkit returns the input dtype",
+    HalfAffineLayerNorm: r"identify could not determine cast: bfloat16 input: .*cast order undetermined: closer to after_scale on",
+    IdleWeightRMSNorm: r"identify finds scale=False, bias=False, but its parameters are \['weight'\]",
+    ApproximateRMSNorm: (r"no eps reproduces its float32 outputs: module.eps = 1e-05 \(error 0.00024 max_abs / max\|ref\|, "
+                         r"bound 1e-06\); measured = 1e-05 \(error 0.00024 "),
+}
+
+
+@pytest.mark.parametrize("cls", list(LEFT_ALONE), ids=lambda cls: cls.__name__)
+def test_a_norm_that_is_not_pinned_is_left_alone_with_the_reason(cls):
+    module = cls(8) if cls is not UnweightedRMSNorm else cls()
+    model = nn.Sequential(nn.Linear(8, 8), module)
+    _, report = swap_norms(model)
+    assert model[1] is module and report.swapped == ()
+    assert [(e.path, e.original) for e in report.left_alone] == [("1", cls.__name__)]
+    assert re.match(LEFT_ALONE[cls], report.left_alone[0].reason), report.left_alone[0].reason
+
+
+def test_the_report_lists_each_class_once_with_its_count():
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8), GatedRMSNorm(8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    _, report = swap_norms(model)
+    assert isinstance(report, SwapReport) and report.swapped_classes == {"LayerNorm"}
+    assert report.left_alone[0] == LeftAlone("2", "GatedRMSNorm", "its forward(x, gate=None) takes more than the input")
+    assert set(report.left_alone_classes) == {"GatedRMSNorm", "BatchNorm1d"}
+    lines = report.describe().splitlines()
+    assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec(kind='layer', eps=1e-05")
+    assert lines[1].startswith("BatchNorm1d: 1 left alone: identify: ")
+    assert lines[2] == "GatedRMSNorm: 1 left alone: its forward(x, gate=None) takes more than the input"
