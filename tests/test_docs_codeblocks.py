@@ -33,6 +33,7 @@ NEEDS = {
     "normkit.tf": ("keras",),
     "normkit.jax": ("jax", "flax"),
     "normkit.port.torch": ("torch",),
+    "normkit.port.huggingface": ("torch",),
     "normkit.port.keras": ("keras",),
     "normkit.port.flax": ("jax", "flax"),
     "normkit.bench.plot": ("matplotlib",),

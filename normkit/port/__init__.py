@@ -5,8 +5,8 @@
 - `save` / `load`, `save_norms` / `load_norms`: parameters with their `NormSpec` in a
   safetensors (or ``.npz``) file; never pickle.
 - `export_norms` / `import_norms`: every normkit norm of a torch, Keras or Flax NNX model, keyed
-  by its path in the model. ``normkit.port.torch.swap_norms`` turns a torch model's own norms
-  into normkit's; ``normkit.port.flax`` also handles linen.
+  by its path in the model. ``normkit.port.huggingface.swap_norms`` turns a torch model's own
+  norms (Hugging Face's included) into normkit's; ``normkit.port.flax`` also handles linen.
 
 This package imports numpy only; each framework's functions import it in their own module.
 """

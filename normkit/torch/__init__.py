@@ -1,7 +1,8 @@
 """normkit for PyTorch: RMSNorm, PartialRMSNorm and LayerNorm modules that follow `NormSpec`.
 
-``normkit.torch.functional`` has the same norms as functions; ``normkit.port.torch.swap_norms``
-replaces the norm modules of a model (torch's and Hugging Face's) with these. See docs/torch.md
+``normkit.torch.functional`` has the same norms as functions;
+``normkit.port.huggingface.swap_norms`` replaces the norm modules of a model (torch's and
+Hugging Face's) with these. See docs/torch.md
 and docs/porting.md.
 """
 
@@ -20,7 +21,7 @@ def __getattr__(name: str) -> object:
     # The adapter does not import the porting tools built on it; it names where they are.
     if name == "swap_norms":
         raise AttributeError(
-            "normkit.torch.swap_norms is normkit.port.torch.swap_norms: "
-            "from normkit.port.torch import swap_norms"
+            "normkit.torch.swap_norms is normkit.port.huggingface.swap_norms: "
+            "from normkit.port.huggingface import swap_norms"
         )
     raise AttributeError(f"module 'normkit.torch' has no attribute {name!r}")

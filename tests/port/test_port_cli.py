@@ -33,7 +33,7 @@ def test_normkit_torch_names_where_swap_norms_is():
     pytest.importorskip("torch")
     import normkit.torch
 
-    with pytest.raises(AttributeError, match="from normkit.port.torch import swap_norms"):
+    with pytest.raises(AttributeError, match="from normkit.port.huggingface import swap_norms"):
         normkit.torch.swap_norms  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'swap'"):
         normkit.torch.swap  # noqa: B018

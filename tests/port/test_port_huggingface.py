@@ -1,0 +1,432 @@
+"""normkit.port.huggingface.swap_norms: every norm recognised by probing, outputs unchanged.
+
+Tiny, locally configured Hugging Face models (no downloads): each is built from a seeded random
+init, its norms' parameters moved off their initial values, then swapped; greedy ``generate``
+gives the same tokens and the logits stay within `LOGITS_REL`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.backends import bridge  # noqa: E402
+from normkit.port.huggingface import LeftAlone, Swap, SwapReport, swap_norms  # noqa: E402
+from normkit.torch import LayerNorm, RMSNorm  # noqa: E402
+
+# A swapped norm is within normkit's float32 bound of the original (FORWARD_REL of max|y|); the
+# logits pass through up to five norms and the layers between them, each of which can scale that
+# relative error by a small factor: 10 times the per-norm bound, the same 1e-5 Hugging Face's own
+# cross-framework equivalence tests use in float32 (measured here: at most 5e-7).
+LOGITS_REL = 10 * tolerances.FORWARD_REL
+NEW_TOKENS = 8
+VOCAB = 100
+TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, **TOKENS)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    config: Callable[[], object]
+    swapped: frozenset[str]
+    left_alone: frozenset[str]
+    seq2seq: bool
+
+
+def arch(config, swapped, left_alone=(), seq2seq=False):
+    return Architecture(config, frozenset(swapped), frozenset(left_alone), seq2seq)
+
+
+def cfg(name, **options):
+    return lambda: getattr(transformers, name)(**options)
+
+
+ARCHITECTURES = {
+    "llama": arch(cfg("LlamaConfig", **DECODER), {"LlamaRMSNorm"}),
+    "mistral": arch(cfg("MistralConfig", **DECODER), {"MistralRMSNorm"}),
+    "mixtral": arch(cfg("MixtralConfig", **DECODER, num_local_experts=2, num_experts_per_tok=1),
+                    {"MixtralRMSNorm"}),
+    "qwen2": arch(cfg("Qwen2Config", **DECODER), {"Qwen2RMSNorm"}),
+    "qwen3": arch(cfg("Qwen3Config", **DECODER, head_dim=8), {"Qwen3RMSNorm"}),
+    "gemma": arch(cfg("GemmaConfig", **DECODER, head_dim=8), {"GemmaRMSNorm"}),
+    "gemma2": arch(cfg("Gemma2Config", **DECODER, head_dim=8), {"Gemma2RMSNorm"}),
+    "gemma3": arch(cfg("Gemma3TextConfig", **DECODER, head_dim=8), {"Gemma3RMSNorm"}),
+    # the value norm has no weight, so its size (head_dim) is not the module's to tell
+    "gemma3n": arch(cfg("Gemma3nTextConfig", **DECODER, head_dim=8, vocab_size_per_layer_input=VOCAB,
+                        hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2,
+                        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+                        layer_types=["sliding_attention", "full_attention"]),
+                    {"Gemma3nRMSNorm"}, {"Gemma3nRMSNorm"}),
+    "phi3": arch(cfg("Phi3Config", **DECODER), {"Phi3RMSNorm"}),
+    "phi": arch(cfg("PhiConfig", **DECODER), {"LayerNorm"}),
+    "olmo": arch(cfg("OlmoConfig", **DECODER), {"OlmoLayerNorm"}),
+    "olmo2": arch(cfg("Olmo2Config", **DECODER), {"Olmo2RMSNorm"}),
+    "olmo3": arch(cfg("Olmo3Config", **DECODER), {"Olmo3RMSNorm"}),
+    "cohere": arch(cfg("CohereConfig", **DECODER), {"CohereLayerNorm"}),
+    "cohere2": arch(cfg("Cohere2Config", **DECODER), {"Cohere2LayerNorm"}),
+    "granite": arch(cfg("GraniteConfig", **DECODER), {"GraniteRMSNorm"}),
+    "glm": arch(cfg("GlmConfig", **DECODER, head_dim=8), {"GlmRMSNorm"}),
+    "helium": arch(cfg("HeliumConfig", **DECODER, head_dim=8), {"HeliumRMSNorm"}),
+    "exaone4": arch(cfg("Exaone4Config", **DECODER), {"Exaone4RMSNorm"}),
+    "smollm3": arch(cfg("SmolLM3Config", **DECODER), {"SmolLM3RMSNorm"}),
+    "bitnet": arch(cfg("BitNetConfig", **DECODER), {"BitNetRMSNorm"}),
+    "lfm2": arch(cfg("Lfm2Config", **DECODER, layer_types=["conv", "full_attention"]),
+                 {"Lfm2RMSNorm"}),
+    "jamba": arch(cfg("JambaConfig", **DECODER, num_experts=2, num_experts_per_tok=1,
+                      mamba_d_state=8, attn_layer_period=2, attn_layer_offset=1,
+                      expert_layer_period=2, expert_layer_offset=1), {"JambaRMSNorm"}),
+    "falcon_h1": arch(cfg("FalconH1Config", **DECODER, mamba_d_ssm=32, mamba_n_heads=4,
+                          mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8),
+                      {"FalconH1RMSNorm"}),
+    "mamba": arch(cfg("MambaConfig", hidden_size=32, num_hidden_layers=2, state_size=8, **TOKENS),
+                  {"MambaRMSNorm"}),
+    # the gated norm's forward also takes the gate
+    "mamba2": arch(cfg("Mamba2Config", hidden_size=32, num_hidden_layers=2, num_heads=4,
+                       head_dim=16, state_size=8, n_groups=1, expand=2, **TOKENS),
+                   {"Mamba2RMSNorm"}, {"MambaRMSNormGated"}),
+    "zamba2": arch(cfg("Zamba2Config", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, mamba_d_state=8, mamba_ngroups=1, mamba_headdim=8,
+                       n_mamba_heads=8, intermediate_size=64,
+                       layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], **TOKENS),
+                   {"Zamba2RMSNorm"}, {"Zamba2RMSNormGated"}),
+    "starcoder2": arch(cfg("Starcoder2Config", **DECODER), {"LayerNorm"}),
+    "stablelm": arch(cfg("StableLmConfig", **DECODER), {"LayerNorm"}),
+    "persimmon": arch(cfg("PersimmonConfig", **DECODER), {"LayerNorm"}),
+    "biogpt": arch(cfg("BioGptConfig", **DECODER), {"LayerNorm"}),
+    # adds 1 to the weight in the weight's dtype: half inputs round 1 + w (offset_dtype="param")
+    "nemotron": arch(cfg("NemotronConfig", **DECODER), set(), {"NemotronLayerNorm1P"}),
+    "gpt2": arch(cfg("GPT2Config", n_embd=32, n_layer=2, n_head=4, n_positions=64, **TOKENS),
+                 {"LayerNorm"}),
+    "gpt_neo": arch(cfg("GPTNeoConfig", hidden_size=32, num_layers=2, num_heads=4,
+                        attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                        **TOKENS), {"LayerNorm"}),
+    "gpt_neox": arch(cfg("GPTNeoXConfig", **DECODER), {"LayerNorm"}),
+    "gptj": arch(cfg("GPTJConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                     **TOKENS), {"LayerNorm"}),
+    "codegen": arch(cfg("CodeGenConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                        n_positions=64, n_ctx=64, **TOKENS), {"LayerNorm"}),
+    "falcon": arch(cfg("FalconConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       **TOKENS), {"LayerNorm"}),
+    "opt": arch(cfg("OPTConfig", hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                    num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64,
+                    **TOKENS), {"LayerNorm"}),
+    "xglm": arch(cfg("XGLMConfig", d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                     max_position_embeddings=64, **TOKENS), {"LayerNorm"}),
+    "bloom": arch(cfg("BloomConfig", hidden_size=32, n_layer=2, n_head=4, **TOKENS),
+                  {"LayerNorm"}),
+    "mpt": arch(cfg("MptConfig", d_model=32, n_layers=2, n_heads=4, max_seq_len=64, **TOKENS),
+                {"LayerNorm"}),
+    "t5": arch(cfg("T5Config", d_model=32, d_ff=64, d_kv=8, num_layers=1, num_decoder_layers=1,
+                   num_heads=4, decoder_start_token_id=0, **TOKENS), {"T5LayerNorm"},
+               seq2seq=True),
+    "bart": arch(cfg("BartConfig", d_model=32, encoder_layers=1, decoder_layers=1,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, max_position_embeddings=64, decoder_start_token_id=2,
+                     forced_eos_token_id=None, **TOKENS), {"LayerNorm"}, seq2seq=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads; on a shared machine threads only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def perturb_norms(model, generator):
+    """Move every norm's parameters off their initial values (the init would hide the offset)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if "norm" in type(module).__name__.lower():
+                for p in module.parameters(recurse=False):
+                    p.add_(0.3 * torch.randn(p.shape, generator=generator))
+
+
+def run(model, ids, seq2seq):
+    with torch.no_grad():
+        extra = {"decoder_input_ids": ids[:, :4]} if seq2seq else {}
+        logits = model(input_ids=ids, **extra).logits
+        tokens = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    return logits, tokens
+
+
+def to_numpy(tensor):
+    return None if tensor is None else bridge("torch").to_numpy(tensor.detach())
+
+
+def check_follows_spec(module, spec, shape, dtype, generator, what):
+    """``module`` (its parameters in ``dtype``) against the reference for ``spec``."""
+    module = copy.deepcopy(module).to(dtype)
+    x = (3 * torch.randn(16, *shape, generator=generator)).to(dtype)
+    with torch.no_grad():
+        y = module(x)
+    w, b = (to_numpy(getattr(module, name, None)) for name in ("weight", "bias"))
+    xn = to_numpy(x)
+    expected = reference.normalize(xn, spec, w, b)
+    magnitude = reference.scaled_magnitude(xn, spec, w) if spec.scale else None
+    tolerances.assert_close(to_numpy(y), expected, cast=spec.cast, what=what, magnitude=magnitude)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_swap_norms_keeps_a_tiny_models_tokens_and_logits(name):
+    architecture = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForSeq2SeqLM if architecture.seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_config(architecture.config()).eval()
+    generator = torch.Generator().manual_seed(1)
+    perturb_norms(model, generator)
+    original = copy.deepcopy(model)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=generator)
+    before_logits, before_tokens = run(model, ids, architecture.seq2seq)
+
+    same, report = swap_norms(model)
+
+    assert same is model
+    assert report.swapped_classes == architecture.swapped, report.describe()
+    assert set(report.left_alone_classes) == architecture.left_alone, report.describe()
+    after_logits, after_tokens = run(model, ids, architecture.seq2seq)
+    assert torch.equal(after_tokens, before_tokens)
+    assert after_tokens.shape[1] == (1 if architecture.seq2seq else ids.shape[1]) + NEW_TOKENS
+    error = float((after_logits - before_logits).abs().max())
+    assert error <= LOGITS_REL * float(before_logits.abs().max()), error
+    first = {}
+    for swap in report.swapped:
+        first.setdefault(swap.original, swap)
+    for swap in first.values():  # the spec found is the original's, and the swapped module's
+        new = model.get_submodule(swap.path)
+        assert isinstance(new, (RMSNorm, LayerNorm)) and new.spec == swap.spec
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for module in (original.get_submodule(swap.path), new):
+                check_follows_spec(module, swap.spec, new.normalized_shape, dtype, generator,
+                                   f"{swap.path} {type(module).__name__} {dtype}")
+
+
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm",
+                                  "T5LayerNorm", "CohereLayerNorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_hf_norms_are_bit_exact_in_half_precision(name, dtype):
+    family = name.removesuffix("RMSNorm").removesuffix("LayerNorm").lower()
+    module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    generator = torch.Generator().manual_seed(1)
+    original = module(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        original.weight.copy_(torch.randn(32, generator=generator))
+    x = (3 * torch.randn(4, 7, 32, generator=generator)).to(dtype)
+    swapped, report = swap_norms(copy.deepcopy(original))
+    assert report.swapped[0].path == "" and isinstance(swapped, (RMSNorm, LayerNorm))
+    assert swapped.weight.dtype == dtype
+    with torch.no_grad():
+        assert torch.equal(swapped(x), original(x))
+
+
+def test_swap_norms_replaces_torch_layer_norms_and_rms_norms():
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Sequential(
+        nn.LayerNorm(16, eps=1e-5), nn.RMSNorm(16), nn.LayerNorm(16, bias=False),
+        nn.RMSNorm([4, 16], eps=1e-3, elementwise_affine=False), nn.LayerNorm(16, elementwise_affine=False),
+        nn.LayerNorm([4, 16], eps=1e-12),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    model[0].bias.requires_grad_(False)
+    model[2].train(False)
+    x = torch.randn(3, 4, 16, generator=generator)
+    with torch.no_grad():
+        before = [m(x) for m in model]
+        same, report = swap_norms(model)
+        after = [m(x) for m in model]
+    assert same is model and report.left_alone == ()
+    assert [s.spec for s in report.swapped] == [
+        NormSpec("layer", eps=1e-5),
+        NormSpec("rms", eps=torch.finfo(torch.float32).eps),
+        NormSpec("layer", eps=1e-5, bias=False),
+        NormSpec("rms", eps=1e-3, axis=(-2, -1), scale=False),
+        NormSpec("layer", eps=1e-5, scale=False, bias=False),
+        NormSpec("layer", eps=1e-12, axis=(-2, -1)),
+    ]
+    assert [s.eps_from for s in report.swapped] == ["module.eps", "torch eps=None"] + ["module.eps"] * 4
+    assert isinstance(model[0], LayerNorm) and not model[0].bias.requires_grad
+    assert model[0].weight.requires_grad and model[1].training and not model[2].training
+    for b, a in zip(before, after, strict=True):
+        tolerances.assert_close(a.numpy(), b.double().numpy())
+
+
+def test_a_norm_at_the_root_and_a_shared_norm_are_replaced():
+    swapped, report = swap_norms(nn.LayerNorm(8))
+    assert isinstance(swapped, LayerNorm) and [s.path for s in report.swapped] == [""]
+    shared = nn.RMSNorm(8, eps=1e-6)
+    model = nn.Sequential(shared, nn.Linear(8, 8), shared)
+    _, report = swap_norms(model)
+    assert [s.path for s in report.swapped] == ["0", "2"] and model[0] is model[2]
+    assert isinstance(model[0], RMSNorm)
+
+
+class ScaledRMSNorm(nn.Module):
+    """An RMSNorm in the Gemma style, eps fixed in the code: ``x / rms * (1 + weight)``."""
+
+    def __init__(self, n, eps_attribute=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+        if eps_attribute is not None:
+            self.eps = eps_attribute
+
+    def forward(self, x):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (normed * (1 + self.weight.float())).type_as(x)
+
+
+def test_eps_comes_from_the_module_else_the_config_else_the_measurement():
+    config = transformers.LlamaConfig(rms_norm_eps=1e-5)
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8)), config=config)
+    assert report.swapped == (Swap("0", "ScaledRMSNorm", NormSpec("rms", eps=1e-5, scale_offset=1.0), "config.rms_norm_eps"),)
+    # an attribute or a config value the module does not use is passed over
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8, eps_attribute=1e-3)), config=transformers.LlamaConfig(rms_norm_eps=1e-6))
+    assert report.swapped[0].eps_from == "measured" and report.swapped[0].spec.eps == pytest.approx(1e-5, rel=1e-4)
+    _, report = swap_norms(nn.Sequential(ScaledRMSNorm(8, eps_attribute=1e-5)), config=config)
+    assert report.swapped[0].eps_from == "module.eps"
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x, gate=None):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return y if gate is None else y * torch.sigmoid(gate)
+
+
+class ShiftedRMSNorm(nn.LayerNorm):
+    """Has a third parameter."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.shift = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return super().forward(x) + self.shift
+
+
+class UnweightedRMSNorm(nn.Module):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class MismatchedLayerNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n + 1))
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias[:-1])
+
+
+class TanhNorm(nn.Module):
+    """Elementwise, not a norm."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight
+
+
+class Float32RMSNorm(nn.Module):
+    """Returns float32 for every input (no cast back)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        x = x.float()
+        return self.weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class HalfAffineLayerNorm(nn.Module):
+    """Normalizes in float32, then multiplies and adds in the input dtype (two roundings)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        y = nn.functional.layer_norm(x.float(), x.shape[-1:], eps=1e-5).to(x.dtype)
+        return self.weight * y + self.bias
+
+
+class IdleWeightRMSNorm(UnweightedRMSNorm):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+
+class ApproximateRMSNorm(nn.Module):
+    """An RMSNorm whose float32 path is 2^-12 off (as with an approximate rsqrt): within
+    identify's 1% check, not within normkit's float32 bound."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32:
+            y = y * (1 + 2**-12)
+        return (y * self.weight.float()).type_as(x)
+
+
+LEFT_ALONE = {
+    GatedRMSNorm: r"its forward\(x, gate=None\) takes more than the input",
+    ShiftedRMSNorm: r"it has parameters other than weight and bias: \['shift'\]",
+    UnweightedRMSNorm: r"it has no weight, bias or normalized_shape, so its normalized size is unknown",
+    MismatchedLayerNorm: r"its weight and bias have different shapes: \[\(8,\), \(9,\)\]",
+    TanhNorm: r"identify: ValueError: does not behave like RMSNorm, partial RMSNorm or LayerNorm: no element affects the other outputs of its row: it acts elementwise, with no statistic over the row",
+    Float32RMSNorm: r"it returns float32 for bfloat16 inputs, float32 for float16 inputs; normkit returns the input dtype",
+    HalfAffineLayerNorm: r"identify could not determine cast: bfloat16 input: .*cast order undetermined: closer to after_scale on",
+    IdleWeightRMSNorm: r"identify finds scale=False, bias=False, but its parameters are \['weight'\]",
+    ApproximateRMSNorm: (r"no eps reproduces its float32 outputs: module.eps = 1e-05 \(error 0.00024 max_abs / max\|ref\|, "
+                         r"bound 1e-06\); measured = 1e-05 \(error 0.00024 "),
+}
+
+
+@pytest.mark.parametrize("cls", list(LEFT_ALONE), ids=lambda cls: cls.__name__)
+def test_a_norm_that_is_not_pinned_is_left_alone_with_the_reason(cls):
+    module = cls(8) if cls is not UnweightedRMSNorm else cls()
+    model = nn.Sequential(nn.Linear(8, 8), module)
+    _, report = swap_norms(model)
+    assert model[1] is module and report.swapped == ()
+    assert [(e.path, e.original) for e in report.left_alone] == [("1", cls.__name__)]
+    assert re.match(LEFT_ALONE[cls], report.left_alone[0].reason), report.left_alone[0].reason
+
+
+def test_the_report_lists_each_class_once_with_its_count():
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8), GatedRMSNorm(8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    _, report = swap_norms(model)
+    assert isinstance(report, SwapReport) and report.swapped_classes == {"LayerNorm"}
+    assert report.left_alone[0] == LeftAlone("2", "GatedRMSNorm", "its forward(x, gate=None) takes more than the input")
+    assert set(report.left_alone_classes) == {"GatedRMSNorm", "BatchNorm1d"}
+    lines = report.describe().splitlines()
+    assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec(kind='layer', eps=1e-05")
+    assert lines[1].startswith("BatchNorm1d: 1 left alone: identify: ")
+    assert lines[2] == "GatedRMSNorm: 1 left alone: its forward(x, gate=None) takes more than the input"
