@@ -113,6 +113,8 @@ FIELDS = [
     (dict(output_dtype="promote", cast="before_scale"), np.float32),
     (dict(backward="autograd"), np.float32),
     (dict(backward="autograd", cast="before_scale", bias=True), dtypes.bfloat16),
+    (dict(backward="autograd", cast="before_scale", residual="rounded"), np.float32),
+    (dict(backward="autograd", residual="float32_normalized", scale_offset=1.0), np.float32),
 ]
 
 
@@ -134,3 +136,4 @@ def test_fast_variance(dtype):
     check(NormSpec("layer", variance="fast"), dtype)
     check(NormSpec("layer", variance="fast", residual="float32", cast="before_scale"), dtype,
           api="functional")
+    check(NormSpec("layer", variance="fast", backward="autograd"), dtype)
