@@ -279,7 +279,7 @@ def _backward(
     if r is None:
         rows = _scaled_statistic(x, kind, k, eps, outside)
     elif _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
-        return _backward_in_place(x, r, g, dy, k, outside, need_g, need_b)
+        return _backward_in_place(x, r, g, dy.to(x.dtype), k, outside, need_g, need_b)
     else:
         rows = _scaled_statistic(x, kind, k, eps, outside, r.unsqueeze(-1))
     if r is None or rows.sigma is not None or torch.is_grad_enabled():

@@ -7,13 +7,17 @@ dtype; the DyT module; add_norm's h; the error messages.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
-from normkit.torch import conformance  # noqa: E402
+import normkit.torch as nt  # noqa: E402
+from normkit.torch import conformance, functional, kernels  # noqa: E402
+from normkit.torch.conformance import to_numpy  # noqa: E402
 
 ALL_DTYPES = [dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16]
 
@@ -106,10 +110,10 @@ KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.5), dict(kind="layer"),
 FIELDS = [
     (dict(residual="rounded"), np.float32),
     (dict(residual="rounded", cast="before_scale"), np.float32),
-    (dict(residual="float32"), np.float32),
+    (dict(residual="float32", bias=True), np.float32),
     (dict(residual="float32_normalized", cast="before_scale"), np.float32),
     (dict(scale_offset=1.0, offset_dtype="param"), dtypes.bfloat16),
-    (dict(output_dtype="promote"), np.float32),
+    (dict(output_dtype="promote", bias=True), np.float32),
     (dict(output_dtype="promote", cast="before_scale"), np.float32),
     (dict(backward="autograd"), np.float32),
     (dict(backward="autograd", cast="before_scale", bias=True), dtypes.bfloat16),
@@ -137,3 +141,150 @@ def test_fast_variance(dtype):
     check(NormSpec("layer", variance="fast", residual="float32", cast="before_scale"), dtype,
           api="functional")
     check(NormSpec("layer", variance="fast", backward="autograd"), dtype)
+
+
+@pytest.mark.parametrize("rounding, h_dtype", [
+    ("rounded", torch.bfloat16), ("float32", torch.float32),
+    ("float32_normalized", torch.bfloat16),
+])
+def test_add_norm_returns_h_in_its_dtype(rounding, h_dtype):
+    spec = NormSpec(residual=rounding)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    residual = torch.randn(2, 8).to(torch.bfloat16)
+    y, h = functional.add_norm(x, residual, spec)
+    assert y.dtype == torch.bfloat16 and h.dtype == h_dtype
+    want_y, want_h = reference.add_normalize(to_numpy(x), to_numpy(residual), spec)
+    np.testing.assert_array_equal(to_numpy(h), want_h)
+    tolerances.assert_close(to_numpy(y), want_y)
+
+
+def test_float32_residual_stream_with_a_half_input():
+    spec = NormSpec(residual="float32", bias=True)
+    check(spec, dtypes.bfloat16, api="functional")
+    x = torch.randn(2, 8).to(torch.bfloat16).requires_grad_()
+    residual = torch.randn(2, 8, requires_grad=True)
+    y, h = functional.add_norm(x, residual, spec)
+    (y.float().sum() + h.sum()).backward()
+    assert h.dtype == torch.float32 and residual.grad is not None
+    assert residual.grad.dtype == torch.float32 and x.grad is not None
+    grads = reference.add_normalize_vjp(
+        to_numpy(x), to_numpy(residual.detach()), np.ones((2, 8)), np.ones((2, 8)), spec
+    )
+    tolerances.assert_close(to_numpy(residual.grad), grads.dresidual, quantity="grad")
+
+
+def test_dyt_module_parameters_and_state_dict():
+    dyt = nt.DyT(6, alpha_init=1.0, dtype=torch.float64)
+    assert sorted(dyt.state_dict()) == ["alpha", "bias", "weight"]
+    assert dyt.alpha.shape == (1,) and dyt.alpha.dtype == torch.float64
+    assert dyt.alpha.item() == 1.0 and dyt.spec.alpha_init == 1.0
+    assert torch.equal(dyt.weight, torch.ones(6, dtype=torch.float64))
+    assert torch.equal(dyt.bias, torch.zeros(6, dtype=torch.float64))
+    assert "alpha_init=1" in repr(dyt) and "eps" not in repr(dyt)
+    bare = nt.DyT((2, 3), elementwise_affine=False, bias=False)
+    assert sorted(bare.state_dict()) == ["alpha"] and bare.spec.alpha_init == 0.5
+    assert bare.spec == NormSpec("dyt", axis=(-2, -1), scale=False, bias=False)
+    with pytest.raises(ValueError, match="alpha_init=-1.0 is invalid"):
+        nt.DyT(4, alpha_init=-1.0)
+
+
+def test_dyt_module_alpha_gradient():
+    dyt = nt.DyT(8)
+    with torch.no_grad():
+        dyt.alpha.fill_(0.8)
+        dyt.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x = torch.randn(4, 8) * 2
+    dy = torch.randn(4, 8)
+    dyt(x).backward(dy)
+    args = (to_numpy(x), to_numpy(dy), dyt.spec, to_numpy(dyt.weight.detach()),
+            np.zeros(8, np.float32), to_numpy(dyt.alpha.detach()))
+    want = reference.normalize_vjp(*args)
+    assert dyt.alpha.grad is not None and dyt.alpha.grad.shape == (1,)
+    tolerances.assert_close(to_numpy(dyt.alpha.grad), want.dalpha, quantity="grad")
+    assert dyt.weight.grad is not None
+    tolerances.assert_close(to_numpy(dyt.weight.grad), want.dscale, quantity="grad")
+
+
+FROM_SPEC = [
+    NormSpec("dyt", alpha_init=2.0, scale_offset=1.0, offset_dtype="param", residual="float32"),
+    NormSpec("layer", variance="fast", output_dtype="promote", backward="autograd",
+             cast="before_scale", eps=1e-5),
+    NormSpec("partial_rms", p=0.25, residual="float32_normalized", eps_placement="outside"),
+    NormSpec("rms", axis=(-2, -1), bias=True, residual="rounded", backward="autograd"),
+]
+
+
+@pytest.mark.parametrize("spec", FROM_SPEC, ids=str)
+def test_from_spec_builds_every_spec(spec):
+    module = nt.from_spec(spec, (3, 4) if len(spec.axis) == 2 else 4)
+    assert module.spec == spec
+    assert type(module).__name__ == {
+        "dyt": "DyT", "layer": "LayerNorm", "partial_rms": "PartialRMSNorm", "rms": "RMSNorm"
+    }[spec.kind]
+
+
+@pytest.mark.parametrize("spec", [
+    NormSpec(residual="rounded", cast="before_scale"), NormSpec("dyt", bias=True),
+], ids=["residual", "dyt"])
+def test_compiled_fullgraph(spec):
+    check(spec, dtypes.bfloat16, compiled=True)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_residual_errors_name_the_problem():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"residual='rounded'.*use add_norm\(x, residual"):
+        functional.normalize(x, NormSpec(residual="rounded"))
+    with pytest.raises(ValueError, match="add_norm needs a spec with a residual rounding"):
+        functional.add_norm(x, x, NormSpec())
+    with pytest.raises(ValueError, match=r"residual has shape \(2, 4\), expected the shape"):
+        functional.add_norm(x, x[:, :4], NormSpec(residual="float32"))
+    half = x.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="residual='rounded' with x of dtype bfloat16 needs"):
+        functional.add_norm(half, x, NormSpec(residual="rounded"))
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        functional.add_norm(x, to_numpy(x), NormSpec(residual="rounded"))
+
+
+def test_module_residual_errors():
+    plain, fused = nt.RMSNorm(8), nt.RMSNorm(8, residual="rounded")
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="RMSNorm was given a residual but its spec has"):
+        plain(x, x)
+    with pytest.raises(ValueError, match=r"call it as module\(x, residual\)"):
+        fused(x)
+
+
+def test_alpha_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="alpha was given but the spec has kind='rms'"):
+        functional.normalize(x, NormSpec(), alpha=torch.ones(1))
+    with pytest.raises(ValueError, match=r"alpha has shape \(2,\), expected a scalar"):
+        functional.normalize(x, NormSpec("dyt"), alpha=torch.ones(2))
+
+
+def test_named_kernel_refuses_a_field_it_lacks_and_auto_falls_back_quietly(monkeypatch):
+    x = torch.randn(2, 8)
+    for spec, field in (
+        (NormSpec(residual="rounded"), "residual='rounded'"),
+        (NormSpec("layer", variance="fast"), "variance='fast'"),
+        (NormSpec(scale_offset=1.0, offset_dtype="param"), "offset_dtype='param'"),
+        (NormSpec(output_dtype="promote"), "output_dtype='promote'"),
+        (NormSpec(backward="autograd"), "backward='autograd'"),
+        (NormSpec("dyt"), "kind='dyt'"),
+    ):
+        with pytest.raises(ValueError, match=f"kernel='cpu' does not compute NormSpec.{field}"):
+            kernels.resolve("cpu", x, spec, 8)
+        assert kernels.resolve("auto", x, spec, 8) == "composite"
+    with pytest.raises(ValueError, match="kernel='cpu' does not compute NormSpec.residual"):
+        functional.add_norm(x, x, NormSpec(residual="rounded"), kernel="cpu")
+    # Without numba, "auto" warns when it misses the kernel, not when the spec needs composite.
+    monkeypatch.setattr(kernels, "_NUMBA", False)
+    monkeypatch.setitem(kernels._warned, "auto", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        functional.normalize(x, NormSpec("dyt"))
+    with pytest.warns(RuntimeWarning, match="CPU kernel needs numba"):
+        functional.normalize(x, NormSpec())
