@@ -286,7 +286,7 @@ def _backward(
         # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
         r_scaled = _rstd(rows.s, rows.eps, outside)
     else:
-        r_scaled = r.unsqueeze(-1)  # type: ignore[union-attr]
+        r_scaled = r.unsqueeze(-1)
     acc = r_scaled.dtype
     dyf = dy.to(acc)
     d = dyf * g if g is not None else dyf

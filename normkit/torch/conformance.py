@@ -95,7 +95,7 @@ def evaluate(
     param_dtype = to_torch(np.zeros(0, given)).dtype
     params = _parameters(spec, x.shape, scale, bias, alpha, param_dtype, device)
 
-    fn: Callable[..., Any]
+    module: torch.nn.Module | None = None
     if api == "module":
         trailing_spec = spec.replace(axis=tuple(range(-len(axes), 0)))
         shape = spec.param_shape(x.shape)
@@ -103,37 +103,38 @@ def evaluate(
         for name, param in params.items():
             if param is not None:
                 setattr(module, name, param)
-        fn = module
-    elif spec.residual is None:
-        def fn(t: torch.Tensor) -> torch.Tensor:
-            return normalize(
-                t, spec, params["weight"], params["bias"], alpha=params["alpha"], kernel=kernel
-            )
-    else:
-        def fn(t: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return add_norm(
-                t, r, spec, params["weight"], params["bias"], alpha=params["alpha"],
-                kernel=kernel,
-            )
 
+    def call(
+        t: torch.Tensor, r: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, h)``, h None without a residual."""
+        w, b, a = params["weight"], params["bias"], params["alpha"]
+        if module is not None:
+            out = module(t) if r is None else module(t, r)
+        elif r is None:
+            out = normalize(t, spec, w, b, alpha=a, kernel=kernel)
+        else:
+            out = add_norm(t, r, spec, w, b, alpha=a, kernel=kernel)
+        return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = call
     if variant.get("compiled", False):
-        fn = torch.compile(fn, fullgraph=True)
+        fn = torch.compile(call, fullgraph=True)
     xt = to_torch(x, device).requires_grad_(True)
-    outputs: list[np.ndarray | None]
-    if residual is None:
-        y = fn(xt)
+    rt = None if residual is None else to_torch(residual, device).requires_grad_(True)
+    y, h = fn(xt, rt)
+    if h is None:
         y.backward(to_torch(dy, device).to(y.dtype))
     else:
-        rt = to_torch(residual, device).requires_grad_(True)
-        y, h = fn(xt, rt)
+        assert dh is not None
         cotangents = [to_torch(dy, device).to(y.dtype), to_torch(dh, device).to(h.dtype)]
         torch.autograd.backward([y, h], cotangents)
     assert xt.grad is not None
     grads = {name: None if p is None else p.grad for name, p in params.items()}
-    outputs = [to_numpy(y), to_numpy(xt.grad)]
+    outputs: list[np.ndarray | None] = [to_numpy(y), to_numpy(xt.grad)]
     outputs += [None if grads[n] is None else to_numpy(grads[n]) for n in ("weight", "bias")]
-    if residual is not None:
-        assert rt.grad is not None
+    if h is not None:
+        assert rt is not None and rt.grad is not None
         outputs += [to_numpy(h), to_numpy(rt.grad)]
     if spec.kind == "dyt":
         dalpha = grads["alpha"]

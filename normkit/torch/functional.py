@@ -353,7 +353,8 @@ def _normalize_trailing(
         )
         chosen_module = kernels.module(chosen)
         if res_rows is None:
-            return chosen_module.norm_rows(rows.contiguous(), w, b, **options).reshape(x.shape), None
+            y = chosen_module.norm_rows(rows.contiguous(), w, b, **options)
+            return y.reshape(x.shape), None
         y, h = chosen_module.add_norm_rows(
             rows.contiguous(), res_rows.contiguous(), w, b, **options,
             residual_rounding=spec.residual,

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
 import normkit.torch as nt  # noqa: E402
+from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
 from normkit.torch import conformance, functional, kernels  # noqa: E402
 from normkit.torch.conformance import to_numpy  # noqa: E402
 
