@@ -1,4 +1,7 @@
-"""The normkit kernel for PyTorch: a custom autograd.Function with an analytic backward.
+"""The normkit kernel for PyTorch: custom autograd.Functions with analytic backwards.
+
+`NormFunction` computes the normalization kinds, `DytFunction` DyT, and `RoundThrough` rounds
+the sum of a ``residual="rounded"`` add while its gradient passes unrounded.
 
 Inputs are 2-D: rows of the ``n`` normalized elements. The forward saves only the input and one
 statistic per row, ``r = r(s)`` (float32, or float64 for float64 input); the backward recomputes

@@ -334,8 +334,8 @@ def _normalize_trailing(
     k = spec.stat_size(n)
     weight = _param(weight, "weight", spec.scale, shape)
     bias = _param(bias, "bias", spec.bias, shape)
-    alpha = _check_alpha(alpha, spec, x)
-    out = output_dtype(x, spec, weight, bias, None if spec.kind != "dyt" else alpha)
+    alpha_t = _check_alpha(alpha, spec, x)
+    out = output_dtype(x, spec, weight, bias, alpha)  # a default alpha takes no part
     rows = x.reshape(x.numel() // n, n)
     res_rows = None if residual is None else residual.reshape(rows.shape)
     w = None if weight is None else weight.reshape(n)
@@ -362,9 +362,9 @@ def _normalize_trailing(
         return y.reshape(x.shape), h.reshape(x.shape)
     if spec.backward == "autograd":
         if res_rows is None:
-            y = _eager.norm_rows(rows, spec, k, w, b, alpha, x.dtype, out)
+            y = _eager.norm_rows(rows, spec, k, w, b, alpha_t, x.dtype, out)
             return y.reshape(x.shape), None
-        y, h = _eager.add_norm_rows(rows, res_rows, spec, k, w, b, alpha, out)
+        y, h = _eager.add_norm_rows(rows, res_rows, spec, k, w, b, alpha_t, out)
         return y.reshape(x.shape), h.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
     g = _effective_scale(w, spec, acc)
@@ -374,8 +374,8 @@ def _normalize_trailing(
     if res_rows is not None:
         values, h = _add(rows, res_rows, spec.residual, acc)
     if spec.kind == "dyt":
-        assert alpha is not None
-        y = DytFunction.apply(values, g, b_acc, alpha, spec.cast, x.dtype, out)
+        assert alpha_t is not None
+        y = DytFunction.apply(values, g, b_acc, alpha_t, spec.cast, x.dtype, out)
         return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
     fused = _fused(x, spec, shape, g, b_acc, out) if res_rows is None else None
     if fused is not None:

@@ -288,3 +288,20 @@ def test_named_kernel_refuses_a_field_it_lacks_and_auto_falls_back_quietly(monke
         functional.normalize(x, NormSpec("dyt"))
     with pytest.warns(RuntimeWarning, match="CPU kernel needs numba"):
         functional.normalize(x, NormSpec())
+
+
+def test_promote_counts_the_parameters_given():
+    spec = NormSpec("dyt", output_dtype="promote")
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    for kwargs, out in (
+        ({}, torch.bfloat16),  # alpha_init, no parameter given
+        ({"alpha": torch.full((1,), 0.5)}, torch.float32),
+        ({"weight": torch.ones(8, dtype=torch.float16)}, torch.float32),
+        ({"bias": torch.zeros(8, dtype=torch.float64)}, torch.float64),
+    ):
+        y = functional.normalize(x, spec, **kwargs)
+        arrays = {k: to_numpy(v) for k, v in kwargs.items()}
+        expected = reference.normalize(to_numpy(x), spec, arrays.get("weight"),
+                                       arrays.get("bias"), arrays.get("alpha"))
+        assert y.dtype == out and to_numpy(y).dtype == expected.dtype
+        tolerances.assert_close(to_numpy(y), expected)
