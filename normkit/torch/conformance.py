@@ -68,10 +68,18 @@ def evaluate(
         ``kernel=`` one of `normkit.torch.kernels.KERNELS` (default ``"auto"``).
 
     Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
+    Raises NotImplementedError (a SKIP) for a named kernel that does not compute one of the
+    spec's fields.
     """
     device = device_name(device)
     check_variant(variant, VARIANTS)
     kernel = kernels.check_kernel(variant.get("kernel", "auto"))
+    lacking = None if kernel in ("auto", "composite") else kernels.unsupported(kernel, spec)
+    if lacking is not None:
+        raise NotImplementedError(
+            f"kernel={kernel!r} does not compute NormSpec.{lacking} (kernel='auto' computes it "
+            "with the composite path)"
+        )
     if kernel == "triton" and not device.startswith("cuda"):
         # Off a GPU the Triton kernels run in Triton's interpreter, read when triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")

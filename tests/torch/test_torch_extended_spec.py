@@ -305,3 +305,11 @@ def test_promote_counts_the_parameters_given():
                                        arrays.get("bias"), arrays.get("alpha"))
         assert y.dtype == out and to_numpy(y).dtype == expected.dtype
         tolerances.assert_close(to_numpy(y), expected)
+
+
+def test_hook_skips_a_named_kernel_that_lacks_a_field():
+    x, dy, *_ = inputs(NormSpec("dyt"), (2, 8), np.float32, np.float32)
+    with pytest.raises(NotImplementedError, match="kernel='cpu' does not compute NormSpec.kind"):
+        conformance.evaluate(NormSpec("dyt"), x, dy, kernel="cpu")
+    with pytest.raises(ValueError, match="residual and dh must be given exactly when"):
+        conformance.evaluate(NormSpec(residual="rounded"), x, dy)
