@@ -426,6 +426,8 @@ class DytFunction(torch.autograd.Function):
         dg = sum over rows of dy tanh(alpha x)      db = sum over rows of dy
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(
         x: torch.Tensor,
@@ -473,6 +475,8 @@ class RoundThrough(torch.autograd.Function):
     The ``residual="rounded"`` sum: its value is the rounded one, but the gradients flowing into
     it are added in the compute dtype and rounded once, as the reference's VJP does.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -313,3 +313,21 @@ def test_hook_skips_a_named_kernel_that_lacks_a_field():
         conformance.evaluate(NormSpec("dyt"), x, dy, kernel="cpu")
     with pytest.raises(ValueError, match="residual and dh must be given exactly when"):
         conformance.evaluate(NormSpec(residual="rounded"), x, dy)
+
+
+def test_torch_func_transforms_through_dyt_and_add_norm():
+    # Rows are independent: per-sample gradients under vmap are the rows of the batch gradient.
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    alpha = torch.full((1,), 0.7, dtype=torch.float64)
+
+    def dyt(t):
+        return functional.normalize(t, NormSpec("dyt"), alpha=alpha).square().sum()
+
+    def fused(t):
+        y, h = functional.add_norm(t, 2 * t, NormSpec(residual="rounded"))
+        return y.square().sum() + h.sum()
+
+    for loss in (dyt, fused):
+        per_sample = torch.func.vmap(torch.func.grad(loss))(x)
+        whole = torch.func.grad(loss)(x)
+        torch.testing.assert_close(per_sample, whole, rtol=1e-12, atol=1e-12)
