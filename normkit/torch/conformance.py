@@ -6,6 +6,7 @@ too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,8 @@ def evaluate(
       device: one of `devices`.
       variant: ``api="module"`` (`from_spec`, the default when ``spec.axis`` is the trailing
         axes of ``x``) or ``api="functional"`` (`normalize` / `add_norm`, the default
-        otherwise); ``compiled=True`` runs it under ``torch.compile(fullgraph=True)``;
+        otherwise); ``compiled=True`` runs it under ``torch.compile(fullgraph=True)`` (with
+        Inductor's ``emulate_precision_casts`` for ``backward="autograd"``);
         ``kernel=`` one of `normkit.torch.kernels.KERNELS` (default ``"auto"``).
 
     Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
@@ -126,17 +128,12 @@ def evaluate(
         return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = call
-    if variant.get("compiled", False):
+    compiled = bool(variant.get("compiled", False))
+    if compiled:
         fn = torch.compile(call, fullgraph=True)
-    xt = to_torch(x, device).requires_grad_(True)
-    rt = None if residual is None else to_torch(residual, device).requires_grad_(True)
-    y, h = fn(xt, rt)
-    if h is None:
-        y.backward(to_torch(dy, device).to(y.dtype))
-    else:
-        assert dh is not None
-        cotangents = [to_torch(dy, device).to(y.dtype), to_torch(dh, device).to(h.dtype)]
-        torch.autograd.backward([y, h], cotangents)
+    # backward="autograd" is the eager program's rounding; Inductor keeps it only when asked.
+    with _eager_roundings(compiled and spec.backward == "autograd"):
+        y, h, xt, rt = _run(fn, x, dy, residual, dh, device)
     assert xt.grad is not None
     grads = {name: None if p is None else p.grad for name, p in params.items()}
     outputs: list[np.ndarray | None] = [to_numpy(y), to_numpy(xt.grad)]
@@ -149,6 +146,37 @@ def evaluate(
         assert dalpha is not None
         outputs.append(to_numpy(dalpha))
     return tuple(outputs)
+
+
+def _eager_roundings(keep: bool) -> contextlib.AbstractContextManager[object]:
+    """Inductor's ``emulate_precision_casts`` when ``keep``: it otherwise fuses the half-precision
+    roundings of eager code away."""
+    if not keep:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(emulate_precision_casts=True)
+
+
+def _run(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    x: np.ndarray,
+    dy: np.ndarray,
+    residual: np.ndarray | None,
+    dh: np.ndarray | None,
+    device: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(y, h, x, residual)`` after the backward of ``sum(dy * y) + sum(dh * h)``."""
+    xt = to_torch(x, device).requires_grad_(True)
+    rt = None if residual is None else to_torch(residual, device).requires_grad_(True)
+    y, h = fn(xt, rt)
+    if h is None:
+        y.backward(to_torch(dy, device).to(y.dtype))
+    else:
+        assert dh is not None
+        cotangents = [to_torch(dy, device).to(y.dtype), to_torch(dh, device).to(h.dtype)]
+        torch.autograd.backward([y, h], cotangents)
+    return y, h, xt, rt
 
 
 def _parameters(
