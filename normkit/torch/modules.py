@@ -140,7 +140,16 @@ class RMSNorm(_Norm):
       bias: whether there is a learned ``bias`` (initialized to 0). Default False.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
         default) or ``"before_scale"`` (Llama: round the normalized value, then the affine).
-      device, dtype: of the parameters. The output dtype is always the input's.
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the module is then called as
+        ``module(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + weight`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in the weight's dtype, rounded there).
+      output_dtype: ``"input"`` (default: y in x's dtype) or ``"promote"`` (the promoted dtype
+        of x and the parameters).
+      backward: ``"exact"`` (default: the exact gradient, rounded once) or ``"autograd"``
+        (autograd through the eager op sequence: Hugging Face Llama's gradients, bit for bit).
+      device, dtype: of the parameters.
       kernel: the implementation: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch
         ops elsewhere), ``"composite"``, ``"cpu"`` or ``"triton"`` (`normkit.torch.kernels`).
 
@@ -190,8 +199,8 @@ class PartialRMSNorm(_Norm):
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
       p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
-      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype, kernel:
-        as in `RMSNorm`.
+      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, residual, offset_dtype,
+        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -239,8 +248,10 @@ class LayerNorm(_Norm):
       eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-6.
       bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
         torch's, it does not depend on ``elementwise_affine``.
-      eps_placement, elementwise_affine, scale_offset, cast, device, dtype, kernel: as in
-        `RMSNorm`.
+      variance: ``"two_pass"`` (default: ``mean((x - mean)^2)``) or ``"fast"``
+        (``max(0, mean(x^2) - mean^2)`` in float32: Flax's and Keras' default).
+      eps_placement, elementwise_affine, scale_offset, cast, residual, offset_dtype,
+        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
 
     Examples:
       >>> import torch
