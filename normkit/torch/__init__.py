@@ -1,4 +1,4 @@
-"""normkit for PyTorch: RMSNorm, PartialRMSNorm and LayerNorm modules that follow `NormSpec`.
+"""normkit for PyTorch: RMSNorm, PartialRMSNorm, LayerNorm and DyT modules that follow `NormSpec`.
 
 ``normkit.torch.functional`` has the same norms as functions;
 ``normkit.port.huggingface.swap_norms`` replaces the norm modules of a model (torch's and
@@ -12,9 +12,9 @@ except ImportError as exc:
     raise ImportError("normkit.torch needs PyTorch: pip install 'normkit[torch]'") from exc
 
 from normkit.torch import functional
-from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.torch.modules import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec", "functional"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functional"]
 
 
 def __getattr__(name: str) -> object:

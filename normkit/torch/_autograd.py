@@ -1,4 +1,7 @@
-"""The normkit kernel for PyTorch: a custom autograd.Function with an analytic backward.
+"""The normkit kernel for PyTorch: custom autograd.Functions with analytic backwards.
+
+`NormFunction` computes the normalization kinds, `DytFunction` DyT, and `RoundThrough` rounds
+the sum of a ``residual="rounded"`` add while its gradient passes unrounded.
 
 Inputs are 2-D: rows of the ``n`` normalized elements. The forward saves only the input and one
 statistic per row, ``r = r(s)`` (float32, or float64 for float64 input); the backward recomputes
@@ -156,6 +159,31 @@ def _scaled_statistic(
     )
 
 
+def _fast_statistic(x: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``variance="fast"``: ``(x - m1, max(0, m2 - m1^2))`` per row, each step in ``acc``, with
+    ``m1 = mean(x)`` and ``m2 = mean(x^2)``."""
+    xf = x.to(acc)
+    m1 = xf.mean(dim=-1, keepdim=True)
+    m2 = (xf * xf).mean(dim=-1, keepdim=True)
+    return xf - m1, torch.clamp_min(m2 - m1 * m1, 0.0)
+
+
+def _affine(y: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``y * g + b`` (either absent)."""
+    if g is not None and b is not None:
+        return torch.addcmul(b, y, g)
+    if g is not None:
+        return y * g
+    if b is not None:
+        return y + b
+    return y
+
+
+def _rounded_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` rounded to the half dtype ``dtype``, kept in y's dtype (the before-scale cast)."""
+    return round_through(y, dtype) if torch.compiler.is_compiling() else y.to(dtype).to(y.dtype)
+
+
 def _forward(
     x: torch.Tensor,
     g: torch.Tensor | None,
@@ -165,27 +193,36 @@ def _forward(
     eps: float,
     outside: bool,
     cast: str,
+    dtype: torch.dtype | None = None,
+    out: torch.dtype | None = None,
+    fast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, r)`` for rows ``x`` with effective scale ``g`` and bias ``b`` (both in acc dtype)."""
-    acc = _acc_dtype(x.dtype)
-    if _in_place(x) and kind != "layer":
-        result = _forward_in_place(x, g, b, k, eps, outside)
-        if result is not None:
-            return result
-    rows = _scaled_statistic(x, kind, k, eps, outside)
-    r = _rstd(rows.s, rows.eps, outside)
-    y = rows.c * r
-    if rows.sigma is not None:
-        r = r * rows.sigma
-    if x.dtype != acc and cast == "before_scale":
-        y = round_through(y, x.dtype) if torch.compiler.is_compiling() else y.to(x.dtype).to(acc)
-    if g is not None and b is not None:
-        y = torch.addcmul(b, y, g)
-    elif g is not None:
-        y = y * g
-    elif b is not None:
-        y = y + b
-    return y.to(x.dtype), r.squeeze(-1)
+    """``(y, r)`` for rows ``x`` with effective scale ``g`` and bias ``b`` (both in acc dtype).
+
+    ``dtype``: the input dtype whose policy applies (default x's; the float32 values of a
+    residual sum follow their half input's); ``out``: y's dtype (default ``dtype``); ``fast``:
+    LayerNorm's ``variance="fast"``.
+    """
+    dtype = x.dtype if dtype is None else dtype
+    out = dtype if out is None else out
+    acc = _acc_dtype(dtype)
+    if fast:
+        centered, s = _fast_statistic(x, acc)
+        r = _rstd(s, eps, outside)
+        y = centered * r
+    else:
+        if _in_place(x) and kind != "layer" and dtype == x.dtype:
+            result = _forward_in_place(x, g, b, k, eps, outside)
+            if result is not None:
+                return result[0].to(out), result[1]
+        rows = _scaled_statistic(x, kind, k, eps, outside)
+        r = _rstd(rows.s, rows.eps, outside)
+        y = rows.c * r
+        if rows.sigma is not None:
+            r = r * rows.sigma
+    if dtype != acc and cast == "before_scale":
+        y = _rounded_to(y, dtype)
+    return _affine(y, g, b).to(out), r.squeeze(-1)
 
 
 def _forward_in_place(
@@ -218,7 +255,7 @@ def _forward_in_place(
 
 def _backward(
     x: torch.Tensor,
-    r: torch.Tensor,
+    r: torch.Tensor | None,
     g: torch.Tensor | None,
     dy: torch.Tensor,
     kind: str,
@@ -238,13 +275,17 @@ def _backward(
 
     with ``u = y_hat`` (inside) or ``u = sqrt(t) z`` (outside). Where a row has one element in
     the statistic (k = 1) or LayerNorm two, ``d_0 (1 - u_0**2)`` cancels: it is taken in the
-    closed form ``1 - u_0**2 = eps r**2`` (inside) or ``eps r`` (outside).
+    closed form ``1 - u_0**2 = eps r**2`` (inside) or ``eps r`` (outside). ``r`` None (the
+    forward's r was that of ``variance="fast"``): the exact statistic is recomputed.
     """
     n = x.shape[-1]
-    if _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
-        return _backward_in_place(x, r, g, dy, k, outside, need_g, need_b)
-    rows = _scaled_statistic(x, kind, k, eps, outside, r.unsqueeze(-1))
-    if rows.sigma is not None or torch.is_grad_enabled():
+    if r is None:
+        rows = _scaled_statistic(x, kind, k, eps, outside)
+    elif _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
+        return _backward_in_place(x, r, g, dy.to(x.dtype), k, outside, need_g, need_b)
+    else:
+        rows = _scaled_statistic(x, kind, k, eps, outside, r.unsqueeze(-1))
+    if r is None or rows.sigma is not None or torch.is_grad_enabled():
         # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
         r_scaled = _rstd(rows.s, rows.eps, outside)
     else:
@@ -320,11 +361,14 @@ def _backward_in_place(
 class NormFunction(torch.autograd.Function):
     """``y = normalize(x)`` on rows ``x`` of shape (rows, n), with an analytic backward.
 
-    ``apply(x, g, b, kind, k, eps, outside, cast)``: ``g`` is the effective scale
-    ``scale_offset + w`` and ``b`` the bias, both in the acc dtype (float32, float64 for float64
-    ``x``) or None; ``kind`` is a `NormSpec` kind, ``k`` its ``stat_size(n)``, ``outside`` whether
-    eps is added outside the square root, ``cast`` the half-precision cast order. Returns
-    ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable.
+    ``apply(x, g, b, kind, k, eps, outside, cast[, dtype, out, fast])``: ``g`` is the effective
+    scale ``scale_offset + w`` and ``b`` the bias, both in the acc dtype (float32, float64 for
+    float64 ``x``) or None; ``kind`` is a `NormSpec` kind, ``k`` its ``stat_size(n)``,
+    ``outside`` whether eps is added outside the square root, ``cast`` the half-precision cast
+    order; ``dtype`` the input dtype whose policy applies (default x's), ``out`` y's dtype
+    (default ``dtype``), ``fast`` LayerNorm's ``variance="fast"`` (whose gradient is that of the
+    exact statistic). Returns ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable; the
+    gradient of ``x`` has x's dtype.
     """
 
     generate_vmap_rule = True
@@ -339,17 +383,22 @@ class NormFunction(torch.autograd.Function):
         eps: float,
         outside: bool,
         cast: str,
+        dtype: torch.dtype | None = None,
+        out: torch.dtype | None = None,
+        fast: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(x, g, b, kind, k, eps, outside, cast)
+        return _forward(x, g, b, kind, k, eps, outside, cast, dtype, out, fast)
 
     @staticmethod
     def setup_context(
         ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        x, g, b, kind, k, eps, outside, _ = inputs
+        x, g, b, kind, k, eps, outside = inputs[:7]
+        fast = len(inputs) > 10 and bool(inputs[10])
         ctx.save_for_backward(x, output[1], g)
         ctx.mark_non_differentiable(output[1])
         ctx.kind, ctx.k, ctx.eps, ctx.outside, ctx.has_b = kind, k, eps, outside, b is not None
+        ctx.fast = fast
 
     @staticmethod
     def backward(
@@ -358,7 +407,85 @@ class NormFunction(torch.autograd.Function):
         x, r, g = ctx.saved_tensors
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
         dx, dg, db = _backward(
-            x, r, g, dy, ctx.kind, ctx.k, ctx.eps, ctx.outside, need_g and g is not None,
-            need_b and ctx.has_b,
+            x, None if ctx.fast else r, g, dy, ctx.kind, ctx.k, ctx.eps, ctx.outside,
+            need_g and g is not None, need_b and ctx.has_b,
         )
-        return (dx if need_x else None), dg, db, None, None, None, None, None
+        return (dx if need_x else None), dg, db, None, None, None, None, None, None, None, None
+
+
+class DytFunction(torch.autograd.Function):
+    """DyT on ``x``: ``y = tanh(alpha x) * g + b``, with an analytic backward.
+
+    ``apply(x, g, b, alpha, cast, dtype, out)``: ``g`` (the effective scale) and ``b`` in the
+    acc dtype of ``dtype`` or None, ``alpha`` a tensor of shape () or (1,); ``dtype`` the input
+    dtype whose policy applies (tanh in float32 for half inputs; ``cast="before_scale"`` rounds
+    ``tanh`` to it first), ``out`` y's dtype. The gradients (`normkit.reference.normalize_vjp`),
+    with ``d = dy g`` and ``tanh'(u) = 1 / cosh(u)^2`` (no cancellation near |tanh| = 1)::
+
+        dx = alpha tanh'(alpha x) d      dalpha = sum(x tanh'(alpha x) d)
+        dg = sum over rows of dy tanh(alpha x)      db = sum over rows of dy
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        g: torch.Tensor | None,
+        b: torch.Tensor | None,
+        alpha: torch.Tensor,
+        cast: str,
+        dtype: torch.dtype,
+        out: torch.dtype,
+    ) -> torch.Tensor:
+        acc = _acc_dtype(dtype)
+        y = torch.tanh(alpha.to(acc) * x.to(acc))
+        if dtype != acc and cast == "before_scale":
+            y = _rounded_to(y, dtype)
+        return _affine(y, g, b).to(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, g, b, alpha, _, dtype, _ = inputs
+        ctx.save_for_backward(x, g, alpha)
+        ctx.acc, ctx.has_b = _acc_dtype(dtype), b is not None
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, g, alpha = ctx.saved_tensors
+        need_x, need_g, need_b, need_alpha = ctx.needs_input_grad[:4]
+        a = alpha.to(ctx.acc)
+        xf = x.to(ctx.acc)
+        u = a * xf
+        dyf = dy.to(ctx.acc)
+        d = dyf * g if g is not None else dyf
+        slope_d = d / torch.cosh(u).square()
+        dx = (a * slope_d).to(x.dtype) if need_x else None
+        dg = torch.sum(dyf * torch.tanh(u), dim=0) if need_g and g is not None else None
+        db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None
+        dalpha = None
+        if need_alpha:
+            dalpha = torch.sum(xf * slope_d).reshape(alpha.shape).to(alpha.dtype)
+        return dx, dg, db, dalpha, None, None, None
+
+
+class RoundThrough(torch.autograd.Function):
+    """``x`` rounded to ``dtype`` (kept in x's dtype); the gradient passes through unrounded.
+
+    The ``residual="rounded"`` sum: its value is the rounded one, but the gradients flowing into
+    it are added in the compute dtype and rounded once, as the reference's VJP does.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return _rounded_to(x, dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

@@ -231,7 +231,13 @@ def normalize_sharded(
     Returns the rank's block of ``normalize(global x)``, in ``x``'s dtype; gradients are those
     of the global function (``x``'s block; the parameters' blocks, or for replicated parameters
     their sum over the ranks).
+
+    The fields beyond the original spec (a residual, the fast variance, the offset in the
+    parameter's dtype, the promoted output dtype, the autograd backward) and DyT are refused
+    here, with a ValueError naming the field (every spec works on a DTensor sharded only on
+    other dims: `localize`).
     """
+    spec.require_defaults("normkit.torch.distributed.normalize_sharded (a sharded normalized dim)")
     if isinstance(x, DTensor):
         if group is not None:
             raise ValueError(
@@ -276,12 +282,15 @@ def shards_normalized_axis(x: torch.Tensor, spec: NormSpec) -> bool:
 
 @dataclass(frozen=True)
 class LocalRows:
-    """A DTensor's local block and its parameters' (`localize`), and how to wrap the result."""
+    """A DTensor's local block and its parameters' and residual's (`localize`), and how to wrap
+    the result."""
 
     x: torch.Tensor
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     like: DTensor
+    alpha: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
 
     def wrap(self, y: torch.Tensor) -> DTensor:
         """The local result ``y`` (``x``'s shape, contiguous) as a DTensor laid out like x."""
@@ -292,12 +301,19 @@ class LocalRows:
 
 
 def localize(
-    x: DTensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+    x: DTensor,
+    spec: NormSpec,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    alpha: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> LocalRows:
     """The blocks each rank normalizes on its own: ``x`` not sharded on a normalized dim.
 
-    ``weight`` and ``bias`` are DTensors on ``x``'s mesh, replicated; their local gradients are
-    marked Partial (summed over the ranks) on each mesh dim where ``x`` is sharded.
+    ``weight``, ``bias`` and DyT's ``alpha`` are DTensors on ``x``'s mesh, replicated; their
+    local gradients are marked Partial (summed over the ranks) on each mesh dim where ``x`` is
+    sharded. A ``residual`` is a DTensor laid out as ``x``.
     """
     _check_float(x, "x")
     if shards_normalized_axis(x, spec):
@@ -311,11 +327,19 @@ def localize(
     param_shape = spec.param_shape(tuple(x.shape))
     _check_param(weight, "weight", spec.scale, param_shape)
     _check_param(bias, "bias", bool(spec.bias), param_shape)
+    if residual is not None and (
+        not isinstance(residual, DTensor)
+        or residual.device_mesh != x.device_mesh
+        or residual.placements != x.placements
+    ):
+        raise TypeError("residual must be a DTensor on x's device mesh with x's placements")
     return LocalRows(
         x.to_local(),
         _local_param(weight, "weight", x, [], None),
         _local_param(bias, "bias", x, [], None),
         x,
+        _local_param(alpha, "alpha", x, [], None),
+        None if residual is None else residual.to_local(),
     )
 
 

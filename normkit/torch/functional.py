@@ -1,12 +1,16 @@
 """The normkit norms as functions on torch tensors.
 
-`normalize` applies any `NormSpec` (any axes); `rms_norm`, `partial_rms_norm` and `layer_norm`
-take torch's arguments (``normalized_shape`` = trailing dims) like ``torch.nn.functional``.
+`normalize` applies any `NormSpec` without a residual (any axes, DyT included), `add_norm` one
+with a residual (``h = x + residual; y = norm(h)``, returning ``(y, h)``); `rms_norm`,
+`partial_rms_norm` and `layer_norm` take torch's arguments (``normalized_shape`` = trailing
+dims) like ``torch.nn.functional``.
 
 Dtype policy (that of `NormSpec`): float16 and bfloat16 inputs are normalized in float32 and cast
 back once (``cast="after_scale"``) or before and after the affine step (``"before_scale"``);
 float32 in float32, float64 in float64. Parameters of any float dtype are applied in that
-compute dtype. The output always has the input's dtype.
+compute dtype. The output has the input's dtype (``output_dtype="input"``) or the promoted
+dtype of the input and the parameters (``"promote"``). ``backward="autograd"`` runs the eager
+op sequence of model code (`normkit.torch._eager`) and lets autograd differentiate it.
 """
 
 from __future__ import annotations
@@ -19,11 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
-from normkit.torch import kernels
-from normkit.torch._autograd import NormFunction, _acc_dtype, _out_of_range, _traced
+from normkit.torch import _eager, kernels
+from normkit.torch._autograd import (
+    DytFunction,
+    NormFunction,
+    RoundThrough,
+    _acc_dtype,
+    _out_of_range,
+    _traced,
+)
 from normkit.torch.kernels import Kernel
 
-__all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm", "SUPPORTED_DTYPES"]
+__all__ = [
+    "normalize", "add_norm", "output_dtype", "rms_norm", "partial_rms_norm", "layer_norm",
+    "SUPPORTED_DTYPES",
+]
 
 ShapeLike = int | Sequence[int]
 
@@ -84,34 +98,107 @@ def _param(
     return value
 
 
+def _refuse_alpha(alpha: torch.Tensor | None, spec: NormSpec) -> None:
+    if alpha is not None and spec.kind != "dyt":
+        raise ValueError(f"alpha was given but the spec has kind={spec.kind!r} (not 'dyt')")
+
+
+def _check_alpha(
+    alpha: torch.Tensor | None, spec: NormSpec, x: torch.Tensor
+) -> torch.Tensor | None:
+    """DyT's alpha: the given tensor (shape () or (1,)), or ``spec.alpha_init`` in the compute
+    dtype; None for the normalization kinds, which take none."""
+    _refuse_alpha(alpha, spec)
+    if spec.kind != "dyt":
+        return None
+    if alpha is None:
+        assert spec.alpha_init is not None
+        return torch.full((1,), spec.alpha_init, dtype=_acc_dtype(x.dtype), device=x.device)
+    _check_tensor(alpha, "alpha")
+    if tuple(alpha.shape) not in ((), (1,)):
+        raise ValueError(
+            f"alpha has shape {tuple(alpha.shape)}, expected a scalar (shape () or (1,))"
+        )
+    return alpha
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor, spec: NormSpec) -> None:
+    """TypeError/ValueError unless ``residual`` fits ``x`` for ``spec.residual``: x's shape, and
+    x's dtype (or the compute dtype, for ``"float32"``)."""
+    _check_tensor(residual, "residual")
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"residual has shape {tuple(residual.shape)}, expected the shape of x, "
+            f"{tuple(x.shape)}"
+        )
+    allowed = {x.dtype}
+    if spec.residual == "float32":
+        allowed.add(_acc_dtype(x.dtype))
+    if residual.dtype not in allowed:
+        names = " or ".join(sorted(_name(d) for d in allowed))
+        raise TypeError(
+            f"residual has dtype {_name(residual.dtype)}; residual={spec.residual!r} with x of "
+            f"dtype {_name(x.dtype)} needs {names}"
+        )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def output_dtype(
+    x: torch.Tensor, spec: NormSpec, *params: torch.Tensor | None
+) -> torch.dtype:
+    """y's dtype: x's (``output_dtype="input"``), or x's promoted with the given parameters'
+    (``"promote"``; float16 with bfloat16 gives float32)."""
+    out = x.dtype
+    if spec.output_dtype == "promote":
+        for p in params:
+            if p is not None:
+                out = torch.promote_types(out, p.dtype)
+    return out
+
+
 def normalize(
     x: torch.Tensor,
     spec: NormSpec,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
+    alpha: torch.Tensor | None = None,
     kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """``spec`` applied to ``x``: ``y = y_hat(x) * (spec.scale_offset + weight) + bias``.
 
     Args:
       x: float16, bfloat16, float32 or float64 tensor, normalized over ``spec.axis``.
-      spec: the norm (its kind, eps, eps placement, p, axes, offset and cast order).
+      spec: the norm, any `NormSpec` without a residual (those go to `add_norm`).
       weight: ``w``, of shape ``spec.param_shape(x.shape)``, or None for its initial value
         (an effective scale of 1). Only if ``spec.scale``.
       bias: ``b``, of the same shape, or None for zero. Only if ``spec.bias``.
+      alpha: DyT's ``alpha`` (``kind="dyt"`` only), a tensor of shape () or (1,), or None for
+        ``spec.alpha_init``.
       kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch ops elsewhere),
         ``"composite"`` (torch ops), ``"cpu"`` (the numba kernel) or ``"triton"``; see
         `normkit.torch.kernels`.
 
+    Returns y in x's dtype, or with ``output_dtype="promote"`` in the promoted dtype of x and
+    the parameters given.
+
     Raises TypeError for a non-float input or parameter, ValueError for a bad axis, shape or
-    kernel name, or an eps out of the range of the compute dtype (`NormSpec.check_eps`),
-    RuntimeError for a kernel that cannot run here.
+    kernel name, a spec with a residual, or an eps out of the range of the compute dtype
+    (`NormSpec.check_eps`), RuntimeError for a kernel that cannot run here, and ValueError for
+    a kernel asked for by name that does not compute one of the spec's fields.
     """
-    spec.require_defaults("normkit.torch")
+    if spec.residual is not None:
+        raise ValueError(
+            f"normalize: the spec has residual={spec.residual!r}, which describes an add and "
+            "norm; use add_norm(x, residual, spec, ...)"
+        )
     _check_tensor(x, "x")
-    spec.check_eps(str(x.dtype).removeprefix("torch."))
+    spec.check_eps(_name(x.dtype))
     kernels.check_kernel(kernel)
+    _refuse_alpha(alpha, spec)
     # A DTensor sharded on a normalized dim has its statistic reduced across the shards; any
     # other DTensor is normalized rank by rank, by the kernel asked for.
     if "torch.distributed.tensor" in sys.modules:  # only then can x be a DTensor
@@ -120,74 +207,216 @@ def normalize(
         if distributed.shards_normalized_axis(x, spec):
             return distributed.normalize_sharded(x, spec, weight, bias)
         if isinstance(x, distributed.DTensor):
-            local = distributed.localize(x, spec, weight, bias)
-            return local.wrap(normalize(local.x, spec, local.weight, local.bias, kernel=kernel))
+            local = distributed.localize(x, spec, weight, bias, alpha=alpha)
+            y = normalize(local.x, spec, local.weight, local.bias, alpha=local.alpha,
+                          kernel=kernel)
+            return local.wrap(y)
+    return _along_axes(x, None, spec, weight, bias, alpha, kernel)[0]
+
+
+def add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    spec: NormSpec,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    alpha: torch.Tensor | None = None,
+    kernel: Kernel = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual``, rounded as ``spec.residual`` says, and ``(normalize(h), h)``.
+
+    ``"rounded"``: h in x's dtype, and that h normalized; ``"float32"``: h kept, normalized and
+    returned in float32 (float64 for float64 x); ``"float32_normalized"``: the float32 sum
+    normalized, h returned in x's dtype. The norm has the dtype policy of x's dtype. Gradients:
+    ``dx = dresidual = dh + (the norm's input gradient)``, added before the one rounding.
+
+    Args:
+      x: float16, bfloat16, float32 or float64 tensor.
+      residual: of x's shape and dtype (or, with ``residual="float32"``, float32).
+      spec: a `NormSpec` with a residual; weight, bias, alpha, kernel: as in `normalize`
+        (``kernel="triton"`` fuses the add; the CPU kernel has no residual).
+
+    Raises what `normalize` raises, ValueError for a spec without a residual or a residual of
+    another shape, TypeError for one of the wrong dtype.
+    """
+    if spec.residual is None:
+        raise ValueError(
+            "add_norm needs a spec with a residual rounding (residual='rounded', 'float32' or "
+            "'float32_normalized'), got residual=None; use normalize"
+        )
+    _check_tensor(x, "x")
+    _check_residual(x, residual, spec)
+    spec.check_eps(_name(x.dtype))
+    kernels.check_kernel(kernel)
+    if "torch.distributed.tensor" in sys.modules:
+        from normkit.torch import distributed
+
+        if distributed.shards_normalized_axis(x, spec):
+            raise ValueError(
+                "add_norm: x is a DTensor sharded on a normalized dim; a residual is not "
+                "supported there (add it and use normalize with a spec without a residual)"
+            )
+        if isinstance(x, distributed.DTensor):
+            local = distributed.localize(x, spec, weight, bias, alpha=alpha, residual=residual)
+            assert local.residual is not None
+            y, h = add_norm(local.x, local.residual, spec, local.weight, local.bias,
+                            alpha=local.alpha, kernel=kernel)
+            return local.wrap(y), local.wrap(h)
+    y, h = _along_axes(x, residual, spec, weight, bias, alpha, kernel)
+    assert h is not None
+    return y, h
+
+
+def _along_axes(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    spec: NormSpec,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_normalize_trailing` with ``spec.axis`` moved to the end and back."""
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
-    if axes != trailing:
-        moved = x.movedim(axes, trailing)
-        y = _normalize_trailing(moved, spec, len(axes), weight, bias, kernel)
-        return y.movedim(trailing, axes)
-    return _normalize_trailing(x, spec, len(axes), weight, bias, kernel)
+    if axes == trailing:
+        return _normalize_trailing(x, residual, spec, len(axes), weight, bias, alpha, kernel)
+    moved = None if residual is None else residual.movedim(axes, trailing)
+    y, h = _normalize_trailing(
+        x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel
+    )
+    return y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
+
+
+def _effective_scale(
+    weight: torch.Tensor | None, spec: NormSpec, acc: torch.dtype
+) -> torch.Tensor | None:
+    """``scale_offset + w`` in ``acc``: added in float32 or wider (``offset_dtype="float32"``)
+    or in w's dtype, then converted (``"param"``)."""
+    if weight is None:
+        return None
+    if spec.offset_dtype == "param":
+        return (weight + spec.scale_offset).to(acc)
+    g = weight.to(acc)
+    return g + spec.scale_offset if spec.scale_offset != 0 else g
+
+
+def _add(
+    x: torch.Tensor, residual: torch.Tensor, rounding: str, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, h)``: the sum the norm reads (in ``acc``) and the h returned.
+
+    The sum is taken in ``acc``; ``"rounded"`` normalizes it rounded to x's dtype, through
+    `RoundThrough`, so that the gradients of y and h add in ``acc`` before the one rounding.
+    """
+    total = x.to(acc) + residual.to(acc)
+    if rounding == "float32":
+        return total, total
+    h = total.to(x.dtype)
+    if rounding == "rounded" and x.dtype != acc:
+        return RoundThrough.apply(total, x.dtype), h
+    return total, h
 
 
 def _normalize_trailing(
     x: torch.Tensor,
+    residual: torch.Tensor | None,
     spec: NormSpec,
     m: int,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
     kernel: str,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape = tuple(x.shape[x.dim() - m :])
     n = math.prod(shape)
     k = spec.stat_size(n)
     weight = _param(weight, "weight", spec.scale, shape)
     bias = _param(bias, "bias", spec.bias, shape)
-    chosen = kernels.resolve(kernel, x, spec.kind, n)
+    alpha_t = _check_alpha(alpha, spec, x)
+    out = output_dtype(x, spec, weight, bias, alpha)  # a default alpha takes no part
+    rows = x.reshape(x.numel() // n, n)
+    res_rows = None if residual is None else residual.reshape(rows.shape)
+    w = None if weight is None else weight.reshape(n)
+    b = None if bias is None else bias.reshape(n)
+    chosen = kernels.resolve(kernel, x, spec, n)
     kernel_dtypes = (torch.float32, x.dtype)
-    if chosen != "composite" and all(
-        p is None or p.dtype in kernel_dtypes for p in (weight, bias)
+    if (
+        chosen != "composite"
+        and all(p is None or p.dtype in kernel_dtypes for p in (weight, bias))
+        and (res_rows is None or res_rows.dtype == x.dtype)
     ):
-        y = kernels.module(chosen).norm_rows(
-            x.reshape(x.numel() // n, n),
-            None if weight is None else weight.reshape(n),
-            None if bias is None else bias.reshape(n),
+        options = dict(
             kind=spec.kind, k=k, eps=spec.eps, outside=spec.eps_placement == "outside",
             scale_offset=spec.scale_offset, cast=spec.cast,
         )
-        return y.reshape(x.shape)
+        chosen_module = kernels.module(chosen)
+        if res_rows is None:
+            y = chosen_module.norm_rows(rows.contiguous(), w, b, **options)
+            return y.reshape(x.shape), None
+        y, h = chosen_module.add_norm_rows(
+            rows.contiguous(), res_rows.contiguous(), w, b, **options,
+            residual_rounding=spec.residual,
+        )
+        return y.reshape(x.shape), h.reshape(x.shape)
+    if spec.backward == "autograd":
+        if res_rows is None:
+            y = _eager.norm_rows(rows, spec, k, w, b, alpha_t, x.dtype, out)
+            return y.reshape(x.shape), None
+        y, h = _eager.add_norm_rows(rows, res_rows, spec, k, w, b, alpha_t, out)
+        return y.reshape(x.shape), h.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
-    g = None if weight is None else weight.to(acc)
-    if g is not None and spec.scale_offset != 0:
-        g = g + spec.scale_offset
-    b = None if bias is None else bias.to(acc)
-    inside = spec.eps_placement == "inside"
-    # torch's fused kernels, where they compute the spec. Not for half inputs: on CPU,
-    # F.layer_norm's weight and bias gradients for them are far from float32-accurate.
-    # Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed form. F.layer_norm
-    # does not correct its mean (float32 rows of mean 1e6 and spread 1 were off by 1e-2) nor
-    # rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s) is out of
-    # range, the batch is recomputed by `NormFunction` (in eager code; traced code always is).
-    if inside and x.dtype not in _HALF:
-        if spec.kind == "layer" and n > 2 and not _traced():
-            y, mean, rstd = torch.native_layer_norm(x, shape, g, b, spec.eps)
-            if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
-                return y
-        if spec.kind == "rms" and b is None and x.device.type == "cuda":
-            return F.rms_norm(x, shape, g, spec.eps)
-    rows = x.reshape(x.numel() // n, n)
+    g = _effective_scale(w, spec, acc)
+    b_acc = None if b is None else b.to(acc)
+    h = None
+    values = rows
+    if res_rows is not None:
+        values, h = _add(rows, res_rows, spec.residual, acc)
+    if spec.kind == "dyt":
+        assert alpha_t is not None
+        y = DytFunction.apply(values, g, b_acc, alpha_t, spec.cast, x.dtype, out)
+        return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
+    fused = _fused(x, spec, shape, g, b_acc, out) if res_rows is None else None
+    if fused is not None:
+        return fused, None
     y, _ = NormFunction.apply(
-        rows,
-        None if g is None else g.reshape(n),
-        None if b is None else b.reshape(n),
-        spec.kind,
-        k,
-        spec.eps,
-        not inside,
-        spec.cast,
+        values, g, b_acc, spec.kind, k, spec.eps, spec.eps_placement == "outside", spec.cast,
+        x.dtype, out, spec.variance == "fast",
     )
-    return y.reshape(x.shape)
+    return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
+
+
+def _fused(
+    x: torch.Tensor,
+    spec: NormSpec,
+    shape: tuple[int, ...],
+    g: torch.Tensor | None,
+    b: torch.Tensor | None,
+    out: torch.dtype,
+) -> torch.Tensor | None:
+    """torch's fused kernels, where they compute the spec; else None.
+
+    Not for half inputs: on CPU, F.layer_norm's weight and bias gradients for them are far from
+    float32-accurate. Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed
+    form. F.layer_norm does not correct its mean (float32 rows of mean 1e6 and spread 1 were off
+    by 1e-2) nor rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s)
+    is out of range, the batch is recomputed by `NormFunction` (in eager code; traced code
+    always is).
+    """
+    if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
+        return None
+    assert spec.eps is not None
+    g_shaped = None if g is None else g.reshape(shape)
+    b_shaped = None if b is None else b.reshape(shape)
+    n = math.prod(shape)
+    if spec.kind == "layer" and spec.variance == "two_pass" and n > 2 and not _traced():
+        y, mean, rstd = torch.native_layer_norm(x, shape, g_shaped, b_shaped, spec.eps)
+        if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
+            return y
+    if spec.kind == "rms" and b is None and x.device.type == "cuda":
+        return F.rms_norm(x, shape, g_shaped, spec.eps)
+    return None
 
 
 def _trailing_spec(x: torch.Tensor, normalized_shape: ShapeLike, **fields: object) -> NormSpec:

@@ -5,19 +5,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.spec import (
+    DEFAULT_ALPHA_INIT,
+    DEFAULT_EPS,
+    EXTENDED_DEFAULTS,
+    Backward,
+    Cast,
+    EpsPlacement,
+    NormSpec,
+    OffsetDtype,
+    OutputDtype,
+    Residual,
+    Variance,
+)
 from normkit.torch import kernels
-from normkit.torch.functional import ShapeLike, as_shape, check_trailing, normalize
+from normkit.torch.functional import ShapeLike, add_norm, as_shape, check_trailing, normalize
 from normkit.torch.kernels import Kernel
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
 
 class _Norm(nn.Module):
-    """A norm over the trailing ``normalized_shape``, with parameters ``weight`` and ``bias``."""
+    """A norm over the trailing ``normalized_shape``, with parameters ``weight`` and ``bias``
+    (and DyT's ``alpha``, shape (1,))."""
 
     weight: nn.Parameter | None
     bias: nn.Parameter | None
+    alpha: nn.Parameter | None
 
     def __init__(
         self,
@@ -37,6 +51,10 @@ class _Norm(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(self.normalized_shape, **factory)))
             else:
                 self.register_parameter(name, None)
+        if spec.kind == "dyt":
+            self.alpha = nn.Parameter(torch.empty((1,), **factory))
+        else:
+            self.register_parameter("alpha", None)
         self.reset_parameters()
 
     @property
@@ -45,27 +63,64 @@ class _Norm(nn.Module):
         return self._spec
 
     def reset_parameters(self) -> None:
-        """``weight = spec.scale_init`` (1, or 0 with scale_offset 1), ``bias = 0``."""
+        """``weight = spec.scale_init`` (1, or 0 with scale_offset 1), ``bias = 0``,
+        ``alpha = spec.alpha_init``."""
         if self.weight is not None:
             nn.init.constant_(self.weight, self._spec.scale_init)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+        if self.alpha is not None:
+            assert self._spec.alpha_init is not None
+            nn.init.constant_(self.alpha, self._spec.alpha_init)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm of ``x`` over its trailing ``normalized_shape``, in ``x``'s dtype."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of ``x`` over its trailing ``normalized_shape``; in ``x``'s dtype, or the
+        promoted one with ``output_dtype="promote"``.
+
+        With ``residual`` (required exactly when the spec has one): ``(y, h)`` for
+        ``h = x + residual`` (`normkit.torch.functional.add_norm`).
+        """
         if isinstance(x, torch.Tensor):
             check_trailing(x, self.normalized_shape)
-        return normalize(x, self._spec, self.weight, self.bias, kernel=self.kernel)
+        spec = self._spec
+        if spec.residual is None:
+            if residual is not None:
+                raise ValueError(
+                    f"{type(self).__name__} was given a residual but its spec has "
+                    "residual=None: build it with residual='rounded', 'float32' or "
+                    "'float32_normalized' to add one"
+                )
+            return normalize(
+                x, spec, self.weight, self.bias, alpha=self.alpha, kernel=self.kernel
+            )
+        if residual is None:
+            raise ValueError(
+                f"{type(self).__name__} has residual={spec.residual!r}: call it as "
+                "module(x, residual), which returns (y, h)"
+            )
+        return add_norm(
+            x, residual, spec, self.weight, self.bias, alpha=self.alpha, kernel=self.kernel
+        )
 
     def extra_repr(self) -> str:
         s = self._spec
-        text = f"{self.normalized_shape}, eps={s.eps:g}, eps_placement={s.eps_placement!r}"
+        text = f"{self.normalized_shape}"
+        if s.kind == "dyt":
+            text += f", alpha_init={s.alpha_init:g}"
+        else:
+            text += f", eps={s.eps:g}, eps_placement={s.eps_placement!r}"
         if s.p is not None:
             text += f", p={s.p:g}"
         text += f", elementwise_affine={s.scale}, bias={s.bias}"
         if s.scale_offset:
             text += f", scale_offset={s.scale_offset:g}"
         text += f", cast={s.cast!r}"
+        for name, default in EXTENDED_DEFAULTS.items():
+            value = getattr(s, name)
+            if value is not None and value != default:
+                text += f", {name}={value!r}"
         return text if self.kernel == "auto" else text + f", kernel={self.kernel!r}"
 
 
@@ -85,7 +140,16 @@ class RMSNorm(_Norm):
       bias: whether there is a learned ``bias`` (initialized to 0). Default False.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
         default) or ``"before_scale"`` (Llama: round the normalized value, then the affine).
-      device, dtype: of the parameters. The output dtype is always the input's.
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the module is then called as
+        ``module(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + weight`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in the weight's dtype, rounded there).
+      output_dtype: ``"input"`` (default: y in x's dtype) or ``"promote"`` (the promoted dtype
+        of x and the parameters).
+      backward: ``"exact"`` (default: the exact gradient, rounded once) or ``"autograd"``
+        (autograd through the eager op sequence: Hugging Face Llama's gradients, bit for bit).
+      device, dtype: of the parameters.
       kernel: the implementation: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch
         ops elsewhere), ``"composite"``, ``"cpu"`` or ``"triton"`` (`normkit.torch.kernels`).
 
@@ -108,6 +172,10 @@ class RMSNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
@@ -115,6 +183,8 @@ class RMSNorm(_Norm):
         spec = NormSpec(
             kind="rms", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
             scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+            residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
+            backward=backward,
         )
         super().__init__(normalized_shape, spec, device, dtype, kernel)
 
@@ -129,8 +199,8 @@ class PartialRMSNorm(_Norm):
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
       p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
-      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, device, dtype, kernel:
-        as in `RMSNorm`.
+      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, residual, offset_dtype,
+        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -150,6 +220,10 @@ class PartialRMSNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
@@ -157,7 +231,8 @@ class PartialRMSNorm(_Norm):
         spec = NormSpec(
             kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
             axis=_trailing(normalized_shape), scale=elementwise_affine,
-            scale_offset=scale_offset, bias=bias, cast=cast,
+            scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
         )
         super().__init__(normalized_shape, spec, device, dtype, kernel)
 
@@ -173,8 +248,10 @@ class LayerNorm(_Norm):
       eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-6.
       bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
         torch's, it does not depend on ``elementwise_affine``.
-      eps_placement, elementwise_affine, scale_offset, cast, device, dtype, kernel: as in
-        `RMSNorm`.
+      variance: ``"two_pass"`` (default: ``mean((x - mean)^2)``) or ``"fast"``
+        (``max(0, mean(x^2) - mean^2)`` in float32: Flax's and Keras' default).
+      eps_placement, elementwise_affine, scale_offset, cast, residual, offset_dtype,
+        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -195,6 +272,11 @@ class LayerNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = True,
         cast: Cast = "after_scale",
+        variance: Variance = "two_pass",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
@@ -202,6 +284,60 @@ class LayerNorm(_Norm):
         spec = NormSpec(
             kind="layer", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
             scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+            variance=variance, residual=residual, offset_dtype=offset_dtype,
+            output_dtype=output_dtype, backward=backward,
+        )
+        super().__init__(normalized_shape, spec, device, dtype, kernel)
+
+
+class DyT(_Norm):
+    r"""Dynamic Tanh ("Transformers without Normalization"), the drop-in LayerNorm replacement:
+    ``y = tanh(alpha * x) * (scale_offset + weight) + bias``.
+
+    ``alpha`` is a learned scalar, a parameter of shape (1,) starting at ``alpha_init`` (the
+    DyT paper's and Liger's checkpoints store ``ones(1) * alpha_init``). No statistic: no eps.
+    For half inputs tanh is computed in float32.
+
+    Args:
+      normalized_shape: an int or a sequence of ints, the trailing dims ``weight`` and ``bias``
+        span.
+      alpha_init: the initial ``alpha``, positive. Default 0.5 (the paper's; x-transformers
+        uses 1.0).
+      elementwise_affine, scale_offset, bias (default True), cast, residual, offset_dtype,
+        output_dtype, backward, device, dtype, kernel: as in `LayerNorm`; ``dtype`` is also
+        alpha's.
+
+    Examples:
+      >>> import torch
+      >>> dyt = DyT(2)
+      >>> [round(v, 4) for v in dyt(torch.tensor([[1.0, -2.0]]))[0].tolist()]  # tanh(x / 2)
+      [0.4621, -0.7616]
+      >>> sorted(dyt.state_dict())
+      ['alpha', 'bias', 'weight']
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        alpha_init: float = DEFAULT_ALPHA_INIT,
+        *,
+        elementwise_affine: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = True,
+        cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        kernel: Kernel = "auto",
+    ) -> None:
+        spec = NormSpec(
+            kind="dyt", alpha_init=alpha_init, axis=_trailing(normalized_shape),
+            scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+            residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
+            backward=backward,
         )
         super().__init__(normalized_shape, spec, device, dtype, kernel)
 
@@ -217,16 +353,16 @@ def from_spec(
     dtype: torch.dtype | None = None,
     *,
     kernel: Kernel = "auto",
-) -> RMSNorm | PartialRMSNorm | LayerNorm:
-    """The module (`RMSNorm`, `PartialRMSNorm` or `LayerNorm`) implementing ``spec``.
+) -> RMSNorm | PartialRMSNorm | LayerNorm | DyT:
+    """The module (`RMSNorm`, `PartialRMSNorm`, `LayerNorm` or `DyT`) implementing ``spec``.
 
     Args:
-      spec: the norm; its ``axis`` must be the last ``len(normalized_shape)`` axes.
+      spec: the norm, any valid `NormSpec`; its ``axis`` must be the last
+        ``len(normalized_shape)`` axes.
       normalized_shape: the trailing dims normalized, the shape of ``weight`` and ``bias``.
       device, dtype: of the parameters.
       kernel: the implementation (see `RMSNorm`). Default ``"auto"``.
     """
-    spec.require_defaults("normkit.torch")
     shape = as_shape(normalized_shape)
     trailing = _trailing(shape)
     if tuple(sorted(spec.axis)) != trailing:
@@ -235,12 +371,17 @@ def from_spec(
             f"normalizes the trailing axes {trailing} (use normkit.torch.functional.normalize "
             "for other axes)"
         )
-    options = {
-        "eps": spec.eps, "eps_placement": spec.eps_placement, "elementwise_affine": spec.scale,
-        "scale_offset": spec.scale_offset, "bias": spec.bias, "cast": spec.cast,
-        "device": device, "dtype": dtype, "kernel": kernel,
+    options: dict[str, object] = {
+        "elementwise_affine": spec.scale, "scale_offset": spec.scale_offset, "bias": spec.bias,
+        "cast": spec.cast, "residual": spec.residual, "offset_dtype": spec.offset_dtype,
+        "output_dtype": spec.output_dtype, "backward": spec.backward, "device": device,
+        "dtype": dtype, "kernel": kernel,
     }
+    if spec.kind == "dyt":
+        return DyT(shape, spec.alpha_init, **options)  # type: ignore[arg-type]
+    options.update(eps=spec.eps, eps_placement=spec.eps_placement)
     if spec.kind == "partial_rms":
         return PartialRMSNorm(shape, spec.p, **options)  # type: ignore[arg-type]
-    cls = RMSNorm if spec.kind == "rms" else LayerNorm
-    return cls(shape, **options)  # type: ignore[arg-type]
+    if spec.kind == "layer":
+        return LayerNorm(shape, variance=spec.variance, **options)  # type: ignore[arg-type]
+    return RMSNorm(shape, **options)  # type: ignore[arg-type]

@@ -416,6 +416,45 @@ def check_batch_sharded(make: Callable[[int], nn.Module], mesh: DeviceMesh) -> N
         tolerances.assert_close(_np(y), expected, what=f"no_grad batch {placement}")
 
 
+def check_batch_sharded_dyt(mesh: DeviceMesh) -> None:
+    """DyT on a DTensor sharded on its rows: alpha replicated, its gradient summed over ranks."""
+    module = nt.DyT(16, alpha_init=0.8)
+    distribute_module(module, mesh)
+    x, dy = _randn(8, 16, seed=11) * 2, _randn(8, 16, seed=12)
+    xd = _leaf(_dist(x, mesh, [Shard(0)]))
+    y = module(xd)
+    assert tuple(y.placements) == (Shard(0),), y.placements
+    y.backward(_dist(dy, mesh, [Shard(0)]))
+    params = (_np(module.weight), _np(module.bias), _np(module.alpha))
+    tolerances.assert_close(_np(y), reference.normalize(to_numpy(x), module.spec, *params),
+                            what="DyT y")
+    want = reference.normalize_vjp(to_numpy(x), to_numpy(dy), module.spec, *params)
+    for name, got, expected in (("dx", xd.grad, want.dx), ("dalpha", module.alpha.grad,
+                                                            want.dalpha)):
+        tolerances.assert_close(_np(got), expected, quantity="grad", what=f"DyT {name}")
+
+
+def check_batch_sharded_add_norm(mesh: DeviceMesh) -> None:
+    """A module with a residual on DTensors sharded on their rows: (y, h), rank by rank."""
+    module = nt.RMSNorm(16, cast="before_scale", residual="float32_normalized")
+    distribute_module(module, mesh)
+    x, res = (_randn(8, 16, seed=s, dtype=torch.bfloat16) for s in (13, 14))
+    dy, dh = (_randn(8, 16, seed=s, dtype=torch.bfloat16) for s in (15, 16))
+    xd, rd = _leaf(_dist(x, mesh, [Shard(0)])), _leaf(_dist(res, mesh, [Shard(0)]))
+    y, h = module(xd, rd)
+    assert tuple(h.placements) == (Shard(0),) and h.dtype == torch.bfloat16, h
+    torch.autograd.backward([y, h], [_dist(dy, mesh, [Shard(0)]), _dist(dh, mesh, [Shard(0)])])
+    arrays = (to_numpy(x), to_numpy(res))
+    want_y, want_h = reference.add_normalize(*arrays, module.spec, _np(module.weight))
+    tolerances.assert_close(_np(y), want_y, cast="before_scale", what="add_norm y")
+    np.testing.assert_array_equal(_np(h), want_h)
+    want = reference.add_normalize_vjp(*arrays, to_numpy(dy), to_numpy(dh), module.spec,
+                                       _np(module.weight))
+    for name, got, expected in (("dx", xd.grad, want.dx), ("dresidual", rd.grad, want.dresidual),
+                                ("dweight", module.weight.grad, want.dscale)):
+        tolerances.assert_close(_np(got), expected, quantity="grad", what=f"add_norm {name}")
+
+
 def check_fsdp(make: Callable[[int], nn.Module], dtype: torch.dtype) -> None:
     """fully_shard: parameters sharded, gathered for the forward; gradients averaged over ranks."""
     module = _module(make, 16, seed=7)
@@ -553,6 +592,10 @@ def group_models(checks: Checks) -> None:
                 check_fsdp(make, dtype)
         with checks.check(f"DTensor batch sharding {name}"):
             check_batch_sharded(make, mesh)
+    with checks.check("DTensor batch sharding DyT"):
+        check_batch_sharded_dyt(mesh)
+    with checks.check("DTensor batch sharding add_norm"):
+        check_batch_sharded_add_norm(mesh)
     for parallel in ("tp+sp", "fsdp2"):
         with checks.check(f"train 5 steps {parallel}"):
             check_training(parallel, mesh)

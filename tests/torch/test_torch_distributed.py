@@ -88,9 +88,11 @@ def test_sharded_normalized_axis_every_kind(passed_checks: list[str]) -> None:
 
 
 def test_modules_sequence_parallel_fsdp2_and_training(passed_checks: list[str]) -> None:
-    """SequenceParallel, DTensor batch shards, FSDP2, and 5 training steps under TP+SP / FSDP2."""
+    """SequenceParallel, DTensor batch shards (DyT and add_norm too), FSDP2, and 5 training steps
+    under TP+SP / FSDP2."""
     models = [name for name in passed_checks if name.startswith(MODEL_CHECKS)]
-    assert len(models) == 17, models
+    assert len(models) == 19, models
+    assert "DTensor batch sharding DyT" in models and "DTensor batch sharding add_norm" in models
     for module in ("RMSNorm", "PartialRMSNorm", "LayerNorm"):
         for dtype in ("float32", "bfloat16"):
             assert f"SequenceParallel {module} torch.{dtype}" in models, models
@@ -113,6 +115,24 @@ def test_docs_example_runs_as_pasted(tmp_path: pathlib.Path) -> None:
     found = re.findall(r"^step \d: loss ([\d.]+)$", done.stdout, flags=re.MULTILINE)
     losses = [float(v) for v in found]
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2], done.stdout
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        (NormSpec(residual="rounded"), "residual='rounded'"),
+        (NormSpec("layer", variance="fast"), "variance='fast'"),
+        (NormSpec(scale_offset=1.0, offset_dtype="param"), "offset_dtype='param'"),
+        (NormSpec(output_dtype="promote"), "output_dtype='promote'"),
+        (NormSpec(backward="autograd"), "backward='autograd'"),
+        (NormSpec("dyt"), "kind='dyt'"),
+    ],
+    ids=str,
+)
+def test_sharded_normalized_dim_refuses_the_extended_fields(spec: NormSpec, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"normalize_sharded \(a sharded normalized dim\) does "
+                       rf"not support NormSpec.{field}"):
+        normalize_sharded(torch.ones(2, 4), spec)
 
 
 def test_plain_tensor_needs_torch_distributed_initialized() -> None:

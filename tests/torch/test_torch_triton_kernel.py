@@ -499,3 +499,50 @@ def test_the_kernel_switch_reaches_the_triton_kernels(spec: NormSpec) -> None:
     dx, dweight, _ = reference.normalize_vjp(xn, dyn, spec, wn, bn)
     tolerances.assert_close(to_numpy(x.grad), dx, quantity="grad", what="dx")
     tolerances.assert_close(to_numpy(module.weight.grad), dweight, quantity="grad", what="dw")
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_add_norm_with_kernel_triton_fuses_the_add(
+    monkeypatch: pytest.MonkeyPatch, rounding: str
+) -> None:
+    from normkit.torch.functional import add_norm
+
+    calls = []
+    fused = kernels.add_norm_rows
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(kwargs["residual_rounding"])
+        return fused(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "add_norm_rows", spy)
+    spec = NormSpec(cast="before_scale", bias=True, residual=rounding)
+    x, residual = _randn(2, 3, 16, seed=1, dtype=torch.bfloat16), _randn(2, 3, 16, seed=2)
+    residual = residual.to(torch.bfloat16)
+    weight, bias = _params(spec, 16, torch.float32, seed=3)
+    xl, rl, wl, bl = _leaves(x, residual, weight, bias)
+    y, h = add_norm(xl, rl, spec, wl, bl, kernel="triton")
+    assert calls == [rounding]
+    dy, dh = _randn(2, 3, 16, seed=4, dtype=y.dtype), _randn(2, 3, 16, seed=5, dtype=h.dtype)
+    torch.autograd.backward((y, h), (dy, dh))
+    xn, rn, wn, bn = to_numpy(x), to_numpy(residual), _np(weight), _np(bias)
+    want_y, want_h = reference.add_normalize(xn, rn, spec, wn, bn)
+    grads = reference.add_normalize_vjp(xn, rn, to_numpy(dy), to_numpy(dh), spec, wn, bn)
+    np.testing.assert_array_equal(to_numpy(h), want_h)
+    values = want_h if rounding == "rounded" else xn.astype(np.float32) + rn.astype(np.float32)
+    magnitude = reference.scaled_magnitude(values, spec.replace(residual=None), wn)
+    tolerances.assert_close(to_numpy(y), want_y, cast=spec.cast, what="y", magnitude=magnitude)
+    assert xl.grad is not None and rl.grad is not None and wl is not None and bl is not None
+    tolerances.assert_close(to_numpy(xl.grad), grads.dx, quantity="grad", what="dx")
+    tolerances.assert_close(to_numpy(rl.grad), grads.dresidual, quantity="grad", what="dres")
+    tolerances.assert_close(to_numpy(wl.grad), grads.dscale, quantity="grad", what="dscale")
+    tolerances.assert_close(to_numpy(bl.grad), grads.dbias, quantity="grad", what="dbias")
+
+
+def test_kernel_triton_refuses_the_fields_it_lacks() -> None:
+    from normkit.torch.functional import normalize
+
+    x = _randn(2, 8, seed=0)
+    with pytest.raises(ValueError, match="kernel='triton' does not compute NormSpec.kind='dyt'"):
+        normalize(x, NormSpec("dyt"), kernel="triton")
+    with pytest.raises(ValueError, match="does not compute NormSpec.output_dtype='promote'"):
+        normalize(x, NormSpec(output_dtype="promote"), kernel="triton")

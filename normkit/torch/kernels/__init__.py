@@ -8,10 +8,13 @@
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
   (with one warning); ``"composite"`` on every other device.
 
-float64 inputs, parameters in a dtype other than float32 or the input's, and degenerate rows
-(n = 1 for the RMS kinds, n <= 2 for LayerNorm) always take the composite path, which computes
-them exactly. Each kernel module exports ``norm_rows(x,
-weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of shape (rows, n).
+float64 inputs, parameters in a dtype other than float32 or the input's, a residual in another
+dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm)
+always take the composite path, which computes them exactly. Each kernel module exports
+``norm_rows(x, weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of
+shape (rows, n); the Triton module also ``add_norm_rows`` (`SUPPORTED` lists the spec fields
+each computes). A spec with a field a kernel lacks takes the composite path under ``"auto"``
+(silently: that is a choice, not a failure) and is an error when the kernel is named.
 """
 
 from __future__ import annotations
@@ -25,13 +28,21 @@ from typing import Literal, TypeAlias, cast
 
 import torch
 
+from normkit.spec import EXTENDED_DEFAULTS, NormSpec
 from normkit.torch.kernels import cpu
 
-__all__ = ["KERNELS", "Kernel", "check_kernel", "module", "resolve"]
+__all__ = ["KERNELS", "SUPPORTED", "Kernel", "check_kernel", "module", "resolve", "unsupported"]
 
 Kernel: TypeAlias = Literal["auto", "composite", "cpu", "triton"]
 KERNELS: tuple[str, ...] = ("auto", "composite", "cpu", "triton")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+SUPPORTED: dict[str, frozenset[str]] = {
+    "cpu": frozenset(),
+    "triton": frozenset({"residual"}),
+}
+"""The fields of `normkit.spec.EXTENDED_DEFAULTS` each kernel computes beyond their defaults
+(neither computes ``kind="dyt"``)."""
 
 _NUMBA = importlib.util.find_spec("numba") is not None
 _warned = {"auto": False}
@@ -48,16 +59,37 @@ def _degenerate(kind: str, n: int) -> bool:
     return n <= (2 if kind == "layer" else 1)
 
 
-def resolve(kernel: str, x: torch.Tensor, kind: str, n: int) -> str:
-    """The implementation that computes rows of ``n`` elements of ``x`` for ``kernel``.
+def unsupported(kernel: str, spec: NormSpec) -> str | None:
+    """The first field of ``spec`` that ``kernel`` (``"cpu"`` or ``"triton"``) does not compute,
+    as ``"name=value"``, or None when it computes them all."""
+    if spec.kind == "dyt":
+        return "kind='dyt'"
+    for name, default in EXTENDED_DEFAULTS.items():
+        value = getattr(spec, name)
+        if value != default and name not in SUPPORTED[kernel]:
+            return f"{name}={value!r}"
+    return None
 
-    ``"composite"``, ``"cpu"`` or ``"triton"``. Raises RuntimeError when ``kernel`` names one
-    that cannot run here (numba or triton missing, or the wrong device), naming the reason.
+
+def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
+    """The implementation that computes ``spec`` on rows of ``n`` elements of ``x`` for
+    ``kernel``: ``"composite"``, ``"cpu"`` or ``"triton"``.
+
+    Raises RuntimeError when ``kernel`` names one that cannot run here (numba or triton
+    missing, or the wrong device), ValueError when it names one that does not compute a field
+    of ``spec``; both name the reason.
     """
     check_kernel(kernel)
     device = x.device.type
     if kernel == "composite":
         return kernel
+    if kernel != "auto":
+        lacking = unsupported(kernel, spec)
+        if lacking is not None:
+            raise ValueError(
+                f"kernel={kernel!r} does not compute NormSpec.{lacking}: use kernel='auto' or "
+                "'composite'"
+            )
     if kernel == "cpu":
         if device != "cpu":
             raise RuntimeError(f"kernel='cpu' runs on CPU tensors; x is on {x.device}")
@@ -75,7 +107,7 @@ def resolve(kernel: str, x: torch.Tensor, kind: str, n: int) -> str:
             raise RuntimeError(
                 "kernel='triton' needs triton, which is not installed: pip install triton"
             )
-    elif device != "cpu":
+    elif device != "cpu" or unsupported("cpu", spec) is not None:
         return "composite"
     elif not _NUMBA:
         if not _warned["auto"] and not torch.compiler.is_compiling():
@@ -89,7 +121,7 @@ def resolve(kernel: str, x: torch.Tensor, kind: str, n: int) -> str:
         return "composite"
     else:
         kernel = "cpu"
-    if x.dtype not in KERNEL_DTYPES or _degenerate(kind, n):
+    if x.dtype not in KERNEL_DTYPES or _degenerate(spec.kind, n):
         return "composite"
     return kernel
 

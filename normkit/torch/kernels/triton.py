@@ -656,11 +656,13 @@ _add_norm_rows_op.register_autograd(_backward_add_norm, setup_context=_setup_add
 
 def _check(
     x: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     kind: str,
     k: int,
     cast: str,
+    residual_rounding: str | None,
 ) -> None:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor (rows, n), got shape "
@@ -683,11 +685,59 @@ def _check(
                 f"{name} must have shape ({n},), dtype float32 or {x.dtype} and x's device; "
                 f"got shape {tuple(p.shape)}, {p.dtype} on {p.device}"
             )
+    if residual is None:
+        return
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(
+            f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got shape {tuple(residual.shape)}, {residual.dtype}"
+        )
+    if residual_rounding not in RESIDUAL_ROUNDINGS:
+        raise ValueError(
+            f"residual_rounding={residual_rounding!r} is invalid: expected one of "
+            f"{RESIDUAL_ROUNDINGS}"
+        )
+    if _degenerate(kind, n):
+        raise ValueError(
+            f"kind='layer' on rows of n={n} (n <= 2) has no fused residual kernel: "
+            "add the residual and normalize with the composite path"
+        )
 
 
 def _degenerate(kind: str, n: int) -> bool:
     """LayerNorm rows of n <= 2, whose gradient the composite path computes in float64."""
     return kind == "layer" and n <= 2
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    k: int,
+    eps: float,
+    outside: bool,
+    scale_offset: float,
+    cast: str,
+    residual_rounding: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, h)`` of `norm_rows` (h None) or `add_norm_rows`: the checks, then the op."""
+    _check(x, residual, weight, bias, kind, k, cast, residual_rounding)
+    if residual is not None:
+        assert residual_rounding is not None
+        rounding = RESIDUAL_ROUNDINGS.index(residual_rounding) + 1
+        y, h, _ = _add_norm_rows_op(
+            x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast, rounding
+        )
+        return y, h
+    if _degenerate(kind, x.shape[1]):
+        g = None if weight is None else weight.float() + scale_offset
+        b = None if bias is None else bias.float()
+        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        return y, None
+    y, _ = _norm_rows_op(x, weight, bias, kind, k, eps, outside, scale_offset, cast)
+    return y, None
 
 
 def norm_rows(
@@ -707,13 +757,7 @@ def norm_rows(
     ``weight``/``bias``: (n,) in float32 or x's dtype, or None; the effective scale is
     ``scale_offset + float32(weight)``. LayerNorm rows of n <= 2 take the composite path.
     """
-    _check(x, weight, bias, kind, k, cast)
-    if _degenerate(kind, x.shape[1]):
-        g = None if weight is None else weight.float() + scale_offset
-        b = None if bias is None else bias.float()
-        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
-        return y
-    y, _ = _norm_rows_op(x, weight, bias, kind, k, eps, outside, scale_offset, cast)
+    y, _ = _launch(x, None, weight, bias, kind, k, eps, outside, scale_offset, cast, None)
     return y
 
 
@@ -740,24 +784,7 @@ def add_norm_rows(
     The half-precision cast order and y's dtype follow x's dtype. ``residual`` has x's shape
     and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh.
     """
-    _check(x, weight, bias, kind, k, cast)
-    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
-        raise ValueError(
-            f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
-            f"got shape {tuple(residual.shape)}, {residual.dtype}"
-        )
-    if residual_rounding not in RESIDUAL_ROUNDINGS:
-        raise ValueError(
-            f"residual_rounding={residual_rounding!r} is invalid: expected one of "
-            f"{RESIDUAL_ROUNDINGS}"
-        )
-    if _degenerate(kind, x.shape[1]):
-        raise ValueError(
-            f"kind='layer' on rows of n={x.shape[1]} (n <= 2) has no fused residual kernel: "
-            "add the residual and normalize with the composite path"
-        )
-    rounding = RESIDUAL_ROUNDINGS.index(residual_rounding) + 1
-    y, h, _ = _add_norm_rows_op(
-        x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast, rounding
-    )
+    y, h = _launch(x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast,
+                   residual_rounding)
+    assert h is not None
     return y, h

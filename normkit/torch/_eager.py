@@ -1,0 +1,111 @@
+"""``backward="autograd"``: the norm as the op sequence eager model code runs, for autograd.
+
+Autograd through these ops rounds the gradients where the eager program does (at the
+before-scale cast, and in the half-precision products of the affine step), which is the
+``"autograd"`` rounding model of `normkit.NormSpec` and `normkit.reference.normalize_vjp`.
+For RMS with ``cast="before_scale"`` the ops are those of Hugging Face's ``LlamaRMSNorm``::
+
+    h = x.to(float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    y = g * (h * torch.rsqrt(variance + eps)).to(x.dtype)
+
+so its gradients are bit-identical to Llama's; LayerNorm centers first (``h - mean``, or the
+fast variance ``mean(h^2) - mean^2`` clamped at 0), partial RMS reads ``h[:, :k]``, eps outside
+is ``1 / (sqrt(variance) + eps)``, DyT is ``tanh(alpha * h)``. The rows are not rescaled: rows
+whose statistic overflows float32 give what the eager program gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normkit.spec import NormSpec
+from normkit.torch._autograd import _acc_dtype
+
+
+def _normalized(
+    h: torch.Tensor, spec: NormSpec, k: int, alpha: torch.Tensor | None
+) -> torch.Tensor:
+    """``y_hat`` of the rows ``h`` (in the compute dtype)."""
+    if spec.kind == "dyt":
+        assert alpha is not None
+        return torch.tanh(alpha.to(h.dtype) * h)
+    assert spec.eps is not None
+    if spec.kind == "layer":
+        mean = h.mean(-1, keepdim=True)
+        centered = h - mean
+        if spec.variance == "fast":
+            variance = torch.clamp_min(h.pow(2).mean(-1, keepdim=True) - mean.pow(2), 0.0)
+        else:
+            variance = centered.pow(2).mean(-1, keepdim=True)
+    else:
+        centered = h
+        variance = (h if k == h.shape[-1] else h[:, :k]).pow(2).mean(-1, keepdim=True)
+    if spec.eps_placement == "outside":
+        return centered / (torch.sqrt(variance) + spec.eps)
+    return centered * torch.rsqrt(variance + spec.eps)
+
+
+def _scale(weight: torch.Tensor, spec: NormSpec, dtype: torch.dtype) -> torch.Tensor:
+    """``scale_offset + w``: w itself without an offset; in w's dtype with
+    ``offset_dtype="param"``; else in ``dtype`` promoted with w's."""
+    if spec.scale_offset == 0:
+        return weight
+    if spec.offset_dtype == "param":
+        return weight + spec.scale_offset
+    return weight.to(torch.promote_types(dtype, weight.dtype)) + spec.scale_offset
+
+
+def norm_rows(
+    values: torch.Tensor,
+    spec: NormSpec,
+    k: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    dtype: torch.dtype,
+    out: torch.dtype,
+) -> torch.Tensor:
+    """``spec`` on rows ``values`` (rows, n) with the policy of inputs of ``dtype``, y in
+    ``out``; ``weight``/``bias`` of shape (n,) in their own dtypes.
+
+    With ``cast="before_scale"`` and a half ``dtype`` the affine step runs in the dtypes eager
+    code has (``y_hat`` rounded to ``dtype``, times the scale in its own dtype); otherwise in
+    the compute dtype.
+    """
+    acc = _acc_dtype(dtype)
+    y = _normalized(values.to(acc), spec, k, alpha)
+    if dtype != acc and spec.cast == "before_scale":
+        y = y.to(dtype)
+        if weight is not None:
+            y = _scale(weight, spec, torch.float32) * y
+        if bias is not None:
+            y = y + bias
+    else:
+        if weight is not None:
+            y = y * _scale(weight, spec, acc).to(acc)
+        if bias is not None:
+            y = y + bias.to(acc)
+    return y.to(out)
+
+
+def add_norm_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    spec: NormSpec,
+    k: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | None,
+    out: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)``: ``h = x + residual`` as model code adds it (in x's dtype for ``"rounded"``,
+    else in the compute dtype), and `norm_rows` of the sum."""
+    if spec.residual == "rounded":
+        h = x + residual
+        values = h
+    else:
+        acc = _acc_dtype(x.dtype)
+        values = x.to(acc) + residual.to(acc)
+        h = values if spec.residual == "float32" else values.to(x.dtype)
+    return norm_rows(values, spec, k, weight, bias, alpha, x.dtype, out), h

@@ -1,0 +1,336 @@
+"""normkit.torch on every field beyond the original spec, against normkit.reference.
+
+Residual add, fast variance, the offset in the parameter's dtype, the promoted output dtype,
+DyT and the autograd backward, through the conformance hook (modules and functions), in every
+dtype; the DyT module; add_norm's h; the error messages.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import normkit.torch as nt  # noqa: E402
+from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit.torch import conformance, functional, kernels  # noqa: E402
+from normkit.torch.conformance import to_numpy  # noqa: E402
+
+ALL_DTYPES = [dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16]
+
+
+def inputs(spec, shape, dtype, param_dtype, seed=0):
+    """x, dy, scale, bias, residual, dh, alpha for ``spec``, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    x = dtypes.round_to(rng.standard_normal(shape), dtype)
+    dy = rng.standard_normal(shape)
+    pshape = spec.param_shape(shape)
+    scale = bias = residual = dh = alpha = None
+    if spec.scale:
+        scale = dtypes.round_to(spec.scale_init + 0.1 * rng.standard_normal(pshape), param_dtype)
+    if spec.bias:
+        bias = dtypes.round_to(0.1 * rng.standard_normal(pshape), param_dtype)
+    if spec.kind == "dyt":
+        alpha = dtypes.round_to(np.array([0.75]), param_dtype)
+    if spec.residual is not None:
+        residual = dtypes.round_to(rng.standard_normal(shape), dtype)
+        dh = rng.standard_normal(shape)
+    return x, dy, scale, bias, residual, dh, alpha
+
+
+def expected(spec, x, dy, scale, bias, residual, dh, alpha):
+    """The reference's outputs, named as the hook names its own."""
+    out = reference.output_dtype(x.dtype, spec, scale, bias, alpha)
+    if spec.residual is None:
+        y = reference.normalize(x, spec, scale, bias, alpha)
+        grads = reference.normalize_vjp(x, dy.astype(out), spec, scale, bias, alpha)
+        values = x
+        named = {"y": y, "dx": grads.dx, "dscale": grads.dscale, "dbias": grads.dbias}
+    else:
+        y, h = reference.add_normalize(x, residual, spec, scale, bias, alpha)
+        dh = dh.astype(h.dtype)
+        grads = reference.add_normalize_vjp(
+            x, residual, dy.astype(out), dh, spec, scale, bias, alpha
+        )
+        values = x.astype(np.float64) + residual.astype(np.float64)
+        if spec.residual == "rounded":
+            values = h
+        elif dtypes.is_half(x.dtype):
+            values = dtypes.round_to(values, np.float32)
+        named = {
+            "y": y, "dx": grads.dx, "dscale": grads.dscale, "dbias": grads.dbias, "h": h,
+            "dresidual": grads.dresidual,
+        }
+    if spec.kind == "dyt":
+        named["dalpha"] = grads.dalpha
+    return named, values
+
+
+def check(spec, dtype, param_dtype=np.float32, shape=(3, 16), seed=0, **variant):
+    """The hook's outputs on ``spec`` against the reference, through normkit.tolerances."""
+    x, dy, scale, bias, residual, dh, alpha = inputs(spec, shape, dtype, param_dtype, seed)
+    want, values = expected(spec, x, dy, scale, bias, residual, dh, alpha)
+    got = conformance.evaluate(
+        spec, x, dy.astype(want["y"].dtype), scale, bias, residual=residual,
+        dh=None if dh is None else dh.astype(want["h"].dtype), alpha=alpha, **variant
+    )
+    assert len(got) == len(want)
+    half_before = dtypes.is_half(x.dtype) and spec.cast == "before_scale"
+    for (name, w), g in zip(want.items(), got, strict=True):
+        assert (g is None) == (w is None), name
+        if w is None:
+            continue
+        parameter = {"dscale": scale, "dbias": bias, "dalpha": alpha}.get(name)
+        want_dtype = {
+            "y": w.dtype, "h": w.dtype, "dx": x.dtype, "dresidual": x.dtype,
+        }.get(name, np.dtype(np.float32) if parameter is None else parameter.dtype)
+        assert g.dtype == want_dtype, f"{name}: {g.dtype} != {want_dtype}"
+        assert g.shape == w.shape, name
+        if name == "h":
+            np.testing.assert_array_equal(g, w)
+        elif name == "y":
+            magnitude = None
+            measured = w.dtype
+            if half_before:
+                # y_hat is rounded to x's dtype first: its ulps are those of x's dtype
+                magnitude = reference.scaled_magnitude(values, spec.replace(residual=None),
+                                                       scale, alpha)
+                measured = x.dtype
+            tolerances.assert_close(g, w, measured, cast=spec.cast, what=name,
+                                    magnitude=magnitude)
+        else:
+            tolerances.assert_close(g, w, quantity="grad", cast=spec.cast, what=name)
+
+
+KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.5), dict(kind="layer"),
+         dict(kind="dyt")]
+FIELDS = [
+    (dict(residual="rounded"), np.float32),
+    (dict(residual="rounded", cast="before_scale"), np.float32),
+    (dict(residual="float32", bias=True), np.float32),
+    (dict(residual="float32_normalized", cast="before_scale"), np.float32),
+    (dict(scale_offset=1.0, offset_dtype="param"), dtypes.bfloat16),
+    (dict(output_dtype="promote", bias=True), np.float32),
+    (dict(output_dtype="promote", cast="before_scale"), np.float32),
+    (dict(backward="autograd"), np.float32),
+    (dict(backward="autograd", cast="before_scale", bias=True), dtypes.bfloat16),
+    (dict(backward="autograd", cast="before_scale", residual="rounded"), np.float32),
+    (dict(backward="autograd", residual="float32_normalized", scale_offset=1.0), np.float32),
+]
+
+
+def _id(value):
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return np.dtype(value).name
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_id)
+@pytest.mark.parametrize("field, param_dtype", FIELDS, ids=_id)
+@pytest.mark.parametrize("kind", KINDS, ids=_id)
+def test_every_field_every_kind_and_dtype(kind, field, param_dtype, dtype):
+    check(NormSpec(**kind, **field), dtype, param_dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_id)
+def test_fast_variance(dtype):
+    check(NormSpec("layer", variance="fast"), dtype)
+    check(NormSpec("layer", variance="fast", residual="float32", cast="before_scale"), dtype,
+          api="functional")
+    check(NormSpec("layer", variance="fast", backward="autograd"), dtype)
+
+
+@pytest.mark.parametrize("rounding, h_dtype", [
+    ("rounded", torch.bfloat16), ("float32", torch.float32),
+    ("float32_normalized", torch.bfloat16),
+])
+def test_add_norm_returns_h_in_its_dtype(rounding, h_dtype):
+    spec = NormSpec(residual=rounding)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    residual = torch.randn(2, 8).to(torch.bfloat16)
+    y, h = functional.add_norm(x, residual, spec)
+    assert y.dtype == torch.bfloat16 and h.dtype == h_dtype
+    want_y, want_h = reference.add_normalize(to_numpy(x), to_numpy(residual), spec)
+    np.testing.assert_array_equal(to_numpy(h), want_h)
+    tolerances.assert_close(to_numpy(y), want_y)
+
+
+def test_float32_residual_stream_with_a_half_input():
+    spec = NormSpec(residual="float32", bias=True)
+    check(spec, dtypes.bfloat16, api="functional")
+    x = torch.randn(2, 8).to(torch.bfloat16).requires_grad_()
+    residual = torch.randn(2, 8, requires_grad=True)
+    y, h = functional.add_norm(x, residual, spec)
+    (y.float().sum() + h.sum()).backward()
+    assert h.dtype == torch.float32 and residual.grad is not None
+    assert residual.grad.dtype == torch.float32 and x.grad is not None
+    grads = reference.add_normalize_vjp(
+        to_numpy(x), to_numpy(residual.detach()), np.ones((2, 8)), np.ones((2, 8)), spec
+    )
+    tolerances.assert_close(to_numpy(residual.grad), grads.dresidual, quantity="grad")
+
+
+def test_dyt_module_parameters_and_state_dict():
+    dyt = nt.DyT(6, alpha_init=1.0, dtype=torch.float64)
+    assert sorted(dyt.state_dict()) == ["alpha", "bias", "weight"]
+    assert dyt.alpha.shape == (1,) and dyt.alpha.dtype == torch.float64
+    assert dyt.alpha.item() == 1.0 and dyt.spec.alpha_init == 1.0
+    assert torch.equal(dyt.weight, torch.ones(6, dtype=torch.float64))
+    assert torch.equal(dyt.bias, torch.zeros(6, dtype=torch.float64))
+    assert "alpha_init=1" in repr(dyt) and "eps" not in repr(dyt)
+    bare = nt.DyT((2, 3), elementwise_affine=False, bias=False)
+    assert sorted(bare.state_dict()) == ["alpha"] and bare.spec.alpha_init == 0.5
+    assert bare.spec == NormSpec("dyt", axis=(-2, -1), scale=False, bias=False)
+    with pytest.raises(ValueError, match="alpha_init=-1.0 is invalid"):
+        nt.DyT(4, alpha_init=-1.0)
+
+
+def test_dyt_module_alpha_gradient():
+    dyt = nt.DyT(8)
+    with torch.no_grad():
+        dyt.alpha.fill_(0.8)
+        dyt.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x = torch.randn(4, 8) * 2
+    dy = torch.randn(4, 8)
+    dyt(x).backward(dy)
+    args = (to_numpy(x), to_numpy(dy), dyt.spec, to_numpy(dyt.weight.detach()),
+            np.zeros(8, np.float32), to_numpy(dyt.alpha.detach()))
+    want = reference.normalize_vjp(*args)
+    assert dyt.alpha.grad is not None and dyt.alpha.grad.shape == (1,)
+    tolerances.assert_close(to_numpy(dyt.alpha.grad), want.dalpha, quantity="grad")
+    assert dyt.weight.grad is not None
+    tolerances.assert_close(to_numpy(dyt.weight.grad), want.dscale, quantity="grad")
+
+
+FROM_SPEC = [
+    NormSpec("dyt", alpha_init=2.0, scale_offset=1.0, offset_dtype="param", residual="float32"),
+    NormSpec("layer", variance="fast", output_dtype="promote", backward="autograd",
+             cast="before_scale", eps=1e-5),
+    NormSpec("partial_rms", p=0.25, residual="float32_normalized", eps_placement="outside"),
+    NormSpec("rms", axis=(-2, -1), bias=True, residual="rounded", backward="autograd"),
+]
+
+
+@pytest.mark.parametrize("spec", FROM_SPEC, ids=str)
+def test_from_spec_builds_every_spec(spec):
+    module = nt.from_spec(spec, (3, 4) if len(spec.axis) == 2 else 4)
+    assert module.spec == spec
+    assert type(module).__name__ == {
+        "dyt": "DyT", "layer": "LayerNorm", "partial_rms": "PartialRMSNorm", "rms": "RMSNorm"
+    }[spec.kind]
+
+
+@pytest.mark.parametrize("spec, param_dtype", [
+    (NormSpec(residual="rounded", cast="before_scale"), np.float32),
+    (NormSpec("dyt", bias=True), np.float32),
+    # the eager roundings, kept by Inductor's emulate_precision_casts (the hook sets it)
+    (NormSpec(cast="before_scale", backward="autograd", bias=True), dtypes.bfloat16),
+], ids=["residual", "dyt", "autograd"])
+def test_compiled_fullgraph(spec, param_dtype):
+    check(spec, dtypes.bfloat16, param_dtype, shape=(8, 64), compiled=True)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_residual_errors_name_the_problem():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"residual='rounded'.*use add_norm\(x, residual"):
+        functional.normalize(x, NormSpec(residual="rounded"))
+    with pytest.raises(ValueError, match="add_norm needs a spec with a residual rounding"):
+        functional.add_norm(x, x, NormSpec())
+    with pytest.raises(ValueError, match=r"residual has shape \(2, 4\), expected the shape"):
+        functional.add_norm(x, x[:, :4], NormSpec(residual="float32"))
+    half = x.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="residual='rounded' with x of dtype bfloat16 needs"):
+        functional.add_norm(half, x, NormSpec(residual="rounded"))
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        functional.add_norm(x, to_numpy(x), NormSpec(residual="rounded"))
+
+
+def test_module_residual_errors():
+    plain, fused = nt.RMSNorm(8), nt.RMSNorm(8, residual="rounded")
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="RMSNorm was given a residual but its spec has"):
+        plain(x, x)
+    with pytest.raises(ValueError, match=r"call it as module\(x, residual\)"):
+        fused(x)
+
+
+def test_alpha_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="alpha was given but the spec has kind='rms'"):
+        functional.normalize(x, NormSpec(), alpha=torch.ones(1))
+    with pytest.raises(ValueError, match=r"alpha has shape \(2,\), expected a scalar"):
+        functional.normalize(x, NormSpec("dyt"), alpha=torch.ones(2))
+
+
+def test_named_kernel_refuses_a_field_it_lacks_and_auto_falls_back_quietly(monkeypatch):
+    x = torch.randn(2, 8)
+    for spec, field in (
+        (NormSpec(residual="rounded"), "residual='rounded'"),
+        (NormSpec("layer", variance="fast"), "variance='fast'"),
+        (NormSpec(scale_offset=1.0, offset_dtype="param"), "offset_dtype='param'"),
+        (NormSpec(output_dtype="promote"), "output_dtype='promote'"),
+        (NormSpec(backward="autograd"), "backward='autograd'"),
+        (NormSpec("dyt"), "kind='dyt'"),
+    ):
+        with pytest.raises(ValueError, match=f"kernel='cpu' does not compute NormSpec.{field}"):
+            kernels.resolve("cpu", x, spec, 8)
+        assert kernels.resolve("auto", x, spec, 8) == "composite"
+    with pytest.raises(ValueError, match="kernel='cpu' does not compute NormSpec.residual"):
+        functional.add_norm(x, x, NormSpec(residual="rounded"), kernel="cpu")
+    # Without numba, "auto" warns when it misses the kernel, not when the spec needs composite.
+    monkeypatch.setattr(kernels, "_NUMBA", False)
+    monkeypatch.setitem(kernels._warned, "auto", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        functional.normalize(x, NormSpec("dyt"))
+    with pytest.warns(RuntimeWarning, match="CPU kernel needs numba"):
+        functional.normalize(x, NormSpec())
+
+
+def test_promote_counts_the_parameters_given():
+    spec = NormSpec("dyt", output_dtype="promote")
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    for kwargs, out in (
+        ({}, torch.bfloat16),  # alpha_init, no parameter given
+        ({"alpha": torch.full((1,), 0.5)}, torch.float32),
+        ({"weight": torch.ones(8, dtype=torch.float16)}, torch.float32),
+        ({"bias": torch.zeros(8, dtype=torch.float64)}, torch.float64),
+    ):
+        y = functional.normalize(x, spec, **kwargs)
+        arrays = {k: to_numpy(v) for k, v in kwargs.items()}
+        expected = reference.normalize(to_numpy(x), spec, arrays.get("weight"),
+                                       arrays.get("bias"), arrays.get("alpha"))
+        assert y.dtype == out and to_numpy(y).dtype == expected.dtype
+        tolerances.assert_close(to_numpy(y), expected)
+
+
+def test_hook_skips_a_named_kernel_that_lacks_a_field():
+    x, dy, *_ = inputs(NormSpec("dyt"), (2, 8), np.float32, np.float32)
+    with pytest.raises(NotImplementedError, match="kernel='cpu' does not compute NormSpec.kind"):
+        conformance.evaluate(NormSpec("dyt"), x, dy, kernel="cpu")
+    with pytest.raises(ValueError, match="residual and dh must be given exactly when"):
+        conformance.evaluate(NormSpec(residual="rounded"), x, dy)
+
+
+def test_torch_func_transforms_through_dyt_and_add_norm():
+    # Rows are independent: per-sample gradients under vmap are the rows of the batch gradient.
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    alpha = torch.full((1,), 0.7, dtype=torch.float64)
+
+    def dyt(t):
+        return functional.normalize(t, NormSpec("dyt"), alpha=alpha).square().sum()
+
+    def fused(t):
+        y, h = functional.add_norm(t, 2 * t, NormSpec(residual="rounded"))
+        return y.square().sum() + h.sum()
+
+    for loss in (dyt, fused):
+        per_sample = torch.func.vmap(torch.func.grad(loss))(x)
+        whole = torch.func.grad(loss)(x)
+        torch.testing.assert_close(per_sample, whole, rtol=1e-12, atol=1e-12)
