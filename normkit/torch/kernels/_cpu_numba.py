@@ -48,7 +48,7 @@ def signatures(dtype: str) -> tuple[str, str]:
     )
     backward_sig = (
         f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], "
-        "int64, int64, float64, boolean, int64)"
+        "int64, int64, float64, boolean, boolean, boolean, int64)"
     )
     return forward_sig, backward_sig
 
@@ -367,22 +367,41 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
 @njit(cache=True)
 def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                    dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
-                   m_hi: float, m_lo: float) -> None:
-    """``dx = r (dy g - mean_d) + c q``, ``dg += dy c r``, ``db += dy`` in float32, with
-    ``c = (x - m_hi) - m_lo``."""
-    for j in range(x.size):
-        c = (_load(x, j) - m_hi) - m_lo
-        dyj = _load(dy, j)
-        dg[j] += dyj * (c * r)
-        db[j] += dyj
-        _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+                   m_hi: float, m_lo: float, need_g: bool, need_b: bool) -> None:
+    """``dx = r (dy g - mean_d) + c q`` in float32, with ``c = (x - m_hi) - m_lo``; with
+    ``need_g`` ``dg += dy c r``, with ``need_b`` ``db += dy`` (one loop per case, so that each
+    vectorizes and touches only the rows it needs)."""
+    if need_g and need_b:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            dg[j] += dyj * (c * r)
+            db[j] += dyj
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    elif need_g:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            dg[j] += dyj * (c * r)
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    elif need_b:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            db[j] += dyj
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    else:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            _store(dx, j, r * (_load(dy, j) * g[j] - mean_d) + c * q)
 
 
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
-                  outside: bool) -> None:
-    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``.
+                  outside: bool, need_g: bool, need_b: bool) -> None:
+    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` (with ``need_g``) and ``dy`` to ``db``
+    (with ``need_b``).
 
     The forward's float32 ``r`` serves where it determines ``r'(s)`` (the RMS kinds, eps
     inside, r in float32's comfortable range); elsewhere the statistic is recomputed.
@@ -417,15 +436,18 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
         q32 = np.float32(q)
         md32 = np.float32(mean_d)
         m_hi, m_lo = _split(mean)
-        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo)
+        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo,
+                       need_g, need_b)
         _gradient_span(x[k:], dy[k:], dx[k:], g[k:], dg[k:], db[k:], r32, np.float32(0.0), md32,
-                       m_hi, m_lo)
+                       m_hi, m_lo, need_g, need_b)
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
             dyj = np.float64(_load(dy, j))
-            dg[j] += dyj * c * r
-            db[j] += dyj
+            if need_g:
+                dg[j] += dyj * c * r
+            if need_b:
+                db[j] += dyj
             v = r * (dyj * g[j] - mean_d)
             _store(dx, j, np.float32(v + c * q if j < k else v))
     if kind != LAYER and k == 1:
@@ -437,13 +459,13 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
 @njit(parallel=True, cache=True)
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
              dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
-             block: int) -> None:
+             need_g: bool, need_b: bool, block: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
-    dtype); row block ``i`` adds its
-    rows' ``dy * y_hat`` to ``dg[i]`` and ``dy`` to ``db[i]`` (float32 partial sums, zero on
-    entry)."""
+    dtype); row block ``i`` adds its rows' ``dy * y_hat`` to ``dg[i]`` (with ``need_g``) and
+    ``dy`` to ``db[i]`` (with ``need_b``): float32 partial sums, zero on entry."""
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
         for i in range(blk * block, min(rows, (blk + 1) * block)):
-            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside)
+            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside,
+                          need_g, need_b)
