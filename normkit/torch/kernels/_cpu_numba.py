@@ -259,11 +259,29 @@ def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float) -> tu
     return sd, sdc
 
 
+@njit(cache=True, fastmath=_REDUCE)
+def _add(acc: float, v: float) -> float:
+    """``acc + v``, reassociable: a loop accumulating with it vectorizes."""
+    return acc + v
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _add_square(acc: float, v: float) -> float:
+    """``acc + v^2``, reassociable: a loop accumulating with it vectorizes."""
+    return acc + v * v
+
+
 @njit(cache=True)
 def _layer_moments(row: np.ndarray) -> tuple[float, float, float]:
     """``(mean, s, m0)``: two passes, the mean ``m0`` corrected by that of ``x - m0``."""
+    return _layer_moments_from(row, _sum(row))
+
+
+@njit(cache=True)
+def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float, float]:
+    """`_layer_moments` given the row's sum ``total`` (its first pass)."""
     n = row.size
-    m0 = _sum(row) / n
+    m0 = total / n
     s1, s2 = _centered_sums(row, m0)
     s = (s2 - s1 * s1 / n) / n
     if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
@@ -305,35 +323,74 @@ def _split(mean: float) -> tuple[float, float]:
 
 
 @njit(cache=True)
+def _first_pass(row: np.ndarray, kind: int, k: int) -> float:
+    """What the statistic needs from a row's first read: the sum of squares of its first ``k``
+    elements (RMS kinds), or its sum (layer)."""
+    if kind == LAYER:
+        return _sum(row)
+    return _sum_square(row, k)
+
+
+@njit(cache=True)
+def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
+                m_hi: float, m_lo: float) -> None:
+    """``y = ((x - m_hi) - m_lo) r g + b`` in float32."""
+    for j in range(x.size):
+        _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+
+
+@njit(cache=True)
+def _scale_and_read_next(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
+                         m_hi: float, m_lo: float, following: np.ndarray, square: bool) -> float:
+    """`_scale_span` over the row while accumulating, in float64, the sum of ``following`` (of
+    its squares with ``square``; no longer than the row): the next row streams in from memory
+    while this one is written, as in a copy, instead of in a pass of reads of its own."""
+    m = following.size
+    acc = 0.0
+    if square:
+        for j in range(m):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+            acc = _add_square(acc, np.float64(_load(following, j)))
+    else:
+        for j in range(m):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+            acc = _add(acc, np.float64(_load(following, j)))
+    _scale_span(x[m:], y[m:], g[m:], b[m:], r, m_hi, m_lo)
+    return acc
+
+
+@njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                 k: int, eps: float, outside: bool, before_scale: bool) -> float:
-    """``y = (x - mean) * r * g + b`` for one row, returning ``r``; with ``before_scale`` the
-    normalized value is rounded to the row's dtype before the affine step."""
+                 k: int, eps: float, outside: bool, before_scale: bool, first: float,
+                 following: np.ndarray) -> tuple[float, float]:
+    """``y = (x - mean) * r * g + b`` for one row whose `_first_pass` is ``first``; returns
+    ``r`` and the `_first_pass` of the row ``following`` (empty after a block's last row).
+    With ``before_scale`` the normalized value is rounded to the row's dtype before the
+    affine step."""
     n = x.size
     if kind == LAYER:
-        mean, s, _ = _layer_moments(x)
+        mean, s, _ = _layer_moments_from(x, first)
     else:
         mean = 0.0
-        s = _sum_square(x, k) / k
+        s = first / k
     r = _rstd(s, eps, outside)
-    if _fast(r) and (mean == 0.0 or _fast(mean)):
-        r32 = np.float32(r)
+    if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        if before_scale:
-            # y_hat in float64, rounded once: its rounding is that of the reference.
-            for j in range(n):
-                v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
-                _store(y, j, v * g[j] + b[j])
-        else:
-            for j in range(n):
-                _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j])
+        ahead = following[:k] if kind != LAYER else following
+        return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
+                                       kind != LAYER)
+    if _fast(r) and (mean == 0.0 or _fast(mean)):
+        # y_hat in float64, rounded once: its rounding is that of the reference.
+        for j in range(n):
+            v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
+            _store(y, j, v * g[j] + b[j])
     else:
         for j in range(n):
             v = (np.float64(_load(x, j)) - mean) * r
             if before_scale:
                 v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
-    return r
+    return r, _first_pass(following, kind, k) if following.size else 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -343,11 +400,17 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     """``y = normalize(x)`` for rows ``x`` into ``y`` (same dtype) and ``r(s)`` of each row
     into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32); tasks of
     ``block`` rows."""
-    rows = x.shape[0]
+    rows, n = x.shape
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
-        for i in range(blk * block, min(rows, (blk + 1) * block)):
-            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
+        start = blk * block
+        end = min(rows, start + block)
+        first = _first_pass(x[start], kind, k)
+        for i in range(start, end):
+            # the next row of the block, read while this one is written (none after the last)
+            following = x[min(i + 1, end - 1)][: n if i + 1 < end else 0]
+            r[i], first = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
+                                       first, following)
 
 
 # ---- backward --------------------------------------------------------------------------------
