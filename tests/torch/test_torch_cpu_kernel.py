@@ -181,6 +181,29 @@ def test_gradient_of_the_bias_alone_with_a_frozen_weight(spy: Spy) -> None:
     tolerances.assert_close(to_numpy(shift.grad), dbias, quantity="grad", what="dbias")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_large_outputs_are_advised_onto_huge_pages() -> None:
+    """An output of 32 MiB or more gets MADV_HUGEPAGE (VmFlags "hg" in /proc/self/smaps) before
+    it is written; a small one does not."""
+
+    def advised(t: torch.Tensor) -> bool:
+        address = t.data_ptr() + t.numel() * t.element_size() // 2
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(part, 16) for part in head.split("-"))
+                    inside = start <= address < end
+                elif inside and head == "VmFlags:":
+                    return "hg" in line.split()[1:]
+        raise AssertionError("no mapping holds the tensor")
+
+    big = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
+    assert advised(cpu._output_like(big))
+    assert not advised(cpu._output_like(torch.empty(1024)))
+
+
 def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
     x = np.array([[np.nan, 1, 2, 3], [np.inf, 1, 2, 3], [1, 2, 3, 4]], np.float32)
     dy = np.ones_like(x)

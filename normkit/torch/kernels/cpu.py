@@ -17,11 +17,13 @@ threading layer, chosen because it survives ``fork``, is not reentrant) and run 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -41,9 +43,7 @@ HUGE_PAGE_MIN_BYTES = 2**25
 MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {
-    "module": None, "reason": None, "warned": False, "compiled": set(), "madvise": None,
-}
+_state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
 
 
 def load(dtype: torch.dtype = torch.float32) -> ModuleType | None:
@@ -137,16 +137,15 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     return np.ctypeslib.as_array(memory).view(dtype).reshape(t.shape)
 
 
-def _madvise() -> Any:
-    """libc's ``madvise`` on Linux, else None."""
-    if _state["madvise"] is None:
-        advise: Any = False
-        if sys.platform.startswith("linux"):
-            advise = ctypes.CDLL(None, use_errno=True).madvise
-            advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            advise.restype = ctypes.c_int
-        _state["madvise"] = advise
-    return _state["madvise"] or None
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise(address, length, advice)`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    advise = ctypes.CDLL(None).madvise
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advise.restype = ctypes.c_int
+    return advise
 
 
 def _output_like(t: torch.Tensor) -> torch.Tensor:
