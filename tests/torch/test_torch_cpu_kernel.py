@@ -181,7 +181,8 @@ def test_gradient_of_the_bias_alone_with_a_frozen_weight(spy: Spy) -> None:
     tolerances.assert_close(to_numpy(shift.grad), dbias, quantity="grad", what="dbias")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages (Linux's) here")
 def test_large_outputs_are_advised_onto_huge_pages() -> None:
     """An output of 32 MiB or more gets MADV_HUGEPAGE (VmFlags "hg" in /proc/self/smaps) before
     it is written; a small one does not."""
