@@ -145,6 +145,66 @@ def test_float32_edges(name: str, x: np.ndarray, kind: Kind, outside: bool, spy:
     _check(spec, x.astype(np.float32), dy, None, None, name)
 
 
+@pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
+def test_edge_rows_after_ordinary_rows_in_one_block(kind: Kind, spy: Spy) -> None:
+    """The forward reads each row's statistic while writing the row before it: rows at float32's
+    edges in the middle of a block (one thread: one block) still get the reference's values."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((7, 16))
+    x[1] *= 1e20
+    x[3, :4] = [3e38, -3e38, 1e38, 2.0]
+    x[4] *= 1e-30
+    x[5] += 1e6
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    spec = NormSpec(kind=kind, p=0.25) if kind == "partial_rms" else NormSpec(kind=kind)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check(spec, x.astype(np.float32), dy, None, None, f"{kind} edge rows in a block")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gradient_of_the_bias_alone_with_a_frozen_weight(spy: Spy) -> None:
+    """The backward skips the weight's gradient when autograd does not ask for it; dx and the
+    bias's gradient are unchanged."""
+    x, dy = _arrays((6, 40), "bfloat16", 5)
+    rng = np.random.default_rng(6)
+    scale, bias = (rng.standard_normal(40).astype(np.float32) for _ in range(2))
+    spec = NormSpec(kind="layer")
+    xt = to_torch(x).requires_grad_()
+    weight, shift = to_torch(scale), to_torch(bias).requires_grad_()
+    normalize(xt, spec, weight, shift, kernel="cpu").backward(to_torch(dy))
+    dx, _, dbias = reference.normalize_vjp(x, dy, spec, scale, bias)
+    assert weight.grad is None and spy.calls["backward"] == 1
+    tolerances.assert_close(to_numpy(xt.grad), dx, quantity="grad", what="dx")
+    tolerances.assert_close(to_numpy(shift.grad), dbias, quantity="grad", what="dbias")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages (Linux's) here")
+def test_large_outputs_are_advised_onto_huge_pages() -> None:
+    """An output of 32 MiB or more gets MADV_HUGEPAGE (VmFlags "hg" in /proc/self/smaps) before
+    it is written; a small one does not."""
+
+    def advised(t: torch.Tensor) -> bool:
+        address = t.data_ptr() + t.numel() * t.element_size() // 2
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(part, 16) for part in head.split("-"))
+                    inside = start <= address < end
+                elif inside and head == "VmFlags:":
+                    return "hg" in line.split()[1:]
+        raise AssertionError("no mapping holds the tensor")
+
+    big = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
+    assert advised(cpu._output_like(big))
+    assert not advised(cpu._output_like(torch.empty(1024)))
+
+
 def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
     x = np.array([[np.nan, 1, 2, 3], [np.inf, 1, 2, 3], [1, 2, 3, 4]], np.float32)
     dy = np.ones_like(x)

@@ -48,7 +48,7 @@ def signatures(dtype: str) -> tuple[str, str]:
     )
     backward_sig = (
         f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], "
-        "int64, int64, float64, boolean, int64)"
+        "int64, int64, float64, boolean, boolean, boolean, int64)"
     )
     return forward_sig, backward_sig
 
@@ -259,11 +259,29 @@ def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float) -> tu
     return sd, sdc
 
 
+@njit(cache=True, fastmath=_REDUCE)
+def _add(acc: float, v: float) -> float:
+    """``acc + v``, reassociable: a loop accumulating with it vectorizes."""
+    return acc + v
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _add_square(acc: float, v: float) -> float:
+    """``acc + v^2``, reassociable: a loop accumulating with it vectorizes."""
+    return acc + v * v
+
+
 @njit(cache=True)
 def _layer_moments(row: np.ndarray) -> tuple[float, float, float]:
     """``(mean, s, m0)``: two passes, the mean ``m0`` corrected by that of ``x - m0``."""
+    return _layer_moments_from(row, _sum(row))
+
+
+@njit(cache=True)
+def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float, float]:
+    """`_layer_moments` given the row's sum ``total`` (its first pass)."""
     n = row.size
-    m0 = _sum(row) / n
+    m0 = total / n
     s1, s2 = _centered_sums(row, m0)
     s = (s2 - s1 * s1 / n) / n
     if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
@@ -305,35 +323,74 @@ def _split(mean: float) -> tuple[float, float]:
 
 
 @njit(cache=True)
+def _first_pass(row: np.ndarray, kind: int, k: int) -> float:
+    """What the statistic needs from a row's first read: the sum of squares of its first ``k``
+    elements (RMS kinds), or its sum (layer)."""
+    if kind == LAYER:
+        return _sum(row)
+    return _sum_square(row, k)
+
+
+@njit(cache=True)
+def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
+                m_hi: float, m_lo: float) -> None:
+    """``y = ((x - m_hi) - m_lo) r g + b`` in float32."""
+    for j in range(x.size):
+        _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+
+
+@njit(cache=True)
+def _scale_and_read_next(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
+                         m_hi: float, m_lo: float, following: np.ndarray, square: bool) -> float:
+    """`_scale_span` over the row while accumulating, in float64, the sum of ``following`` (of
+    its squares with ``square``; no longer than the row): the next row streams in from memory
+    while this one is written, as in a copy, instead of in a pass of reads of its own."""
+    m = following.size
+    acc = 0.0
+    if square:
+        for j in range(m):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+            acc = _add_square(acc, np.float64(_load(following, j)))
+    else:
+        for j in range(m):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+            acc = _add(acc, np.float64(_load(following, j)))
+    _scale_span(x[m:], y[m:], g[m:], b[m:], r, m_hi, m_lo)
+    return acc
+
+
+@njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                 k: int, eps: float, outside: bool, before_scale: bool) -> float:
-    """``y = (x - mean) * r * g + b`` for one row, returning ``r``; with ``before_scale`` the
-    normalized value is rounded to the row's dtype before the affine step."""
+                 k: int, eps: float, outside: bool, before_scale: bool, first: float,
+                 following: np.ndarray) -> tuple[float, float]:
+    """``y = (x - mean) * r * g + b`` for one row whose `_first_pass` is ``first``; returns
+    ``r`` and the `_first_pass` of the row ``following`` (empty after a block's last row).
+    With ``before_scale`` the normalized value is rounded to the row's dtype before the
+    affine step."""
     n = x.size
     if kind == LAYER:
-        mean, s, _ = _layer_moments(x)
+        mean, s, _ = _layer_moments_from(x, first)
     else:
         mean = 0.0
-        s = _sum_square(x, k) / k
+        s = first / k
     r = _rstd(s, eps, outside)
-    if _fast(r) and (mean == 0.0 or _fast(mean)):
-        r32 = np.float32(r)
+    if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        if before_scale:
-            # y_hat in float64, rounded once: its rounding is that of the reference.
-            for j in range(n):
-                v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
-                _store(y, j, v * g[j] + b[j])
-        else:
-            for j in range(n):
-                _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j])
+        ahead = following[:k] if kind != LAYER else following
+        return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
+                                       kind != LAYER)
+    if _fast(r) and (mean == 0.0 or _fast(mean)):
+        # y_hat in float64, rounded once: its rounding is that of the reference.
+        for j in range(n):
+            v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
+            _store(y, j, v * g[j] + b[j])
     else:
         for j in range(n):
             v = (np.float64(_load(x, j)) - mean) * r
             if before_scale:
                 v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
-    return r
+    return r, _first_pass(following, kind, k) if following.size else 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -343,11 +400,17 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     """``y = normalize(x)`` for rows ``x`` into ``y`` (same dtype) and ``r(s)`` of each row
     into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32); tasks of
     ``block`` rows."""
-    rows = x.shape[0]
+    rows, n = x.shape
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
-        for i in range(blk * block, min(rows, (blk + 1) * block)):
-            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
+        start = blk * block
+        end = min(rows, start + block)
+        first = _first_pass(x[start], kind, k)
+        for i in range(start, end):
+            # the next row of the block, read while this one is written (none after the last)
+            following = x[min(i + 1, end - 1)][: n if i + 1 < end else 0]
+            r[i], first = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
+                                       first, following)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -367,22 +430,41 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
 @njit(cache=True)
 def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                    dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
-                   m_hi: float, m_lo: float) -> None:
-    """``dx = r (dy g - mean_d) + c q``, ``dg += dy c r``, ``db += dy`` in float32, with
-    ``c = (x - m_hi) - m_lo``."""
-    for j in range(x.size):
-        c = (_load(x, j) - m_hi) - m_lo
-        dyj = _load(dy, j)
-        dg[j] += dyj * (c * r)
-        db[j] += dyj
-        _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+                   m_hi: float, m_lo: float, need_g: bool, need_b: bool) -> None:
+    """``dx = r (dy g - mean_d) + c q`` in float32, with ``c = (x - m_hi) - m_lo``; with
+    ``need_g`` ``dg += dy c r``, with ``need_b`` ``db += dy`` (one loop per case, so that each
+    vectorizes and touches only the rows it needs)."""
+    if need_g and need_b:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            dg[j] += dyj * (c * r)
+            db[j] += dyj
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    elif need_g:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            dg[j] += dyj * (c * r)
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    elif need_b:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            db[j] += dyj
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+    else:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            _store(dx, j, r * (_load(dy, j) * g[j] - mean_d) + c * q)
 
 
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
-                  outside: bool) -> None:
-    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``.
+                  outside: bool, need_g: bool, need_b: bool) -> None:
+    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` (with ``need_g``) and ``dy`` to ``db``
+    (with ``need_b``).
 
     The forward's float32 ``r`` serves where it determines ``r'(s)`` (the RMS kinds, eps
     inside, r in float32's comfortable range); elsewhere the statistic is recomputed.
@@ -417,15 +499,18 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
         q32 = np.float32(q)
         md32 = np.float32(mean_d)
         m_hi, m_lo = _split(mean)
-        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo)
+        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo,
+                       need_g, need_b)
         _gradient_span(x[k:], dy[k:], dx[k:], g[k:], dg[k:], db[k:], r32, np.float32(0.0), md32,
-                       m_hi, m_lo)
+                       m_hi, m_lo, need_g, need_b)
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
             dyj = np.float64(_load(dy, j))
-            dg[j] += dyj * c * r
-            db[j] += dyj
+            if need_g:
+                dg[j] += dyj * c * r
+            if need_b:
+                db[j] += dyj
             v = r * (dyj * g[j] - mean_d)
             _store(dx, j, np.float32(v + c * q if j < k else v))
     if kind != LAYER and k == 1:
@@ -437,13 +522,13 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
 @njit(parallel=True, cache=True)
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
              dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
-             block: int) -> None:
+             need_g: bool, need_b: bool, block: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
-    dtype); row block ``i`` adds its
-    rows' ``dy * y_hat`` to ``dg[i]`` and ``dy`` to ``db[i]`` (float32 partial sums, zero on
-    entry)."""
+    dtype); row block ``i`` adds its rows' ``dy * y_hat`` to ``dg[i]`` (with ``need_g``) and
+    ``dy`` to ``db[i]`` (with ``need_b``): float32 partial sums, zero on entry."""
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
         for i in range(blk * block, min(rows, (blk + 1) * block)):
-            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside)
+            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside,
+                          need_g, need_b)

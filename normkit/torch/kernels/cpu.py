@@ -4,7 +4,8 @@
 ``normkit::cpu_norm`` (forward) and ``normkit::cpu_norm_backward``; both have fake
 implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
 `CpuNormFunction` joins them for autograd and torch.func. The forward saves
-``x`` and each row's ``r(s)`` in float32 (and the parameters).
+``x`` and each row's ``r(s)`` in float32 (and the parameters). Outputs of 32 MiB and more
+are advised onto transparent huge pages (`_output_like`).
 
 The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
 If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
@@ -16,10 +17,13 @@ threading layer, chosen because it survives ``fork``, is not reentrant) and run 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
+import sys
 import threading
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +38,9 @@ KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 256
 INSTALL = "pip install 'normkit[torch]' (numba)"
+HUGE_PAGE = 2**21
+HUGE_PAGE_MIN_BYTES = 2**25
+MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
@@ -130,6 +137,37 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     return np.ctypeslib.as_array(memory).view(dtype).reshape(t.shape)
 
 
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise(address, length, advice)`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    advise = ctypes.CDLL(None).madvise
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advise.restype = ctypes.c_int
+    return advise
+
+
+def _output_like(t: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(t)``; on Linux, an output of 32 MiB or more has its whole 2 MiB pages
+    advised onto transparent huge pages (``MADV_HUGEPAGE``) before the kernel first writes them.
+
+    Fresh memory is mapped page by page on first write; with 4 KiB pages a 128 MiB output
+    takes 32768 page faults, which cost more than writing it (most of ``clone``'s time on a
+    virtual machine). glibc maps allocations of 32 MiB and more on their own and unmaps them
+    when freed, so the advice lives and dies with this tensor. Advice only: where the kernel
+    refuses it (THP disabled), pages stay 4 KiB.
+    """
+    out = torch.empty_like(t)
+    size = out.numel() * out.element_size()
+    advise = _madvise() if size >= HUGE_PAGE_MIN_BYTES else None
+    if advise is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (out.data_ptr() + size) // HUGE_PAGE * HUGE_PAGE
+        advise(start, end - start, MADV_HUGEPAGE)
+    return out
+
+
 def _block(rows: int) -> int:
     return max(1, min(BLOCK_ROWS, math.ceil(rows / max(1, torch.get_num_threads()))))
 
@@ -155,7 +193,7 @@ def _norm(
         y, r = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
         return y, r
     x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
-    y = torch.empty_like(x)
+    y = _output_like(x)
     r = torch.empty(x.shape[0], dtype=torch.float32)
     with _lock:
         import numba
@@ -181,10 +219,10 @@ def _cpu_norm_fake(
 
 def _norm_backward(
     dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
-    eps: float, outside: bool, strict: bool,
+    eps: float, outside: bool, need_g: bool, need_b: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
-    (the sums over rows of ``dy * y_hat`` and ``dy``)."""
+    (the sums over rows of ``dy * y_hat`` and ``dy``; zeros unless ``need_g`` / ``need_b``)."""
     module = _kernels(x.dtype, strict)
     if module is None:
         with torch.enable_grad():
@@ -195,20 +233,21 @@ def _norm_backward(
         return dx, dg, db
     x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     rows, n = x.shape
-    dx = torch.empty_like(x)
+    dx = _output_like(x)
     block = _block(rows)
     blocks = math.ceil(rows / block)
-    dg_blocks = torch.zeros(blocks, n, dtype=torch.float32)
-    db_blocks = torch.zeros(blocks, n, dtype=torch.float32)
+    dg_blocks = torch.zeros(blocks, n if need_g else 0, dtype=torch.float32)
+    db_blocks = torch.zeros(blocks, n if need_b else 0, dtype=torch.float32)
     with _lock:
         import numba
 
         numba.set_num_threads(_threads())
         module.backward(
             _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx),
-            _rows(dg_blocks), _rows(db_blocks), KINDS[kind], k, eps, outside, block,
+            _rows(dg_blocks), _rows(db_blocks), KINDS[kind], k, eps, outside, need_g, need_b,
+            block,
         )
-    return dx, _sum_blocks(dg_blocks), _sum_blocks(db_blocks)
+    return dx, _sum_blocks(dg_blocks, n), _sum_blocks(db_blocks, n)
 
 
 cpu_norm_backward = torch.library.custom_op(
@@ -216,15 +255,18 @@ cpu_norm_backward = torch.library.custom_op(
 )
 
 
-def _sum_blocks(partial: torch.Tensor) -> torch.Tensor:
-    """The per-block partial sums added up in float64, returned in float32."""
+def _sum_blocks(partial: torch.Tensor, n: int) -> torch.Tensor:
+    """The per-block partial sums added up in float64, returned in float32 (zeros where no
+    partial sums were asked for)."""
+    if partial.shape[1] != n:
+        return torch.zeros(n, dtype=torch.float32)
     return partial.sum(dim=0, dtype=torch.float64).to(torch.float32)
 
 
 @cpu_norm_backward.register_fake
 def _cpu_norm_backward_fake(
     dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
-    eps: float, outside: bool, strict: bool,
+    eps: float, outside: bool, need_g: bool, need_b: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
 
@@ -263,12 +305,12 @@ class CpuNormFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         x, r, g, b = ctx.saved_tensors
         kind, k, eps, outside, cast, strict = ctx.options
+        need_x, need_g, need_b = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():
             dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
         else:
             op = _norm_backward if _eager() else cpu_norm_backward
-            dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, strict)
-        need_x, need_g, need_b = ctx.needs_input_grad[:3]
+            dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, need_g, need_b, strict)
         return (
             dx if need_x else None, dg if need_g else None, db if need_b else None,
             None, None, None, None, None, None,
@@ -327,10 +369,11 @@ def _cpu_norm_vmap(
 @torch.library.register_vmap("normkit::cpu_norm_backward")
 def _cpu_norm_backward_vmap(
     info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor,
-    g: torch.Tensor, kind: str, k: int, eps: float, outside: bool, strict: bool,
+    g: torch.Tensor, kind: str, k: int, eps: float, outside: bool, need_g: bool, need_b: bool,
+    strict: bool,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     def one(dyi: torch.Tensor, xi: torch.Tensor, ri: torch.Tensor, gi: torch.Tensor) -> Any:
-        return cpu_norm_backward(dyi, xi, ri, gi, kind, k, eps, outside, strict)
+        return cpu_norm_backward(dyi, xi, ri, gi, kind, k, eps, outside, need_g, need_b, strict)
 
     result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
         info, in_dims[:4], one, (dy, x, r, g)
