@@ -386,7 +386,8 @@ def _out_of_range(r: jax.Array) -> jax.Array:
 
 
 def _row_max(value: jax.Array, plan: _Plan) -> jax.Array:
-    m = jnp.max(value, axis=plan.axes, keepdims=True)
+    """The largest value per row, a constant to autodiff (``pmax`` has no derivative rule)."""
+    m = jnp.max(lax.stop_gradient(value), axis=plan.axes, keepdims=True)
     return m if plan.axis_name is None else lax.pmax(m, plan.axis_name)
 
 
@@ -419,14 +420,14 @@ def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
     magnitude = jnp.abs(xf)
     if spec.kind == "partial_rms":
         magnitude = jnp.where(_partial_mask(xf, plan, n)[0], magnitude, 0)
-    largest = lax.stop_gradient(_row_max(magnitude, plan))
+    largest = _row_max(magnitude, plan)
     pre = jnp.where(largest > big, 1 / big, 1.0).astype(xf.dtype)
     sigma = 1 / jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny))
     c = xf * pre * sigma
     scaled_floor = floor * pre * sigma
     if spec.kind == "layer":
         c = _centered(c, plan, n)
-        widest = lax.stop_gradient(_row_max(jnp.abs(c), plan))
+        widest = _row_max(jnp.abs(c), plan)
         second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
         c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
     s = _statistic(c, plan, n)
