@@ -9,6 +9,6 @@ except ImportError as error:
     raise ImportError("normkit.jax needs JAX and Flax: pip install 'normkit[jax]'") from error
 
 from normkit.jax import functional, nnx
-from normkit.jax.linen import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.jax.linen import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec", "functional", "nnx"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functional", "nnx"]

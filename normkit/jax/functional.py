@@ -1,12 +1,16 @@
 """`NormSpec` as pure JAX functions with an analytic `jax.custom_vjp`.
 
-The backward pass saves only the input and the statistic ``s`` per row (float32, or float64
-for float64 inputs), besides references to the parameters. The functions work under ``jit``,
-``grad``, ``vmap``, ``remat`` and ``scan``, and inside ``shard_map`` with ``axis_name``.
+`normalize` computes every spec without a residual, `add_norm` those with one (returning
+``(y, h)``). The backward pass saves only the values normalized (the input, or ``h``) and the
+statistic ``s`` per row (float32, or float64 for float64 inputs), besides references to the
+parameters. With ``backward="autograd"`` there is no custom VJP: JAX differentiates the eager
+formula, rounding where the eager program rounds. The functions work under ``jit``, ``grad``,
+``vmap``, ``remat`` and ``scan``, and inside ``shard_map`` with ``axis_name``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -17,20 +21,28 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit.jax import _exact
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
-__all__ = ["normalize", "rms_norm", "partial_rms_norm", "layer_norm"]
+__all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm"]
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the custom_vjp needs besides the arrays; hashable, so it is a static argument."""
+    """What the custom_vjp needs besides the arrays; hashable, so it is a static argument.
+
+    ``dtype`` is the input dtype whose policy applies (its cast points), ``out`` the output
+    dtype, ``residual_dtype`` the residual's (None without one).
+    """
 
     spec: NormSpec
     axes: tuple[int, ...]
     axis_name: str | None
+    dtype: jnp.dtype
+    out: jnp.dtype
+    residual_dtype: jnp.dtype | None = None
 
 
 def normalize(
@@ -39,50 +51,124 @@ def normalize(
     scale: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
+    alpha: jax.Array | None = None,
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
 ) -> jax.Array:
     r"""``spec`` applied to ``x`` (see `NormSpec` for the math and the dtype policy).
 
     Per row ``x`` over ``spec.axis``: ``y = y_hat * (scale_offset + scale) + bias`` with
-    ``y_hat = x r(s)`` (RMS kinds) or ``(x - mean(x)) r(s)`` (LayerNorm, variance computed in two
-    passes). Statistics are computed in float32 (float64 for float64 inputs).
+    ``y_hat = x r(s)`` (RMS kinds), ``(x - mean(x)) r(s)`` (LayerNorm, variance in two passes
+    or, with ``variance="fast"``, as ``max(0, mean(x^2) - mean(x)^2)`` with each step rounded
+    to float32) or ``tanh(alpha x)`` (DyT). Statistics are computed in float32 (float64 for
+    float64 inputs).
 
     Args:
       x: a floating-point array (float16, bfloat16, float32 or float64).
-      spec: the norm.
+      spec: the norm, without a residual (`add_norm` computes those).
       scale: ``w``, of shape ``spec.param_shape(x.shape)``, any float dtype; None means its
-        initial value (effective scale 1).
+        initial value (effective scale 1). With ``offset_dtype="param"``, ``scale_offset + w``
+        is rounded to ``scale``'s dtype.
       bias: ``b``, of the same shape; None means zero.
-      dtype: the dtype to compute in and return; ``x`` is cast to it first. None: ``x.dtype``.
-        The output never takes the parameters' dtype.
+      alpha: DyT's ``alpha``, shape ``()`` or ``(1,)``; None means ``spec.alpha_init`` (a
+        constant). Only for ``kind="dyt"``.
+      dtype: the dtype to compute in; ``x`` is cast to it first. None: ``x.dtype``.
       axis_name: the mesh axis (``shard_map``/``pmap``) the normalized axes are sharded over;
         the statistics are then reduced across it, so each shard gets the unsharded result.
         With ``kind="partial_rms"`` the statistic reads the first ``k = spec.stat_size(N)``
         elements of the global row of ``N = n * axis_size`` elements (shards in mesh order);
-        this needs a single normalized axis.
+        this needs a single normalized axis. DyT, elementwise, ignores it.
 
     Returns:
-      An array of ``x``'s shape and of dtype ``dtype`` (default ``x.dtype``).
+      An array of ``x``'s shape, of dtype ``dtype`` (default ``x.dtype``), or with
+      ``output_dtype="promote"`` the promoted dtype of that and the parameters given.
 
     Raises:
-      TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``) is not floating-point.
+      TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``, ``alpha``) is not floating-point.
       ValueError: an axis is out of range, a parameter has the wrong shape or is given although
-        the spec lacks it, partial RMS is sharded over several normalized axes, or ``spec.eps``
-        is out of the range of the compute dtype (`NormSpec.check_eps`).
+        the spec lacks it, partial RMS is sharded over several normalized axes, ``spec.eps``
+        is out of the range of the compute dtype (`NormSpec.check_eps`), or the spec has a
+        residual.
     """
-    spec.require_defaults("normkit.jax")
+    if spec.residual is not None:
+        raise ValueError(
+            f"normalize: the spec has residual={spec.residual!r}, which adds a residual before "
+            "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
+        )
+    x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
+    return _run(plan, x, None, scale, bias, _alpha(plan, alpha))  # type: ignore[return-value]
+
+
+def add_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    spec: NormSpec,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    alpha: jax.Array | None = None,
+    dtype: DTypeLike | None = None,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""``h = x + residual`` rounded as ``spec.residual`` says, and ``(normalize(h), h)``.
+
+    With ``t`` the input dtype and ``c`` the compute dtype (float32; float64 for float64)::
+
+        "rounded":             h = round_t(x + residual); y = norm(h)             h in t
+        "float32":             h = round_c(x + residual); y = norm(h)             h in c
+        "float32_normalized":  s = round_c(x + residual); y = norm(s); h = round_t(s)  h in t
+
+    ``norm`` has the dtype policy of inputs of dtype ``t``. The gradient of ``x`` and of
+    ``residual`` is ``dh + dnorm``, rounded once to each one's dtype.
+
+    Args:
+      x: the input, as in `normalize`.
+      residual: ``x``'s shape and dtype, or with ``residual="float32"`` a ``c`` array (a
+        residual stream kept in float32).
+      spec: the norm, with a residual.
+      scale, bias, alpha, dtype, axis_name: as in `normalize`; with ``dtype`` the residual is
+        cast to it too, unless ``residual="float32"`` and it is already in ``c``.
+
+    Returns:
+      ``(y, h)``.
+
+    Raises:
+      TypeError: the residual has a dtype the spec does not allow (or see `normalize`).
+      ValueError: the spec has no residual, the residual's shape is not ``x``'s (or see
+        `normalize`).
+    """
+    if spec.residual is None:
+        raise ValueError(
+            "add_norm needs a spec with a residual rounding (residual='rounded', 'float32' or "
+            "'float32_normalized'), got residual=None; use normalize"
+        )
+    x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
+    residual = _checked_residual(residual, x, plan, cast=dtype is not None)
+    plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
+    return _run(plan, x, residual, scale, bias, _alpha(plan, alpha))  # type: ignore[return-value]
+
+
+def _prepare(
+    x: jax.Array,
+    spec: NormSpec,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+    dtype: DTypeLike | None,
+    axis_name: str | None,
+) -> tuple[jax.Array, _Plan]:
+    """``x`` cast to ``dtype`` and the plan, after checking every argument."""
     x = jnp.asarray(x)
-    out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"x has dtype {x.dtype}; normkit norms need a floating-point input "
             "(float16, bfloat16, float32 or float64)"
         )
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"dtype={out_dtype} is not a floating-point dtype")
-    x = x.astype(out_dtype)
-    spec.check_eps(out_dtype.name)
+    in_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    if not jnp.issubdtype(in_dtype, jnp.floating):
+        raise TypeError(f"dtype={in_dtype} is not a floating-point dtype")
+    x = x.astype(in_dtype)
+    spec.check_eps(in_dtype.name)
     axes = spec.resolve_axes(x.ndim)
     if spec.kind == "partial_rms" and axis_name is not None and len(axes) != 1:
         raise ValueError(
@@ -95,17 +181,64 @@ def normalize(
             continue
         if not present:
             raise ValueError(f"{name} was given but the spec has {name}=False")
-        if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
-            raise TypeError(f"{name} has dtype {jnp.result_type(value)}; expected a float dtype")
+        _check_float(name, value)
         if jnp.shape(value) != expected:
             raise ValueError(
                 f"{name} has shape {jnp.shape(value)}, but x of shape {x.shape} normalized over "
                 f"axes {axes} needs {expected}: wrong feature size for this layer"
             )
+    if alpha is not None:
+        if spec.kind != "dyt":
+            raise ValueError(f"alpha was given but the spec has kind={spec.kind!r} (not 'dyt')")
+        _check_float("alpha", alpha)
+        if jnp.shape(alpha) not in ((), (1,)):
+            raise ValueError(
+                f"alpha has shape {jnp.shape(alpha)}, expected a scalar (shape () or (1,))"
+            )
     for a in axes:
         if x.shape[a] == 0:
             raise ValueError(f"x has shape {x.shape}: the normalized axis {a} is empty")
-    return _norm(_Plan(spec, axes, axis_name), x, scale, bias)
+    out = in_dtype
+    if spec.output_dtype == "promote":
+        for value in (scale, bias, alpha):
+            if value is not None:
+                out = jnp.promote_types(out, jnp.result_type(value))
+    return x, _Plan(spec, axes, axis_name, in_dtype, jnp.dtype(out))
+
+
+def _check_float(name: str, value: jax.Array) -> None:
+    if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        raise TypeError(f"{name} has dtype {jnp.result_type(value)}; expected a float dtype")
+
+
+def _checked_residual(residual: jax.Array, x: jax.Array, plan: _Plan, cast: bool) -> jax.Array:
+    """The residual, of x's shape and an allowed dtype (cast to x's with ``dtype=``)."""
+    residual = jnp.asarray(residual)
+    compute = _stat_dtype(plan.dtype)
+    mode = plan.spec.residual
+    if cast and not (mode == "float32" and residual.dtype == compute):
+        residual = residual.astype(plan.dtype)
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"residual has shape {residual.shape}, expected the shape of x, {x.shape}"
+        )
+    allowed = {plan.dtype, compute} if mode == "float32" else {plan.dtype}
+    if residual.dtype not in allowed:
+        names = " or ".join(sorted(d.name for d in allowed))
+        raise TypeError(
+            f"residual has dtype {residual.dtype}; residual={mode!r} with x of dtype "
+            f"{plan.dtype} needs {names}"
+        )
+    return residual
+
+
+def _alpha(plan: _Plan, alpha: jax.Array | None) -> jax.Array | None:
+    """DyT's alpha as given, or ``spec.alpha_init`` as a constant; None for the other kinds."""
+    if plan.spec.kind != "dyt":
+        return None
+    if alpha is None:
+        return jnp.asarray(plan.spec.alpha_init, _stat_dtype(plan.dtype))
+    return jnp.asarray(alpha)
 
 
 def rms_norm(
@@ -179,7 +312,8 @@ def layer_norm(
     return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
 
 
-# --- the custom_vjp ---------------------------------------------------------------------------
+
+# --- the computation ------------------------------------------------------------------------
 
 
 def _stat_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -252,7 +386,8 @@ def _out_of_range(r: jax.Array) -> jax.Array:
 
 
 def _row_max(value: jax.Array, plan: _Plan) -> jax.Array:
-    m = jnp.max(value, axis=plan.axes, keepdims=True)
+    """The largest value per row, a constant to autodiff (``pmax`` has no derivative rule)."""
+    m = jnp.max(lax.stop_gradient(value), axis=plan.axes, keepdims=True)
     return m if plan.axis_name is None else lax.pmax(m, plan.axis_name)
 
 
@@ -285,14 +420,14 @@ def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
     magnitude = jnp.abs(xf)
     if spec.kind == "partial_rms":
         magnitude = jnp.where(_partial_mask(xf, plan, n)[0], magnitude, 0)
-    largest = lax.stop_gradient(_row_max(magnitude, plan))
+    largest = _row_max(magnitude, plan)
     pre = jnp.where(largest > big, 1 / big, 1.0).astype(xf.dtype)
     sigma = 1 / jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny))
     c = xf * pre * sigma
     scaled_floor = floor * pre * sigma
     if spec.kind == "layer":
         c = _centered(c, plan, n)
-        widest = lax.stop_gradient(_row_max(jnp.abs(c), plan))
+        widest = _row_max(jnp.abs(c), plan)
         second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
         c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
     s = _statistic(c, plan, n)
@@ -334,56 +469,268 @@ def _rows(xf: jax.Array, plan: _Plan, n: int, r: jax.Array | None = None) -> _Sc
     return rescale() if bool(any_bad) else plain()
 
 
-def _broadcast_param(value: jax.Array, x: jax.Array, plan: _Plan, dtype: jnp.dtype) -> jax.Array:
-    shape = [x.shape[a] if a in plan.axes else 1 for a in range(x.ndim)]
+
+def _broadcast_param(
+    value: jax.Array, like: jax.Array, plan: _Plan, dtype: jnp.dtype
+) -> jax.Array:
+    shape = [like.shape[a] if a in plan.axes else 1 for a in range(like.ndim)]
     return jnp.reshape(value, shape).astype(dtype)
 
 
-def _gain(x: jax.Array, scale: jax.Array | None, plan: _Plan, dtype: jnp.dtype) -> jax.Array | None:
-    """``scale_offset + w`` broadcastable to x, or None for an effective scale of 1."""
+def _gain(
+    like: jax.Array, scale: jax.Array | None, plan: _Plan, dtype: jnp.dtype
+) -> jax.Array | None:
+    """``scale_offset + w`` broadcastable to ``like``, in ``dtype``; None for an effective
+    scale of 1. With ``offset_dtype="param"`` the sum is rounded to ``w``'s dtype first."""
     if scale is None:
         return None
-    g = _broadcast_param(scale, x, plan, dtype)
-    return g + plan.spec.scale_offset if plan.spec.scale_offset else g
+    offset = plan.spec.scale_offset
+    if offset and plan.spec.offset_dtype == "param":
+        return _broadcast_param(_offset_in_param_dtype(scale, offset), like, plan, dtype)
+    g = _broadcast_param(scale, like, plan, dtype)
+    return g + offset if offset else g
+
+
+def _added(
+    plan: _Plan, x: jax.Array, residual: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(v, h)``: the values the norm reads, in the compute dtype, and ``h`` (None without a
+    residual), rounded as ``spec.residual`` says."""
+    compute = _stat_dtype(plan.dtype)
+    if residual is None:
+        return x.astype(compute), None
+    # The sum is formed in the compute dtype and cast: two half values add exactly in float32
+    # (or their sum rounds to the half dtype as the exact one does), and XLA keeps the cast's
+    # rounding where it may skip that of a half-precision addition.
+    total = x.astype(compute) + residual.astype(compute)
+    if plan.spec.residual == "float32":
+        return total, total
+    h = total.astype(plan.dtype)
+    return (h.astype(compute) if plan.spec.residual == "rounded" else total), h
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2))
+def _fast_moments(plan: _Plan, v: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """``variance="fast"``: ``(m1, v)`` with ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))`` and
+    ``v = max(0, c(m2 - c(m1^2)))``, each step rounded once (`normkit.jax._exact`; float64
+    inputs in plain float64). Differentiated as the two-pass variance: ``dv = 2 mean(c dx)``."""
+    if v.dtype == jnp.float32:
+        m1 = _exact.mean(v, plan.axes, n, plan.axis_name)
+        m2 = _exact.mean(_exact.product(v, v), plan.axes, n, plan.axis_name)
+        variance = m2 - _exact.product(m1, m1)
+    else:
+        m1 = _row_mean(v, plan, n)
+        variance = _row_mean(v * v, plan, n) - m1 * m1
+    return m1, jnp.maximum(variance, 0)
+
+
+@_fast_moments.defjvp
+def _fast_moments_jvp(
+    plan: _Plan, n: int, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    (v,), (dv,) = primals, tangents
+    m1, variance = _fast_moments(plan, v, n)
+    dvariance = 2 * _row_mean((v - m1) * dv, plan, n)
+    return (m1, variance), (_row_mean(dv, plan, n), jnp.where(variance > 0, dvariance, 0))
+
+
+def _normalized(
+    plan: _Plan, v: jax.Array, alpha: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(y_hat, r)``: ``y_hat`` and the true ``r(s)`` per row (None for DyT and the fast
+    variance, whose backward recomputes the two-pass statistic)."""
+    spec = plan.spec
+    if alpha is not None:  # dyt
+        return jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), None
+    assert spec.eps is not None
+    n = _row_size(v, plan)
+    if spec.variance == "fast":
+        m1, variance = _fast_moments(plan, v, n)
+        return (v - m1) * _r(variance, spec.eps, spec), None
+    rows = _rows(v, plan, n)
+    r = _r(rows.s, rows.eps, spec)
+    return rows.c * r, r * rows.sigma * rows.pre
+
+
+def _affine(
+    plan: _Plan,
+    y_hat: jax.Array,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    eager: bool,
+) -> jax.Array:
+    """``y_hat * g + b`` in the output dtype. ``cast="before_scale"`` rounds ``y_hat`` to a
+    half input's dtype first; then the affine step runs in the compute dtype, or with ``eager``
+    in the eager program's dtype (`_eager_affine`)."""
+    compute = y_hat.dtype
+    if plan.dtype in _HALF and plan.spec.cast == "before_scale":
+        if eager:
+            return _eager_affine(plan, y_hat.astype(plan.dtype), scale, bias)
+        y_hat = y_hat.astype(plan.dtype).astype(compute)
+    g = _gain(y_hat, scale, plan, compute)
+    y = y_hat if g is None else y_hat * g
+    if bias is not None:
+        y = y + _broadcast_param(bias, y_hat, plan, compute)
+    return y.astype(plan.out)
+
+
+def _eager_affine(
+    plan: _Plan, z: jax.Array, scale: jax.Array | None, bias: jax.Array | None
+) -> jax.Array:
+    """``z * g + b`` as eager model code computes it after the before-scale cast: ``g`` in
+    ``w``'s dtype (or float32 with an offset added there), the step in the promoted dtype ``a``
+    of ``z``, ``g`` and ``b``, each result rounded to ``a``.
+
+    The arithmetic runs in float32 (at least) with explicit casts to ``a``, and the parameters
+    are broadcast there: XLA keeps an explicit cast's rounding, but may skip the rounding of a
+    half-precision operation whose result feeds float32 work (``xla_allow_excess_precision``),
+    and this way the transposes round the gradients as the model says (the products of the
+    scale's gradient to ``a``, their sum once).
+    """
+    g = None if scale is None else _eager_gain(scale, plan.spec)
+    affine = z.dtype
+    for value in (g, bias):
+        if value is not None:
+            affine = jnp.promote_types(affine, value.dtype)
+    wide = jnp.promote_types(affine, jnp.float32)
+
+    def rounded(value: jax.Array) -> jax.Array:
+        return value.astype(affine).astype(wide)
+
+    def broadcast(value: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(_broadcast_param(value, z, plan, wide), z.shape)
+
+    y = z.astype(wide)
+    if g is not None:
+        y = rounded(y * rounded(broadcast(g)))
+    if bias is not None:
+        y = rounded(y + broadcast(bias))
+    return y.astype(plan.out)
+
+
+def _eager_gain(scale: jax.Array, spec: NormSpec) -> jax.Array:
+    """``scale_offset + w`` as model code forms it: ``w`` itself without an offset, the sum
+    rounded to ``w``'s dtype with ``offset_dtype="param"``, else in float32 (at least)."""
+    if not spec.scale_offset:
+        return scale
+    if spec.offset_dtype == "param":
+        return _offset_in_param_dtype(scale, spec.scale_offset)
+    return scale.astype(jnp.promote_types(scale.dtype, jnp.float32)) + spec.scale_offset
+
+
+def _offset_in_param_dtype(scale: jax.Array, offset: float) -> jax.Array:
+    """``offset + w`` rounded once to ``w``'s dtype (summed in float32 at least, where the sum of
+    a half ``w`` and the offset rounds the same way, with an explicit cast XLA keeps)."""
+    wide = jnp.promote_types(scale.dtype, jnp.float32)
+    return (scale.astype(wide) + offset).astype(scale.dtype)
 
 
 def _forward(
-    plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
-    """``(y, r)``: the output and the true ``r(s)`` per row."""
-    compute = _stat_dtype(x.dtype)
-    n = _row_size(x, plan)
-    rows = _rows(x.astype(compute), plan, n)
-    r = _r(rows.s, rows.eps, plan.spec)
-    y = rows.c * r
-    if x.dtype in _HALF and plan.spec.cast == "before_scale":
-        y = y.astype(x.dtype).astype(compute)
-    g = _gain(x, scale, plan, compute)
-    if g is not None:
-        y = y * g
-    if bias is not None:
-        y = y + _broadcast_param(bias, x, plan, compute)
-    return y.astype(x.dtype), r * rows.sigma * rows.pre
+    plan: _Plan,
+    x: jax.Array,
+    residual: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+    eager: bool,
+) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array | None]:
+    """The output (``y``, or ``(y, h)`` with a residual) and the true ``r`` per row."""
+    v, h = _added(plan, x, residual)
+    y_hat, r = _normalized(plan, v, alpha)
+    y = _affine(plan, y_hat, scale, bias, eager)
+    return (y if h is None else (y, h)), r
+
+
+def _run(
+    plan: _Plan,
+    x: jax.Array,
+    residual: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    if plan.spec.backward == "autograd":
+        return _forward(plan, x, residual, scale, bias, alpha, eager=True)[0]
+    return _norm(plan, x, residual, scale, bias, alpha)
+
+
+# --- the custom_vjp ---------------------------------------------------------------------------
+
+_Saved = tuple[
+    jax.Array, jax.Array | None, jax.Array | None, jax.Array | None, jax.Array | None
+]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _norm(plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
-    return _forward(plan, x, scale, bias)[0]
+def _norm(
+    plan: _Plan,
+    x: jax.Array,
+    residual: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return _forward(plan, x, residual, scale, bias, alpha, eager=False)[0]
 
 
 def _norm_fwd(
-    plan: _Plan, x: jax.Array, scale: jax.Array | None, bias: jax.Array | None
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]]:
-    y, r = _forward(plan, x, scale, bias)
-    return y, (x, r, scale, bias)
+    plan: _Plan,
+    x: jax.Array,
+    residual: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
+    out, r = _forward(plan, x, residual, scale, bias, alpha, eager=False)
+    # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
+    # float32 sum of the float32 residual modes.
+    if residual is None:
+        normalized = x
+    elif plan.spec.residual == "rounded":
+        normalized = out[1]
+    else:
+        normalized = _added(plan, x, residual)[0]
+    return out, (normalized, r, scale, bias, alpha)
 
 
 def _norm_bwd(
-    plan: _Plan,
-    residuals: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
-    dy: jax.Array,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The gradients of `normkit.reference.normalize_vjp`, in terms of ``y_hat = c r``.
+    plan: _Plan, saved: _Saved, cotangent: jax.Array | tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """`normkit.reference.add_normalize_vjp` / `normalize_vjp`: the norm's input gradient
+    (`_input_grad`), plus ``dh`` with a residual, rounded once to x's and the residual's dtypes;
+    the parameters' gradients summed in the compute dtype."""
+    normalized, r_saved, scale, bias, alpha = saved
+    dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
+    compute = _stat_dtype(plan.dtype)
+    v = normalized.astype(compute)
+    dyf = dy.astype(compute)  # type: ignore[union-attr]
+    g = _gain(v, scale, plan, compute)
+    d = dyf if g is None else dyf * g
+    dalpha = None
+    if alpha is not None:  # dyt: y_hat = tanh(alpha v)
+        a = alpha.astype(compute).reshape(())
+        y_hat = jnp.tanh(a * v)
+        slope = 1 - y_hat * y_hat
+        dv = a * slope * d
+        dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
+    else:
+        dv, y_hat = _input_grad(plan, v, r_saved, d)
+    batch = tuple(a for a in range(v.ndim) if a not in plan.axes)
+    dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
+    if plan.residual_dtype is None:
+        return dv.astype(plan.dtype), None, dscale, dbias, dalpha
+    total = dv + dh.astype(compute)  # type: ignore[union-attr]
+    dx, dresidual = total.astype(plan.dtype), total.astype(plan.residual_dtype)
+    return dx, dresidual, dscale, dbias, dalpha
+
+
+def _input_grad(
+    plan: _Plan, v: jax.Array, r_saved: jax.Array | None, d: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
+    ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` (two-pass; the fast variance has
+    its gradient, recomputed here).
 
     With ``t = sqrt(s) r = 1 - eps r`` and ``u = y_hat`` (inside) or ``y_hat / sqrt(t)``
     (outside, 0 where s = 0)::
@@ -395,16 +742,14 @@ def _norm_bwd(
     element (k = 1) or LayerNorm has two, ``1 - u_0**2`` cancels; it is taken in the closed form
     ``eps r**2`` (inside) or ``eps r`` (outside).
     """
-    x, r_saved, scale, bias = residuals
     spec = plan.spec
-    compute = r_saved.dtype
-    n = _row_size(x, plan)
-    rows = _rows(x.astype(compute), plan, n, r_saved)
-    # Plain rows keep the saved r; rescaled rows (s recomputed, non-zero) take r in scaled units.
-    r = jnp.where((rows.sigma == 1) & (rows.pre == 1), r_saved, _r(rows.s, rows.eps, spec))
-    dyf = dy.astype(compute)
-    g = _gain(x, scale, plan, compute)
-    d = dyf if g is None else dyf * g
+    n = _row_size(v, plan)
+    rows = _rows(v, plan, n, r_saved)
+    r = _r(rows.s, rows.eps, spec)
+    if r_saved is not None:
+        # Plain rows keep the saved r; rescaled rows (s recomputed, non-zero) take r in scaled
+        # units.
+        r = jnp.where((rows.sigma == 1) & (rows.pre == 1), r_saved, r)
     y_hat = rows.c * r
     if spec.eps_placement == "outside":
         t = 1 - rows.eps * r
@@ -422,18 +767,14 @@ def _norm_bwd(
     elif spec.kind == "rms" and n > 1:
         inner = d - u * _row_mean(d * u, plan, n)
     else:
-        mask, k = _partial_mask(x, plan, n)
+        mask, k = _partial_mask(v, plan, n)
         du = d * u
         if k == 1:
             others = _psum(jnp.sum(jnp.where(mask, 0, du), axis=plan.axes, keepdims=True), plan)
             inner = jnp.where(mask, d * rest - u * others, d)
         else:
             inner = jnp.where(mask, d - u * _row_mean(du, plan, k), d)
-    dx = r * inner * rows.sigma * rows.pre
-    batch = tuple(a for a in range(x.ndim) if a not in plan.axes)
-    dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
-    dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
-    return dx.astype(x.dtype), dscale, dbias
+    return r * inner * rows.sigma * rows.pre, y_hat
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
