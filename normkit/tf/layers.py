@@ -364,20 +364,20 @@ class _Norm(keras.layers.Layer):
         added = self._residual_dtype(shape, residual, dtype)
         work = "float64" if dtype == "float64" else "float32"
         x = ops.cast(ops.cast(inputs, dtype), work)
+        if keras.backend.standardize_dtype(inputs.dtype) != dtype:
+            x = _rounded(x, dtype)  # the policy's cast, kept under XLA (see `_rounded`)
         if added is None:
             return self._normalize(x, dtype, work)
         total = ops.cast(ops.cast(residual, added), work) + x
         h = total if spec.residual == "float32" else ops.cast(total, dtype)
-        if spec.residual != "rounded":
-            normalized = total
-        elif spec.backward == "autograd":
-            # The eager program: the norm reads the rounded h, whose two cotangents (the norm's,
-            # rounded to the input dtype at the cast, and dh) are summed in that dtype.
-            normalized = ops.cast(h, work)
-        else:
-            # The value of the rounded h; the gradient flows to the sum unrounded, so that
-            # dx = dh + dnorm is rounded once.
-            normalized = total + ops.stop_gradient(ops.cast(h, work) - total)
+        normalized = total
+        if spec.residual == "rounded" and spec.backward == "autograd":
+            # The eager program: the norm reads the rounded h, so its cotangent is rounded to the
+            # input dtype before dh is added (the sum is then rounded once, at x's cast).
+            normalized = _rounded(total, dtype)
+        elif spec.residual == "rounded":
+            # The rounded h's value; the gradient reaches the sum unrounded: dx = dh + dnorm.
+            normalized = total + ops.stop_gradient(_rounded(total, dtype) - total)
         return self._normalize(normalized, dtype, work), h
 
     def _normalize(self, x: Any, dtype: str, work: str) -> Any:
@@ -399,7 +399,7 @@ class _Norm(keras.layers.Layer):
             value = self._fast_normalized(x, axes) if spec.variance == "fast" else y_hat
         before_scale = spec.cast == "before_scale" and dtype in _HALF
         if before_scale:
-            value = ops.cast(ops.cast(value, dtype), work)
+            value = _rounded(value, dtype)
         if before_scale and spec.backward == "autograd":
             path, acc = self._eager_affine(y_hat, dtype, param_target, work)
             rounded = ops.cast(self._affine(value, param_target, work), acc)
@@ -495,23 +495,27 @@ class _Norm(keras.layers.Layer):
     def _eager_affine(
         self, y_hat: Any, dtype: str, target: list[int] | None, work: str
     ) -> tuple[Any, str]:
-        """``backward="autograd"``: the affine step as the eager program computes it, and the
-        dtype ``acc`` it is returned in (``work``, or float64 for a float64 affine step).
+        """``backward="autograd"``: the affine step with the gradient of the eager program, and
+        the dtype ``acc`` it is computed in (``work``, or float64 for a float64 affine step).
 
-        ``z = y_hat`` rounded to ``dtype`` (autodiff rounds its cotangent there), then
-        ``z * g + b`` in the affine dtype ``a``: the products ``dy * g`` and ``dy * z`` are
-        rounded to ``a``. The parameters are broadcast in ``acc`` before the cast to ``a``, so
-        their gradients are summed in ``acc`` and rounded once to the variables' dtype.
+        The eager program rounds ``z = y_hat`` to ``dtype`` and computes ``z * g + b`` in the
+        affine dtype ``a``, so autodiff rounds the products ``dy * g`` (then to ``dtype`` at
+        the cast) and ``dy * z`` to ``a``. Here every product is formed in ``acc`` and rounded
+        by an explicit pair of casts, whose gradient rounds the cotangent the same way: XLA
+        may keep half-precision arithmetic in float32, but it keeps a cast pair's rounding.
+        The parameters' gradients are summed in ``acc`` and rounded once to their dtype.
         """
         a = self._affine_dtype(dtype)
         acc = "float64" if a == "float64" else work
-        ones = ops.ones_like(ops.cast(y_hat, acc))
-        y = ops.cast(ops.cast(y_hat, dtype), a)
+        y_hat = ops.cast(y_hat, acc)
+        ones = ops.ones_like(y_hat)
+        y = _rounded(_rounded(y_hat, dtype), a)
         if self.scale is not None:
-            y = y * ops.cast(ones * self._effective_scale(acc, target), a)
+            y = y * _rounded(ones * self._effective_scale(acc, target), a)
         if self.bias is not None:
-            y = y + ops.cast(ones * self._param(self.bias, acc, target), a)
-        return ops.cast(y, acc), acc
+            y = y + _rounded(ones * self._param(self.bias, acc, target), a)
+        # The incoming cotangent is rounded to a, as the cast from a to the output dtype does.
+        return _rounded(y, a), acc
 
     def compute_output_spec(self, inputs: Any, residual: Any = None) -> Any:
         dtype = self._input_dtype(inputs.dtype)
@@ -536,6 +540,25 @@ class _Norm(keras.layers.Layer):
             **_spec_kwargs(self._spec),
             "param_dtype": self._param_dtype,
         }
+
+
+def _rounded(u: Any, dtype: str) -> Any:
+    """``u`` rounded to ``dtype`` and back to its own dtype; its gradient rounds the cotangent
+    to ``dtype`` the same way (the identity when ``dtype`` is not narrower).
+
+    On JAX a bfloat16 rounding is `jax.lax.reduce_precision`: XLA's CPU compiler drops the
+    rounding of a float32 -> bfloat16 -> float32 cast pair that feeds a reduction (jaxlib
+    0.10), but keeps this op's (bfloat16 has float32's exponent range, so it is the same
+    rounding).
+    """
+    own = keras.backend.standardize_dtype(u.dtype)
+    if dtype in (own, "float64"):
+        return u
+    if dtype == "bfloat16" and keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.reduce_precision(u, exponent_bits=8, mantissa_bits=7)
+    return ops.cast(ops.cast(u, dtype), own)
 
 
 def _float_dtype(dtype: Any) -> str:
