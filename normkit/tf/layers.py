@@ -363,12 +363,10 @@ class _Norm(keras.layers.Layer):
         shape = tuple(inputs.shape)
         added = self._residual_dtype(shape, residual, dtype)
         work = "float64" if dtype == "float64" else "float32"
-        x = ops.cast(ops.cast(inputs, dtype), work)
-        if keras.backend.standardize_dtype(inputs.dtype) != dtype:
-            x = _rounded(x, dtype)  # the policy's cast, kept under XLA (see `_rounded`)
+        x = _cast_to(inputs, dtype, work)
         if added is None:
             return self._normalize(x, dtype, work)
-        total = ops.cast(ops.cast(residual, added), work) + x
+        total = _cast_to(residual, added, work) + x
         h = total if spec.residual == "float32" else ops.cast(total, dtype)
         normalized = total
         if spec.residual == "rounded" and spec.backward == "autograd":
@@ -559,6 +557,13 @@ def _rounded(u: Any, dtype: str) -> Any:
 
         return jax.lax.reduce_precision(u, exponent_bits=8, mantissa_bits=7)
     return ops.cast(ops.cast(u, dtype), own)
+
+
+def _cast_to(u: Any, dtype: str, work: str) -> Any:
+    """``u`` cast to ``dtype`` (the policy's cast), then to ``work``; where that rounds, the
+    rounding is kept under XLA (`_rounded`)."""
+    cast = ops.cast(ops.cast(u, dtype), work)
+    return cast if keras.backend.standardize_dtype(u.dtype) == dtype else _rounded(cast, dtype)
 
 
 def _float_dtype(dtype: Any) -> str:
