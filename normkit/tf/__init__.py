@@ -1,4 +1,5 @@
-"""Keras 3 layers that follow a `normkit.NormSpec`: `RMSNorm`, `PartialRMSNorm`, `LayerNorm`.
+"""Keras 3 layers that follow a `normkit.NormSpec`: `RMSNorm`, `PartialRMSNorm`, `LayerNorm`,
+`DyT`.
 
 They are written with ``keras.ops`` only, so they run on every Keras backend (TensorFlow, JAX,
 PyTorch; chosen by ``KERAS_BACKEND`` before Keras is imported).
@@ -16,6 +17,6 @@ if int(keras.__version__.split(".")[0]) < 3:
         f"normkit.tf needs Keras 3, found Keras {keras.__version__}: pip install 'normkit[tf]'"
     )
 
-from normkit.tf.layers import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.tf.layers import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]

@@ -52,6 +52,45 @@ def _keras_device(name: str) -> str:
     return f"{'gpu' if kind == 'cuda' else kind}:{index}"
 
 
+def _param_dtype(spec: NormSpec, params: dict[str, np.ndarray | None]) -> str | None:
+    """The variables' dtype: that of the parameters given (None: the policy's). A layer holds
+    all its variables in one dtype; parameters of several dtypes raise NotImplementedError."""
+    found = {name: np.asarray(v).dtype.name for name, v in params.items() if v is not None}
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{name} {dtype}" for name, dtype in found.items())
+        raise NotImplementedError(
+            f"normkit.tf layers hold all their variables in one dtype (param_dtype); got {listed}"
+        )
+    return next(iter(found.values()), None)
+
+
+def _check_extended(
+    spec: NormSpec,
+    x: np.ndarray,
+    residual: np.ndarray | None,
+    dh: np.ndarray | None,
+    alpha: np.ndarray | None,
+) -> None:
+    """ValueError unless residual and dh are given exactly when the spec has a residual, and
+    alpha only for DyT, of shape () or (1,)."""
+    if (residual is None) != (spec.residual is None) or (dh is None) != (spec.residual is None):
+        raise ValueError(
+            f"residual and dh are given exactly when the spec has a residual; the spec has "
+            f"residual={spec.residual!r}, residual given: {residual is not None}, dh given: "
+            f"{dh is not None}"
+        )
+    for name, value in (("residual", residual), ("dh", dh)):
+        if value is not None and np.shape(value) != np.shape(x):
+            raise ValueError(
+                f"{name} has shape {np.shape(value)}, expected the shape of x, {np.shape(x)}"
+            )
+    if alpha is not None:
+        if spec.kind != "dyt":
+            raise ValueError(f"alpha was given but the spec has kind={spec.kind!r} (not 'dyt')")
+        if np.shape(alpha) not in ((), (1,)):
+            raise ValueError(f"alpha has shape {np.shape(alpha)}, expected (1,)")
+
+
 def evaluate(
     spec: NormSpec,
     x: np.ndarray,
@@ -59,25 +98,35 @@ def evaluate(
     scale: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     *,
+    residual: np.ndarray | None = None,
+    dh: np.ndarray | None = None,
+    alpha: np.ndarray | None = None,
     device: str = "cpu",
     **variant: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``(y, dx, dscale, dbias)`` of ``from_spec(spec)`` at ``x`` with cotangent ``dy``.
+) -> tuple[np.ndarray | None, ...]:
+    """``from_spec(spec)`` at ``x`` forward, and its VJP with the cotangents ``dy`` (and ``dh``).
+
+    Returns ``(y, dx, dscale, dbias)``, then ``(h, dresidual)`` when ``spec.residual`` is set,
+    then ``(dalpha,)`` for ``kind="dyt"``: numpy arrays in the dtypes the backend produced, None
+    for weights the spec lacks. The backward is that of ``sum(dy * y) + sum(dh * h)``.
 
     Args:
       spec: the norm.
       x: the input, float16, bfloat16, float32 or float64.
       dy: the cotangent of the output, of ``x``'s shape (cast to the output's dtype).
-      scale, bias: the weights ``w`` and ``b`` (None: their initial values). Their dtype picks the
-        variables': float64 gives the ``"float64"`` policy, anything else float32 variables
-        (float16 and bfloat16 values are exact there), so ``dscale``/``dbias`` are float32.
+      scale, bias: the weights ``w`` and ``b`` (None: their initial values).
+      residual, dh: the residual added to ``x`` and the cotangent of ``h`` (cast to ``h``'s
+        dtype), given exactly when ``spec.residual`` is set.
+      alpha: DyT's ``alpha``, shape ``(1,)`` (None: ``spec.alpha_init``); ``dalpha`` has its
+        shape.
       device: one of `devices()` (``gpu:N`` is read as ``cuda:N``).
       **variant: ``jit=True`` runs under ``tf.function(jit_compile=True)`` (TensorFlow) or
         ``jax.jit`` (JAX); the torch backend has no jit variant. ``policy=`` a Keras dtype policy
         name; under a float16/bfloat16 compute dtype ``x`` is cast to it first, and the outputs
         are in it.
 
-    Returns numpy arrays in the dtypes the backend produced, None for weights the spec lacks.
+    The variables take the dtype of the parameters given (``param_dtype``), or the policy's
+    (float32) when none is; parameters of different dtypes raise NotImplementedError.
     """
     check_variant(variant, VARIANTS)
     device = device_name(device)
@@ -97,64 +146,101 @@ def evaluate(
     if np.shape(dy) != np.shape(x):
         raise ValueError(f"dy has shape {np.shape(dy)}, expected the shape of x, {np.shape(x)}")
     reference.check_params(np.shape(x), spec, scale, bias)
-    params64 = any(v is not None and np.asarray(v).dtype == np.float64 for v in (scale, bias))
-    policy = variant.get("policy") or ("float64" if params64 else "float32")
+    _check_extended(spec, x, residual, dh, alpha)
+    params = {"scale": scale, "bias": bias, "alpha": alpha}
+    param_dtype = _param_dtype(spec, params)
+    policy = variant.get("policy") or "float32"
 
     framework = _bridge()
     with keras.device(_keras_device(device)):
-        layer = from_spec(spec, dtype=policy)
-        xt, dyt = (framework.to_tensor(np.asarray(a), device) for a in (x, dy))
-        layer.build(tuple(xt.shape))
-        for variable, value in ((layer.scale, scale), (layer.bias, bias)):
+        layer = from_spec(spec, dtype=policy, param_dtype=param_dtype)
+        inputs = [framework.to_tensor(np.asarray(a), device) for a in (x, dy)]
+        if residual is not None and dh is not None:
+            inputs += [framework.to_tensor(np.asarray(a), device) for a in (residual, dh)]
+        layer.build(tuple(inputs[0].shape))
+        for name, value in params.items():
             if value is not None:
-                assert variable is not None  # check_params: the spec has this parameter
-                variable.assign(np.asarray(value, dtype=np.float64).astype(variable.dtype))
-        if backend == "tensorflow":
-            y, dx, grads = _vjp_tensorflow(layer, xt, dyt, jit)
-        elif backend == "jax":
-            y, dx, grads = _vjp_jax(layer, xt, dyt, jit)
-        else:
-            y, dx, grads = _vjp_torch(layer, xt, dyt)
-    found = iter(framework.to_numpy(g) for g in grads)
-    dscale = next(found) if spec.scale else None
-    dbias = next(found) if spec.bias else None
-    return framework.to_numpy(y), framework.to_numpy(dx), dscale, dbias
+                variable = getattr(layer, name)
+                assert variable is not None  # checked above: the spec has this parameter
+                array = np.asarray(value).reshape(tuple(variable.shape))
+                variable.assign(framework.to_tensor(array, device))
+        vjp = {"tensorflow": _vjp_tensorflow, "jax": _vjp_jax}.get(backend, _vjp_torch)
+        primals, grads = vjp(layer, inputs, jit)
+    found = [
+        None if variable is None else grads[_position(layer, variable)]
+        for variable in (layer.scale, layer.bias, layer.alpha)
+    ]
+    outputs = [primals[0], grads[0], found[0], found[1]]
+    if spec.residual is not None:
+        outputs += [primals[1], grads[1]]
+    if spec.kind == "dyt":
+        outputs.append(found[2])
+    arrays = [None if t is None else framework.to_numpy(t) for t in outputs]
+    if spec.kind == "dyt" and alpha is not None:
+        arrays[-1] = arrays[-1].reshape(np.shape(alpha))  # type: ignore[union-attr]
+    return tuple(arrays)
 
 
-def _vjp_tensorflow(layer: Any, x: Any, dy: Any, jit: bool) -> tuple[Any, Any, list[Any]]:
+def _position(layer: Any, variable: Any) -> int:
+    """Where ``variable``'s gradient is in a VJP's result: after the inputs' (x and residual)."""
+    skip = 2 if layer.spec.residual is not None else 1
+    return skip + [v is variable for v in layer.trainable_variables].index(True)
+
+
+def _split(layer: Any, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``(primal inputs, cotangents)``: ``([x], [dy])`` or ``([x, residual], [dy, dh])``."""
+    return (inputs[0::2], inputs[1::2]) if len(inputs) == 4 else ([inputs[0]], [inputs[1]])
+
+
+def _vjp_tensorflow(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
     import tensorflow as tf
 
-    def vjp(x: Any, dy: Any) -> tuple[Any, Any, list[Any]]:
+    def vjp(*inputs: Any) -> tuple[list[Any], list[Any]]:
+        primals, cotangents = _split(layer, list(inputs))
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x)
-        dy = tf.cast(dy, y.dtype)
-        dx, *grads = tape.gradient(y, [x, *layer.trainable_variables], output_gradients=dy)
-        return y, dx, grads
+            for t in primals:
+                tape.watch(t)
+            out = layer(*primals)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        cotangents = [tf.cast(c, o.dtype) for c, o in zip(cotangents, outs, strict=True)]
+        grads = tape.gradient(
+            outs, [*primals, *layer.trainable_variables], output_gradients=cotangents
+        )
+        return outs, grads
 
-    return (tf.function(vjp, jit_compile=True) if jit else vjp)(x, dy)
+    return (tf.function(vjp, jit_compile=True) if jit else vjp)(*inputs)
 
 
-def _vjp_jax(layer: Any, x: Any, dy: Any, jit: bool) -> tuple[Any, Any, list[Any]]:
+def _vjp_jax(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
     import jax
 
     trainable = [v.value for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
 
-    def vjp(trainable: list[Any], x: Any, dy: Any) -> tuple[Any, Any, list[Any]]:
-        y, pullback = jax.vjp(lambda t, x: layer.stateless_call(t, frozen, x)[0], trainable, x)
-        grads, dx = pullback(dy.astype(y.dtype))
-        return y, dx, grads
+    def vjp(trainable: list[Any], *inputs: Any) -> tuple[list[Any], list[Any]]:
+        primals, cotangents = _split(layer, list(inputs))
 
-    return (jax.jit(vjp) if jit else vjp)(trainable, x, dy)
+        def f(trainable: list[Any], *primals: Any) -> list[Any]:
+            out = layer.stateless_call(trainable, frozen, *primals)[0]
+            return list(out) if isinstance(out, tuple) else [out]
+
+        outs, pullback = jax.vjp(f, trainable, *primals)
+        grads = pullback([c.astype(o.dtype) for c, o in zip(cotangents, outs, strict=True)])
+        return outs, [*grads[1:], *grads[0]]
+
+    return (jax.jit(vjp) if jit else vjp)(trainable, *inputs)
 
 
-def _vjp_torch(layer: Any, x: Any, dy: Any) -> tuple[Any, Any, list[Any]]:
+def _vjp_torch(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
     import torch
 
-    x = x.detach().requires_grad_(True)
+    del jit  # refused by evaluate: the torch backend has no jit variant
+    primals, cotangents = _split(layer, inputs)
+    primals = [t.detach().requires_grad_(True) for t in primals]
     trainable = [v.value.detach().clone().requires_grad_(True) for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
-    y = layer.stateless_call(trainable, frozen, x)[0]
-    dx, *grads = torch.autograd.grad(y, [x, *trainable], dy.to(y.dtype))
-    return y.detach(), dx, grads
+    out = layer.stateless_call(trainable, frozen, *primals)[0]
+    outs = list(out) if isinstance(out, tuple) else [out]
+    cotangents = [c.to(o.dtype) for c, o in zip(cotangents, outs, strict=True)]
+    grads = torch.autograd.grad(outs, [*primals, *trainable], cotangents)
+    return [o.detach() for o in outs], list(grads)

@@ -8,9 +8,21 @@ import keras
 import numpy as np
 from keras import ops
 
-from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit import dtypes, reference
+from normkit.spec import (
+    DEFAULT_ALPHA_INIT,
+    DEFAULT_EPS,
+    Backward,
+    Cast,
+    EpsPlacement,
+    NormSpec,
+    OffsetDtype,
+    OutputDtype,
+    Residual,
+    Variance,
+)
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "from_spec"]
+__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
 _HALF = ("float16", "bfloat16")
 
@@ -178,28 +190,48 @@ class _Rows:
         )
 
 
+def _promoted(dtype: str, *param_dtypes: str) -> str:
+    """The promoted dtype of ``dtype`` and the parameters' dtypes, by the reference's rule
+    (`normkit.reference.output_dtype`): the widest; float16 with bfloat16 gives float32."""
+    given = [np.empty(0, dtypes.as_float_dtype(d)) for d in param_dtypes]
+    return reference.output_dtype(dtype, _PROMOTE, *given).name
+
+
+_PROMOTE = NormSpec(output_dtype="promote")
+
+
 class _Norm(keras.layers.Layer):
     """The shared machinery: weights, dtype policy, shape checks and the spec's arithmetic.
 
     Dtypes: the statistic and the normalized value are computed in float32 (float64 for a
     float64 input). Under a policy whose compute dtype is float16 or bfloat16 (``mixed_float16``,
-    ``mixed_bfloat16``), floating inputs are first cast to the compute dtype, so the output is the
-    compute dtype. Under a float32 or float64 policy nothing is cast: the output has the input's
-    dtype, as the spec says (a bfloat16 input gives a bfloat16 output). Variables have the
-    policy's variable dtype and are never autocast.
+    ``mixed_bfloat16``), floating inputs are first cast to the compute dtype. Under a float32 or
+    float64 policy nothing is cast. The output dtype is then the spec's: that input dtype
+    (``output_dtype="input"``) or its promotion with the variables' dtypes (``"promote"``).
+    Variables have ``param_dtype``, by default the policy's variable dtype, and are never
+    autocast.
     """
 
-    def __init__(self, spec: NormSpec, **kwargs: Any) -> None:
+    def __init__(self, spec: NormSpec, param_dtype: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._spec = spec
+        self._param_dtype = None if param_dtype is None else _float_dtype(param_dtype)
         self.autocast = False
         self.supports_masking = True
         self._param_shape: tuple[int, ...] | None = None
+        self.scale: Any = None
+        self.bias: Any = None
+        self.alpha: Any = None
 
     @property
     def spec(self) -> NormSpec:
         """The `NormSpec` this layer computes."""
         return self._spec
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype of the variables: ``param_dtype``, or the policy's variable dtype."""
+        return self._param_dtype or keras.backend.standardize_dtype(self.variable_dtype)
 
     def _axes(self, shape: tuple[int | None, ...]) -> tuple[int, ...]:
         try:
@@ -207,7 +239,8 @@ class _Norm(keras.layers.Layer):
         except ValueError as err:
             raise ValueError(f"{self.name}: input of shape {shape}: {err}") from None
 
-    def _output_dtype(self, dtype: Any) -> str:
+    def _input_dtype(self, dtype: Any) -> str:
+        """The dtype the spec sees: the compute dtype under a half policy, else the input's."""
         dtype = keras.backend.standardize_dtype(dtype)
         if not keras.backend.is_float_dtype(dtype):
             raise TypeError(
@@ -215,6 +248,24 @@ class _Norm(keras.layers.Layer):
                 "floating input (float16, bfloat16, float32 or float64)"
             )
         return self.compute_dtype if self.compute_dtype in _HALF else dtype
+
+    def _present(self) -> list[str]:
+        """The names of the variables the spec has, in the order `build` creates them."""
+        spec = self._spec
+        names = ["alpha"] if spec.kind == "dyt" else []
+        return names + ["scale"] * spec.scale + ["bias"] * bool(spec.bias)
+
+    def _output_dtype(self, dtype: str) -> str:
+        """The output dtype for inputs the spec sees as ``dtype`` (see `_input_dtype`)."""
+        if self._spec.output_dtype == "input":
+            return dtype
+        return _promoted(dtype, *[self.param_dtype] * len(self._present()))
+
+    def _h_dtype(self, dtype: str) -> str:
+        """The dtype of ``h``: the compute dtype with ``residual="float32"``, else ``dtype``."""
+        if self._spec.residual != "float32":
+            return dtype
+        return "float64" if dtype == "float64" else "float32"
 
     def build(self, input_shape: tuple[int | None, ...]) -> None:
         shape = tuple(input_shape)
@@ -226,18 +277,26 @@ class _Norm(keras.layers.Layer):
                 "sizes to create the weights"
             )
         self._param_shape = param_shape
-        self.scale = None
-        self.bias = None
+        dtype = self.param_dtype
+        if self._spec.kind == "dyt":
+            self.alpha = self.add_weight(
+                name="alpha",
+                shape=(1,),
+                initializer=keras.initializers.Constant(self._spec.alpha_init),
+                dtype=dtype,
+                autocast=False,
+            )
         if self._spec.scale:
             self.scale = self.add_weight(
                 name="scale",
                 shape=param_shape,
                 initializer=keras.initializers.Constant(self._spec.scale_init),
+                dtype=dtype,
                 autocast=False,
             )
         if self._spec.bias:
             self.bias = self.add_weight(
-                name="bias", shape=param_shape, initializer="zeros", autocast=False
+                name="bias", shape=param_shape, initializer="zeros", dtype=dtype, autocast=False
             )
 
     def _broadcast_shape(self, shape: tuple[int | None, ...]) -> tuple[tuple[int, ...], list[int]]:
@@ -257,16 +316,104 @@ class _Norm(keras.layers.Layer):
             target[a] = size
         return axes, target
 
-    def call(self, inputs: Any) -> Any:
-        """The spec applied to ``inputs`` (a floating tensor), in the output dtype above."""
+    def _residual_dtype(self, shape: tuple[Any, ...], residual: Any, dtype: str) -> str | None:
+        """Check the call's residual against the spec; the dtype to add it in (None: none).
+
+        Under a half compute policy a floating residual is cast to the compute dtype, as the
+        input is, except a float32 one with ``residual="float32"`` (a float32 residual stream).
+        """
         spec = self._spec
-        dtype = self._output_dtype(inputs.dtype)
+        if spec.residual is None:
+            if residual is not None:
+                raise ValueError(
+                    f"{self.name}: a residual was passed, but the layer's spec has residual=None; "
+                    "build it with residual='rounded', 'float32' or 'float32_normalized' to add "
+                    "one"
+                )
+            return None
+        if residual is None:
+            raise ValueError(
+                f"{self.name}: the spec has residual={spec.residual!r}; call the layer as "
+                "layer(x, residual), which returns (y, h)"
+            )
+        if tuple(residual.shape) != shape:
+            raise ValueError(
+                f"{self.name}: the residual has shape {tuple(residual.shape)}, expected the "
+                f"input's shape {shape}"
+            )
+        found = keras.backend.standardize_dtype(residual.dtype)
+        stream = self._h_dtype(dtype)
+        allowed = {dtype, stream}
+        if found in allowed:
+            return found
+        if self.compute_dtype in _HALF and keras.backend.is_float_dtype(found):
+            return dtype
+        names = " or ".join(sorted(allowed))
+        raise TypeError(
+            f"{self.name}: the residual has dtype {found}; residual={spec.residual!r} with an "
+            f"input of dtype {dtype} needs {names}"
+        )
+
+    def call(self, inputs: Any, residual: Any = None) -> Any:
+        """The spec applied to ``inputs`` (a floating tensor), in the output dtype above; with a
+        residual spec, ``(y, h)`` for ``h = inputs + residual``."""
+        spec = self._spec
+        dtype = self._input_dtype(inputs.dtype)
         spec.check_eps(dtype)
-        axes, target = self._broadcast_shape(tuple(inputs.shape))
+        shape = tuple(inputs.shape)
+        added = self._residual_dtype(shape, residual, dtype)
+        work = "float64" if dtype == "float64" else "float32"
+        x = _cast_to(inputs, dtype, work)
+        if added is None:
+            return self._normalize(x, dtype, work)
+        total = _cast_to(residual, added, work) + x
+        h = total if spec.residual == "float32" else ops.cast(total, dtype)
+        normalized = total
+        if spec.residual == "rounded" and spec.backward == "autograd":
+            # The eager program: the norm reads the rounded h, so its cotangent is rounded to the
+            # input dtype before dh is added (the sum is then rounded once, at x's cast).
+            normalized = _rounded(total, dtype)
+        elif spec.residual == "rounded":
+            # The rounded h's value; the gradient reaches the sum unrounded: dx = dh + dnorm.
+            normalized = total + ops.stop_gradient(_rounded(total, dtype) - total)
+        return self._normalize(normalized, dtype, work), h
+
+    def _normalize(self, x: Any, dtype: str, work: str) -> Any:
+        """The spec on ``x`` (in the ``work`` dtype) with the dtype policy of ``dtype`` inputs.
+
+        The forward value rounds as the spec says (the fast variance, the before-scale cast);
+        the gradient is that of the exact function (`normkit.reference`), or with
+        ``backward="autograd"`` that of the eager program in the half dtype (`_eager_affine`).
+        """
+        spec = self._spec
+        axes, target = self._broadcast_shape(tuple(x.shape))
         # Parameters broadcast as they are over trailing axes; elsewhere they are reshaped.
         param_target = None if axes[0] == len(target) - len(axes) else target
-        work = "float64" if dtype == "float64" else "float32"
-        x = ops.cast(ops.cast(inputs, dtype), work)
+        if spec.kind == "dyt":
+            y_hat = ops.tanh(ops.cast(self.alpha, work) * x)
+            value = y_hat
+        else:
+            y_hat = self._normalized(x, axes, target, work)
+            value = self._fast_normalized(x, axes) if spec.variance == "fast" else y_hat
+        before_scale = spec.cast == "before_scale" and dtype in _HALF
+        if before_scale:
+            value = _rounded(value, dtype)
+        if before_scale and spec.backward == "autograd":
+            path, acc = self._eager_affine(y_hat, dtype, param_target, work)
+            rounded = ops.cast(self._affine(value, param_target, work), acc)
+            y = path + ops.stop_gradient(rounded - path)
+        elif value is y_hat:
+            y = self._affine(y_hat, param_target, work)
+        else:
+            # The rounded value forward; the exact function's gradient backward.
+            y = self._affine(y_hat, param_target, work)
+            y = y + ops.stop_gradient(self._affine(value, param_target, work) - y)
+        return ops.cast(y, self._output_dtype(dtype))
+
+    def _normalized(self, x: Any, axes: tuple[int, ...], target: list[int], work: str) -> Any:
+        """``y_hat`` of a normalization kind with the two-pass statistic and exact gradients."""
+        spec = self._spec
+        assert spec.eps is not None
         n = int(np.prod(self._param_shape))
         k = spec.stat_size(n)
         # The first k of the n normalized elements in row-major order, as a boolean mask.
@@ -277,6 +424,7 @@ class _Norm(keras.layers.Layer):
         bad = ops.logical_not(ops.logical_and(r >= 1 / rows.bound, r <= rows.bound))
         any_bad = ops.any(bad)
         known = _known(any_bad)
+        eps: Any = spec.eps
         if known is None:
             c, r, eps = ops.cond(
                 any_bad,
@@ -285,65 +433,171 @@ class _Norm(keras.layers.Layer):
             )
         elif known:
             c, r, eps = rows.rescaled(x, c, r, bad)
-        else:
-            eps = spec.eps
         y = c * r
         if k == 1 or (spec.kind == "layer" and n == 2):
             exact = rows.degenerate(c, r, eps, y)
             y = exact if head is None else ops.where(head, exact, y)
-        if spec.cast == "before_scale" and dtype in _HALF:
-            # y_hat is rounded to the input dtype before the affine step, but the gradient is
-            # that of the exact function, as in the reference (differentiating the casts would
-            # round the cotangent and use the rounded y_hat for the weights' gradient).
-            rounded = self._affine(ops.cast(ops.cast(y, dtype), work), param_target, work)
-            y = self._affine(y, param_target, work)
-            y = y + ops.stop_gradient(rounded - y)
+        return y
+
+    def _fast_normalized(self, x: Any, axes: tuple[int, ...]) -> Any:
+        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(max(0, m2 - m1**2))``
+        with ``m1 = mean(x)``, ``m2 = mean(x**2)``, each step in the ``x``'s dtype."""
+        spec = self._spec
+        assert spec.eps is not None
+        m1 = ops.mean(x, axis=axes, keepdims=True)
+        m2 = ops.mean(ops.square(x), axis=axes, keepdims=True)
+        v = ops.maximum(m2 - m1 * m1, 0.0)
+        if spec.eps_placement == "inside":
+            r = ops.rsqrt(v + spec.eps)
         else:
-            y = self._affine(y, param_target, work)
-        return ops.cast(y, dtype)
+            r = 1.0 / (ops.sqrt(v) + spec.eps)
+        return ops.stop_gradient((x - m1) * r)
+
+    def _param(self, v: Any, dtype: str, target: list[int] | None) -> Any:
+        v = ops.cast(v, dtype)
+        return v if target is None else ops.reshape(v, target)
+
+    def _effective_scale(self, dtype: str, target: list[int] | None) -> Any:
+        """``scale_offset + w`` in ``dtype``: added there (``offset_dtype="float32"``), or in
+        ``w``'s own dtype and rounded there (``"param"``)."""
+        offset = self._spec.scale_offset
+        if offset and self._spec.offset_dtype == "param":
+            # The sum formed in float32 (float64 for float64 weights), rounded once to w's dtype.
+            wide = _promoted("float32", self.param_dtype)
+            g = ops.cast(ops.cast(self.scale, wide) + offset, self.param_dtype)
+            return self._param(g, dtype, target)
+        g = self._param(self.scale, dtype, target)
+        return g + offset if offset else g
 
     def _affine(self, y: Any, target: list[int] | None, work: str) -> Any:
         """``y * (scale_offset + w) + b`` in the ``work`` dtype; the weights reshaped to
         ``target`` unless it is None."""
-
-        def param(v: Any) -> Any:
-            v = ops.cast(v, work)
-            return v if target is None else ops.reshape(v, target)
-
         if self.scale is not None:
-            g = param(self.scale)
-            y = y * (g + self._spec.scale_offset if self._spec.scale_offset else g)
+            y = y * self._effective_scale(work, target)
         if self.bias is not None:
-            y = y + param(self.bias)
+            y = y + self._param(self.bias, work, target)
         return y
 
-    def compute_output_spec(self, inputs: Any) -> keras.KerasTensor:
-        dtype = self._output_dtype(inputs.dtype)
+    def _affine_dtype(self, dtype: str) -> str:
+        """The dtype of the eager program's affine step (`normkit.reference`): the input's
+        promoted with the effective scale's (``w``'s, or at least float32 when the offset is
+        added there) and the bias's."""
+        kinds = []
+        if self.scale is not None:
+            own = self._spec.offset_dtype == "param" or not self._spec.scale_offset
+            kinds.append(self.param_dtype if own else _promoted("float32", self.param_dtype))
+        if self.bias is not None:
+            kinds.append(self.param_dtype)
+        return _promoted(dtype, *kinds)
+
+    def _eager_affine(
+        self, y_hat: Any, dtype: str, target: list[int] | None, work: str
+    ) -> tuple[Any, str]:
+        """``backward="autograd"``: the affine step with the gradient of the eager program, and
+        the dtype ``acc`` it is computed in (``work``, or float64 for a float64 affine step).
+
+        The eager program rounds ``z = y_hat`` to ``dtype`` and computes ``z * g + b`` in the
+        affine dtype ``a``, so autodiff rounds the products ``dy * g`` (then to ``dtype`` at
+        the cast) and ``dy * z`` to ``a``. Here every product is formed in ``acc`` and rounded
+        by an explicit pair of casts, whose gradient rounds the cotangent the same way: XLA
+        may keep half-precision arithmetic in float32, but it keeps a cast pair's rounding.
+        The parameters' gradients are summed in ``acc`` and rounded once to their dtype.
+        """
+        a = self._affine_dtype(dtype)
+        acc = "float64" if a == "float64" else work
+        y_hat = ops.cast(y_hat, acc)
+        ones = ops.ones_like(y_hat)
+        y = _rounded(_rounded(y_hat, dtype), a)
+        if self.scale is not None:
+            y = y * _rounded(ones * self._effective_scale(acc, target), a)
+        if self.bias is not None:
+            y = y + _rounded(ones * self._param(self.bias, acc, target), a)
+        # The incoming cotangent is rounded to a, as the cast from a to the output dtype does.
+        return _rounded(y, a), acc
+
+    def compute_output_spec(self, inputs: Any, residual: Any = None) -> Any:
+        dtype = self._input_dtype(inputs.dtype)
         self._spec.check_eps(dtype)
         shape = tuple(inputs.shape)
         if self.built:
             self._broadcast_shape(shape)
         else:
             self._axes(shape)
-        return keras.KerasTensor(shape, dtype=dtype)
+        y = keras.KerasTensor(shape, dtype=self._output_dtype(dtype))
+        if self._residual_dtype(shape, residual, dtype) is None:
+            return y
+        return y, keras.KerasTensor(shape, dtype=self._h_dtype(dtype))
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        """The input's mask, passed through (to ``y`` and ``h`` with a residual)."""
+        return mask if self._spec.residual is None else (mask, mask)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), **_spec_kwargs(self._spec)}
+        return {
+            **super().get_config(),
+            **_spec_kwargs(self._spec),
+            "param_dtype": self._param_dtype,
+        }
+
+
+def _rounded(u: Any, dtype: str) -> Any:
+    """``u`` rounded to ``dtype`` and back to its own dtype; its gradient rounds the cotangent
+    to ``dtype`` the same way (the identity when ``dtype`` is not narrower).
+
+    On JAX a bfloat16 rounding is `jax.lax.reduce_precision`: XLA's CPU compiler drops the
+    rounding of a float32 -> bfloat16 -> float32 cast pair that feeds a reduction (jaxlib
+    0.10), but keeps this op's (bfloat16 has float32's exponent range, so it is the same
+    rounding).
+    """
+    own = keras.backend.standardize_dtype(u.dtype)
+    if dtype in (own, "float64"):
+        return u
+    if dtype == "bfloat16" and keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.reduce_precision(u, exponent_bits=8, mantissa_bits=7)
+    return ops.cast(ops.cast(u, dtype), own)
+
+
+def _cast_to(u: Any, dtype: str, work: str) -> Any:
+    """``u`` cast to ``dtype`` (the policy's cast), then to ``work``; where that rounds, the
+    rounding is kept under XLA (`_rounded`)."""
+    cast = ops.cast(ops.cast(u, dtype), work)
+    return cast if keras.backend.standardize_dtype(u.dtype) == dtype else _rounded(cast, dtype)
+
+
+def _float_dtype(dtype: Any) -> str:
+    """``dtype`` standardized by Keras, or TypeError unless it is a float normkit supports."""
+    name = keras.backend.standardize_dtype(dtype)
+    if name not in dtypes.DTYPE_NAMES:
+        raise TypeError(
+            f"param_dtype={name!r} is invalid: expected one of {sorted(dtypes.DTYPE_NAMES)}"
+        )
+    return name
 
 
 def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     """The constructor arguments (JSON-compatible) of the layer that computes ``spec``."""
-    kwargs: dict[str, Any] = {
-        "axis": spec.axis[0] if len(spec.axis) == 1 else list(spec.axis),
-        "epsilon": spec.eps,
-        "eps_placement": spec.eps_placement,
-        "scale": spec.scale,
-        "scale_offset": spec.scale_offset,
-        "bias": spec.bias,
-        "cast": spec.cast,
-    }
+    kwargs: dict[str, Any] = {"axis": spec.axis[0] if len(spec.axis) == 1 else list(spec.axis)}
+    if spec.kind == "dyt":
+        kwargs["alpha_init"] = spec.alpha_init
+    else:
+        kwargs["epsilon"] = spec.eps
+        kwargs["eps_placement"] = spec.eps_placement
+    kwargs.update(
+        scale=spec.scale,
+        scale_offset=spec.scale_offset,
+        bias=spec.bias,
+        cast=spec.cast,
+        residual=spec.residual,
+        offset_dtype=spec.offset_dtype,
+        output_dtype=spec.output_dtype,
+        backward=spec.backward,
+    )
     if spec.kind == "partial_rms":
         kwargs["p"] = spec.p
+    if spec.kind == "layer":
+        kwargs["variance"] = spec.variance
     return kwargs
 
 
@@ -351,8 +605,8 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
 class RMSNorm(_Norm):
     """RMSNorm over ``axis``: ``y = x * r(mean(x**2)) * (scale_offset + w) + b``.
 
-    Statistics in float32; under a float32 policy the output has the input's dtype, under a
-    mixed policy the compute dtype (see docs/tf.md).
+    Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
+    docs/tf.md).
 
     Args:
       axis: the normalized axes, an int or a list of ints (negative count from the end).
@@ -360,12 +614,22 @@ class RMSNorm(_Norm):
       epsilon: ``eps``, positive. Default ``1e-6``.
       eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
         ``r(s) = 1 / (sqrt(s) + eps)``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
       scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
         initialized to ``1 - scale_offset``). Default ``True``.
       scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
         ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the layer is then called as
+        ``layer(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in ``w``'s dtype, then upcast).
+      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
+        (after the policy's cast) and the variables.
+      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
+        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
 
     Examples:
@@ -388,13 +652,19 @@ class RMSNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
+        param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         spec = NormSpec(
             kind="rms", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
-            scale_offset=scale_offset, bias=bias, cast=cast,
+            scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
         )
-        super().__init__(spec, **kwargs)
+        super().__init__(spec, param_dtype, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="normkit")
@@ -404,8 +674,8 @@ class PartialRMSNorm(_Norm):
     ``x[:k]`` are the first ``k = max(1, floor(n * p))`` of a row's ``n`` normalized elements, in
     row-major order over ``axis``; ``y`` normalizes and scales all ``n``.
 
-    Statistics in float32; under a float32 policy the output has the input's dtype, under a
-    mixed policy the compute dtype (see docs/tf.md).
+    Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
+    docs/tf.md).
 
     Args:
       p: the fraction read by the statistic, ``0 < p <= 1``.
@@ -414,12 +684,22 @@ class PartialRMSNorm(_Norm):
       epsilon: ``eps``, positive. Default ``1e-6``.
       eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
         ``r(s) = 1 / (sqrt(s) + eps)``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
       scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
         initialized to ``1 - scale_offset``). Default ``True``.
       scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
         ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the layer is then called as
+        ``layer(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in ``w``'s dtype, then upcast).
+      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
+        (after the policy's cast) and the variables.
+      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
+        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
     """
 
@@ -434,24 +714,30 @@ class PartialRMSNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
+        param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         spec = NormSpec(
             kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
-            scale=scale, scale_offset=scale_offset, bias=bias, cast=cast,
+            scale=scale, scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
         )
-        super().__init__(spec, **kwargs)
+        super().__init__(spec, param_dtype, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="normkit")
 class LayerNorm(_Norm):
     """LayerNorm over ``axis``: ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
 
-    ``c = x - mean(x)``, computed first (two-pass statistics). Keras' LayerNormalization defaults
-    to ``epsilon=1e-3``: pass it to match.
+    ``c = x - mean(x)``. Keras' LayerNormalization defaults to ``epsilon=1e-3`` and to the fast
+    variance: pass both to match.
 
-    Statistics in float32; under a float32 policy the output has the input's dtype, under a
-    mixed policy the compute dtype (see docs/tf.md).
+    Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
+    docs/tf.md).
 
     Args:
       axis: the normalized axes, an int or a list of ints (negative count from the end).
@@ -459,12 +745,25 @@ class LayerNorm(_Norm):
       epsilon: ``eps``, positive. Default ``1e-6``.
       eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
         ``r(s) = 1 / (sqrt(s) + eps)``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
+      variance: ``"two_pass"`` (default: ``mean(c**2)``, ``c`` computed first) or ``"fast"``
+        (``max(0, mean(x**2) - mean(x)**2)`` in float32, Keras' and Flax's default); the
+        gradient is the exact function's either way.
       scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
         initialized to ``1 - scale_offset``). Default ``True``.
       scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
         ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the layer is then called as
+        ``layer(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in ``w``'s dtype, then upcast).
+      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
+        (after the policy's cast) and the variables.
+      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
+        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
     """
 
@@ -478,25 +777,98 @@ class LayerNorm(_Norm):
         scale_offset: float = 0.0,
         bias: bool = True,
         cast: Cast = "after_scale",
+        variance: Variance = "two_pass",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
+        param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         spec = NormSpec(
             kind="layer", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
-            scale_offset=scale_offset, bias=bias, cast=cast,
+            scale_offset=scale_offset, bias=bias, cast=cast, variance=variance,
+            residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
+            backward=backward,
         )
-        super().__init__(spec, **kwargs)
+        super().__init__(spec, param_dtype, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="normkit")
+class DyT(_Norm):
+    """Dynamic Tanh over ``axis``: ``y = tanh(alpha * x) * (scale_offset + w) + b``.
+
+    ``alpha`` is a learned scalar (the weight "alpha", shape ``(1,)``, initialized to
+    ``alpha_init``); there is no statistic, so no eps. ``tanh`` is computed in float32 (float64
+    for a float64 input); the output dtype follows the policy and ``output_dtype``.
+
+    Args:
+      alpha_init: the initial ``alpha``, positive. Default ``0.5`` (the DyT paper's; 1.0 in
+        x-transformers).
+      axis: the axes ``w`` and ``b`` span, an int or a list of ints. Default ``-1``.
+      bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
+      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
+        initialized to ``1 - scale_offset``). Default ``True``.
+      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
+      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
+        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
+      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
+        ``"float32"``, ``"float32_normalized"``); the layer is then called as
+        ``layer(x, residual)`` and returns ``(y, h)``.
+      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
+        ``"param"`` (in ``w``'s dtype, then upcast).
+      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
+        (after the policy's cast) and the variables.
+      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
+        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+
+    Examples:
+      >>> import numpy as np
+      >>> layer = DyT(alpha_init=1.0, bias=False)
+      >>> y = layer(np.array([[0.0, 1.0]], dtype="float32"))  # tanh([0, 1])
+      >>> [round(float(v), 4) for v in keras.ops.convert_to_numpy(y)[0]]
+      [0.0, 0.7616]
+      >>> [w.name for w in layer.weights]
+      ['alpha', 'scale']
+    """
+
+    def __init__(
+        self,
+        alpha_init: float = DEFAULT_ALPHA_INIT,
+        axis: int | list[int] | tuple[int, ...] = -1,
+        *,
+        scale: bool = True,
+        scale_offset: float = 0.0,
+        bias: bool = True,
+        cast: Cast = "after_scale",
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        backward: Backward = "exact",
+        param_dtype: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        spec = NormSpec(
+            kind="dyt", alpha_init=alpha_init, axis=axis, scale=scale, scale_offset=scale_offset,
+            bias=bias, cast=cast, residual=residual, offset_dtype=offset_dtype,
+            output_dtype=output_dtype, backward=backward,
+        )
+        super().__init__(spec, param_dtype, **kwargs)
 
 
 _LAYERS: dict[str, type[_Norm]] = {
     "rms": RMSNorm,
     "partial_rms": PartialRMSNorm,
     "layer": LayerNorm,
+    "dyt": DyT,
 }
 
 
-def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm:
-    """The layer that computes ``spec``; ``kwargs`` go to `keras.layers.Layer` (name, dtype)."""
+def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm | DyT:
+    """The layer that computes ``spec``; ``kwargs`` go to the layer (``param_dtype``) and to
+    `keras.layers.Layer` (``name``, ``dtype``)."""
     if not isinstance(spec, NormSpec):
         raise TypeError(f"from_spec needs a normkit.NormSpec, got {type(spec).__name__}")
-    spec.require_defaults("normkit.tf")
     return _LAYERS[spec.kind](**_spec_kwargs(spec), **kwargs)  # type: ignore[return-value]

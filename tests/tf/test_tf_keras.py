@@ -37,14 +37,27 @@ def _random_weights(layer: keras.layers.Layer, seed: int) -> None:
     layer.set_weights([w + 0.3 * rng.standard_normal(w.shape).astype(w.dtype) for w in layer.get_weights()])
 
 
+# The extended fields' checks that run on every backend (a handful: the grid is TensorFlow's).
+EXTENDED = [
+    f"tests/tf/test_tf_extended.py::{name}"
+    for name in (
+        "test_handful_on_every_backend",
+        "test_jit_on_every_backend",
+        "test_autograd_is_the_eager_rounding_model_to_the_bit_on_every_backend",
+    )
+]
+
+
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_reference_checks_pass_on_other_keras_backends(backend):
-    """tests/tf/test_tf_backend.py in a fresh process with KERAS_BACKEND set."""
+    """tests/tf/test_tf_backend.py, test_tf_keras_extended.py and the extended fields' handful in
+    a fresh process with KERAS_BACKEND set."""
     env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", *EXTENDED,
+         "tests/tf/test_tf_keras_extended.py", "-q", "-p", "no:cacheprovider",
          "-W", "ignore::DeprecationWarning"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
