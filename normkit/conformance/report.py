@@ -228,9 +228,9 @@ def peers_markdown(report: Report, title: str) -> str:
         "layers under `mixed_<dtype>` for half inputs, Flax with float32 params) and is checked, "
         "forward and backward, against the NormSpec it appears to implement. Cells: cases passed "
         "/ run. The spec found by `normkit identify` is shown beside it; identify probes the "
-        "forward only, so it never sees the `backward` field. Departures name the worst error and the shape where it occurs: on rows "
-        "of one element (3x1) the exact gradient is of the order of eps, which a plain float32 "
-        "backward loses to cancellation."
+        "forward only, so it never sees the `backward` field. Departures name the worst error "
+        "and the shape where it occurs: on rows of one element (3x1) the exact gradient is of "
+        "the order of eps, which a plain float32 backward loses to cancellation."
     )
     return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
 
