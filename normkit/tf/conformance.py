@@ -6,6 +6,7 @@ process per ``KERAS_BACKEND``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -136,11 +137,6 @@ def evaluate(
         )
     jit = bool(variant.get("jit", False))
     backend = keras_backend()
-    if backend == "jax" and np.asarray(x).dtype == np.float64:
-        import jax
-
-        if not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
-            raise TypeError("x has dtype float64, which JAX computes only with JAX_ENABLE_X64=1")
     if jit and backend == "torch":
         raise ValueError("the torch Keras backend has no jit variant (jit=True)")
     if np.shape(dy) != np.shape(x):
@@ -152,7 +148,7 @@ def evaluate(
     policy = variant.get("policy") or "float32"
 
     framework = _bridge()
-    with keras.device(_keras_device(device)):
+    with _float64_scope(backend, x), keras.device(_keras_device(device)):
         layer = from_spec(spec, dtype=policy, param_dtype=param_dtype)
         inputs = [framework.to_tensor(np.asarray(a), device) for a in (x, dy)]
         if residual is not None and dh is not None:
@@ -179,6 +175,16 @@ def evaluate(
     if spec.kind == "dyt" and alpha is not None:
         arrays[-1] = arrays[-1].reshape(np.shape(alpha))  # type: ignore[union-attr]
     return tuple(arrays)
+
+
+def _float64_scope(backend: str, x: np.ndarray) -> contextlib.AbstractContextManager[Any]:
+    """For a float64 ``x`` on the JAX backend, JAX's 64-bit mode (scoped, as `normkit.jax`'s
+    hook does): without it JAX computes float64 arrays in float32."""
+    if backend != "jax" or np.asarray(x).dtype != np.float64:
+        return contextlib.nullcontext()
+    import jax
+
+    return jax.enable_x64(True)  # type: ignore[no-any-return]
 
 
 def _position(layer: Any, variable: Any) -> int:

@@ -140,7 +140,7 @@ class _Rows:
         if self.head is not None:
             magnitude = ops.where(self.head, magnitude, ops.zeros_like(magnitude))
         largest = ops.stop_gradient(ops.max(magnitude, axis=self.axes, keepdims=True))
-        pre = ops.where(largest > self.big, 1 / self.big, 1.0)
+        pre = ops.cast(ops.where(largest > self.big, 1 / self.big, 1.0), largest.dtype)
         sigma = 1 / ops.maximum(largest * pre, ops.maximum(floor * pre, self.tiny))
         # Rows holding an inf or a NaN (sigma 0 or NaN) keep their plain values; they are
         # scaled as zeros so that no NaN reaches the gradient through the unused branch.

@@ -321,17 +321,23 @@ def test_torch_backend_refuses_jit():
 
 
 @pytest.mark.skipif(keras_backend() != "jax", reason="JAX's x64 switch")
-def test_jax_float64_needs_x64():
+def test_jax_float64_is_computed_in_float64_with_x64_off():
     import jax
 
     enabled = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", False)
     try:
-        x = np.ones((2, 4), np.float64)
-        with pytest.raises(TypeError, match=r"x has dtype float64, which JAX computes only with JAX_ENABLE_X64=1"):
-            evaluate(NormSpec(), x, x)
+        rng = np.random.default_rng(0)
+        x, dy = rng.standard_normal((2, 2, 5))
+        spec = NormSpec("layer", eps=1e-5)
+        y, dx, dscale, dbias = evaluate(spec, x, dy, jit=True)
     finally:
         jax.config.update("jax_enable_x64", enabled)
+    grads = reference.normalize_vjp(x, dy, spec)
+    assert y.dtype == dx.dtype == np.float64
+    tolerances.assert_close(y, reference.normalize(x, spec), quantity="forward")
+    tolerances.assert_close(dx, grads.dx, quantity="grad")
+    tolerances.assert_close(dscale, grads.dscale, quantity="grad")
 
 
 @pytest.mark.skipif(keras_backend() == "tensorflow", reason="the benchmark's own backend")
