@@ -184,7 +184,7 @@ def _float64_scope(backend: str, x: np.ndarray) -> contextlib.AbstractContextMan
         return contextlib.nullcontext()
     import jax
 
-    return jax.enable_x64(True)  # type: ignore[no-any-return]
+    return jax.enable_x64(True)
 
 
 def _position(layer: Any, variable: Any) -> int:
