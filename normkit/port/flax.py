@@ -85,7 +85,8 @@ def linen_norms(
 
     def record(next_fun: Any, call_args: Any, call_kwargs: Any, context: Any) -> Any:
         norm = context.module
-        if _is_norm(norm) and context.method_name == "__call__":
+        # The method first: reading ``spec`` calls the module's own methods, intercepted too.
+        if context.method_name == "__call__" and _is_norm(norm):
             scope = tuple(str(p) for p in norm.path)
             found[".".join(_LIST_ITEM.sub(r"\1.\2", p) for p in scope)] = (scope, norm.spec)
         return next_fun(*call_args, **call_kwargs)

@@ -245,12 +245,15 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
 
 
 def _unpinned(found: Identification) -> list[str]:
-    """The fields identify left open that change the function (cast: only with a scale or bias)."""
+    """The fields identify left open that change the forward (cast: only with a scale or bias).
+
+    ``backward``, which a forward probe never sees, is not one: the replacement keeps the
+    spec's exact backward."""
     spec = found.spec
     return [
         name
         for name in found.undetermined
-        if not (name == "cast" and not spec.scale and not spec.bias)
+        if name != "backward" and not (name == "cast" and not spec.scale and not spec.bias)
     ]
 
 

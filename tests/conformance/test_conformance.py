@@ -217,6 +217,10 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
     assert ran == {t.name for t in TARGETS}, data["skipped_targets"]
     assert len(data["cases"]) == len(matrix(quick=True)) * len(TARGETS)
     for case in data["cases"]:
+        if case["status"] == "SKIP":  # only a named kernel, on a field it does not compute
+            assert case["target"] in ("torch[cpu-kernel]", "torch[triton]"), case
+            assert "does not compute NormSpec." in case["reason"], case
+            continue
         assert case["status"] == "PASS", case
         assert {"y", "dx"} <= set(case["measurements"])
         assert all(m["max_ulp"] >= 0 and m["max_rel"] >= 0 for m in case["measurements"].values())

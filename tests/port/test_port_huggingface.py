@@ -106,7 +106,7 @@ ARCHITECTURES = {
     "persimmon": arch(cfg("PersimmonConfig", **DECODER), {"LayerNorm"}),
     "biogpt": arch(cfg("BioGptConfig", **DECODER), {"LayerNorm"}),
     # adds 1 to the weight in the weight's dtype: half inputs round 1 + w (offset_dtype="param")
-    "nemotron": arch(cfg("NemotronConfig", **DECODER), set(), {"NemotronLayerNorm1P"}),
+    "nemotron": arch(cfg("NemotronConfig", **DECODER), {"NemotronLayerNorm1P"}, set()),
     "gpt2": arch(cfg("GPT2Config", n_embd=32, n_layer=2, n_head=4, n_positions=64, **TOKENS),
                  {"LayerNorm"}),
     "gpt_neo": arch(cfg("GPTNeoConfig", hidden_size=32, num_layers=2, num_heads=4,

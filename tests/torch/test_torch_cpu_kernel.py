@@ -202,7 +202,17 @@ def test_large_outputs_are_advised_onto_huge_pages() -> None:
 
     big = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
     assert advised(cpu._output_like(big))
-    assert not advised(cpu._output_like(torch.empty(1024)))
+
+
+def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
+    mapping an earlier large one had advised)."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(cpu, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    cpu._output_like(torch.empty(1024))
+    assert calls == []
+    cpu._output_like(torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4))
+    assert len(calls) == 1
 
 
 def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
