@@ -17,7 +17,8 @@ only. How a layer is recognised (see `swap_norms`):
    within `EPS_AGREEMENT` and reproduces the module's float32 outputs within normkit's float32
    bound (`normkit.tolerances`) at rows around the eps transition.
 5. The module becomes ``normkit.torch.from_spec(spec, shape)`` with its parameters copied, when
-   every field of the spec is pinned; otherwise it stays, and the report says why.
+   the spec is a norm's (not DyT's) and every field of it is pinned; otherwise it stays, and the
+   report says why.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ PROBE_DTYPES = ("float32", "bfloat16", "float16")
 
 _NORMKIT = (RMSNorm, PartialRMSNorm, LayerNorm)
 _PARAMETERS = ("weight", "bias")
+_KINDS = ("rms", "partial_rms", "layer")
 _SEED = 0
 _CONFIRM_ROWS = 4  # rows per size in the float32 check of eps
 
@@ -226,6 +228,11 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
     if promoted:
         return f"it returns {', '.join(promoted)}; normkit returns the input dtype"
     spec = found.spec
+    if spec.kind not in _KINDS:
+        return (
+            f"identify finds kind={spec.kind!r} (alpha {spec.alpha_init:g}): swap_norms replaces "
+            "RMSNorm, partial RMSNorm and LayerNorm only"
+        )
     unpinned = _unpinned(found)
     if unpinned:
         why = [note for note in found.notes if any(field in note for field in unpinned)]

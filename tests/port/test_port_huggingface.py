@@ -401,9 +401,10 @@ LEFT_ALONE = {
     ShiftedRMSNorm: r"it has parameters other than weight and bias: \['shift'\]",
     UnweightedRMSNorm: r"it has no weight, bias or normalized_shape, so its normalized size is unknown",
     MismatchedLayerNorm: r"its weight and bias have different shapes: \[\(8,\), \(9,\)\]",
-    TanhNorm: r"identify: ValueError: does not behave like RMSNorm, partial RMSNorm or LayerNorm: no element affects the other outputs of its row: it acts elementwise, with no statistic over the row",
+    TanhNorm: r"identify finds kind='dyt' \(alpha 1\): swap_norms replaces RMSNorm, partial RMSNorm and LayerNorm only",
     Float32RMSNorm: r"it returns float32 for bfloat16 inputs, float32 for float16 inputs; normkit returns the input dtype",
-    HalfAffineLayerNorm: r"identify could not determine cast: bfloat16 input: .*cast order undetermined: closer to after_scale on",
+    HalfAffineLayerNorm: (r"identify could not determine cast: bfloat16 input: .*cast undetermined: "
+                          r"closer to before_scale than to after_scale on \d+% .*error \d+ ulp"),
     IdleWeightRMSNorm: r"identify finds scale=False, bias=False, but its parameters are \['weight'\]",
     ApproximateRMSNorm: (r"no eps reproduces its float32 outputs: module.eps = 1e-05 \(error 0.00024 max_abs / max\|ref\|, "
                          r"bound 1e-06\); measured = 1e-05 \(error 0.00024 "),
