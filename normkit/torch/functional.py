@@ -36,7 +36,7 @@ from normkit.torch.kernels import Kernel
 
 __all__ = [
     "normalize", "add_norm", "output_dtype", "rms_norm", "partial_rms_norm", "layer_norm",
-    "SUPPORTED_DTYPES",
+    "torch_eps", "SUPPORTED_DTYPES", "TORCH_LAYER_NORM_EPS",
 ]
 
 ShapeLike = int | Sequence[int]
@@ -45,6 +45,14 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64
 )
 _HALF = (torch.float16, torch.bfloat16)
+#: ``torch.nn.LayerNorm``'s and ``F.layer_norm``'s default eps.
+TORCH_LAYER_NORM_EPS = 1e-5
+
+
+def torch_eps(dtype: torch.dtype) -> float:
+    """torch's ``eps=None`` for RMSNorm: the machine eps of the compute dtype, float64's for
+    float64 inputs and float32's (1.19e-7) for float32, bfloat16 and float16."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
 def _dtype_names() -> str:
@@ -277,16 +285,34 @@ def _along_axes(
     alpha: torch.Tensor | None,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_normalize_trailing` with ``spec.axis`` moved to the end and back."""
+    """`_normalize_trailing` with ``spec.axis`` moved to the end and back; the outputs in x's
+    memory format."""
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes == trailing:
-        return _normalize_trailing(x, residual, spec, len(axes), weight, bias, alpha, kernel)
-    moved = None if residual is None else residual.movedim(axes, trailing)
-    y, h = _normalize_trailing(
-        x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel
+        y, h = _normalize_trailing(x, residual, spec, len(axes), weight, bias, alpha, kernel)
+    else:
+        moved = None if residual is None else residual.movedim(axes, trailing)
+        y, h = _normalize_trailing(
+            x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel
+        )
+        y, h = y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
+    layout = _memory_format(x)
+    if layout is None:
+        return y, h
+    return y.contiguous(memory_format=layout), None if h is None else h.contiguous(
+        memory_format=layout
     )
-    return y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format | None:
+    """x's channels-last layout, which the outputs keep as torch's ops do; None otherwise."""
+    if x.is_contiguous():
+        return None
+    for layout, rank in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.dim() == rank and x.is_contiguous(memory_format=layout):
+            return layout
+    return None
 
 
 def _effective_scale(
@@ -340,7 +366,8 @@ def _normalize_trailing(
     res_rows = None if residual is None else residual.reshape(rows.shape)
     w = None if weight is None else weight.reshape(n)
     b = None if bias is None else bias.reshape(n)
-    chosen = kernels.resolve(kernel, x, spec, n)
+    recorded = _recorded()
+    chosen = "composite" if recorded else kernels.resolve(kernel, x, spec, n)
     kernel_dtypes = (torch.float32, x.dtype)
     if (
         chosen != "composite"
@@ -360,7 +387,7 @@ def _normalize_trailing(
             residual_rounding=spec.residual,
         )
         return y.reshape(x.shape), h.reshape(x.shape)
-    if spec.backward == "autograd":
+    if spec.backward == "autograd" or recorded:
         if res_rows is None:
             y = _eager.norm_rows(rows, spec, k, w, b, alpha_t, x.dtype, out)
             return y.reshape(x.shape), None
@@ -385,6 +412,14 @@ def _normalize_trailing(
         x.dtype, out, spec.variance == "fast",
     )
     return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
+
+
+def _recorded() -> bool:
+    """Whether the ops are being recorded into a graph of torch ops (``torch.jit.trace``, the
+    ONNX exporters, ``torch.export``), which then holds the eager op sequence (`_eager`): the
+    spec's forward without the rescaling of rows whose statistic overflows float32, and
+    autograd's gradients."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _fused(
@@ -421,18 +456,18 @@ def _fused(
 
 def _trailing_spec(x: torch.Tensor, normalized_shape: ShapeLike, **fields: object) -> NormSpec:
     shape = as_shape(normalized_shape)
-    _check_tensor(x, "x")
+    _check_tensor(x, "input")
     check_trailing(x, shape)
     return NormSpec(axis=tuple(range(-len(shape), 0)), **fields)  # type: ignore[arg-type]
 
 
 def rms_norm(
-    x: torch.Tensor,
+    input: torch.Tensor,
     normalized_shape: ShapeLike,
     weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = DEFAULT_EPS,
+    eps: float | None = None,
     *,
+    bias: torch.Tensor | None = None,
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
@@ -440,32 +475,38 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the trailing ``normalized_shape``: ``x / sqrt(mean(x^2) + eps) * w + b``.
 
+    The positional arguments and defaults are ``torch.nn.functional.rms_norm``'s.
+
     Args:
-      x: float16, bfloat16, float32 or float64 tensor whose trailing dims are ``normalized_shape``.
+      input: float16, bfloat16, float32 or float64 tensor whose trailing dims are
+        ``normalized_shape``.
       normalized_shape: an int or a sequence of ints, the normalized trailing dims.
       weight: ``w`` of shape ``normalized_shape``, or None for no scale.
+      eps: added to the mean square (``"inside"``) or to the RMS (``"outside"``). Default None,
+        torch's rule (`torch_eps`).
       bias: ``b`` of shape ``normalized_shape``, or None for no bias.
-      eps: added to the mean square (``"inside"``) or to the RMS (``"outside"``). Default 1e-6.
       eps_placement: ``"inside"`` or ``"outside"`` the square root.
       scale_offset: added to ``w`` (1.0 for Gemma's ``1 + w``); needs ``weight``.
       cast: half-precision cast order, ``"after_scale"`` or ``"before_scale"`` (Llama).
       kernel: which implementation computes it (see `normalize`). Default ``"auto"``.
     """
+    _check_tensor(input, "input")
     spec = _trailing_spec(
-        x, normalized_shape, kind="rms", eps=eps, eps_placement=eps_placement,
+        input, normalized_shape, kind="rms",
+        eps=torch_eps(input.dtype) if eps is None else eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias, kernel=kernel)
+    return normalize(input, spec, weight, bias, kernel=kernel)
 
 
 def partial_rms_norm(
-    x: torch.Tensor,
+    input: torch.Tensor,
     normalized_shape: ShapeLike,
     p: float,
     weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     eps: float = DEFAULT_EPS,
     *,
+    bias: torch.Tensor | None = None,
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
     cast: Cast = "after_scale",
@@ -474,22 +515,22 @@ def partial_rms_norm(
     """Partial RMSNorm: `rms_norm` whose statistic reads only the first ``k`` elements of a row.
 
     ``k = max(1, floor(n * p))`` of the ``n`` elements of ``normalized_shape`` (row-major); the
-    scaling still applies to all ``n``. ``p`` is the fraction, ``0 < p <= 1``; the other
-    arguments are those of `rms_norm`.
+    scaling still applies to all ``n``. ``p`` is the fraction, ``0 < p <= 1``; eps defaults to
+    1e-6; the other arguments are those of `rms_norm`.
     """
     spec = _trailing_spec(
-        x, normalized_shape, kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
+        input, normalized_shape, kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias, kernel=kernel)
+    return normalize(input, spec, weight, bias, kernel=kernel)
 
 
 def layer_norm(
-    x: torch.Tensor,
+    input: torch.Tensor,
     normalized_shape: ShapeLike,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    eps: float = DEFAULT_EPS,
+    eps: float = TORCH_LAYER_NORM_EPS,
     *,
     eps_placement: EpsPlacement = "inside",
     scale_offset: float = 0.0,
@@ -498,10 +539,11 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm: ``(x - mean(x)) / sqrt(var(x) + eps) * w + b`` (population variance).
 
-    The arguments are those of `rms_norm`; the default eps is 1e-6 (torch's is 1e-5).
+    The positional arguments and defaults are ``torch.nn.functional.layer_norm``'s (eps 1e-5);
+    the keyword options are those of `rms_norm`.
     """
     spec = _trailing_spec(
-        x, normalized_shape, kind="layer", eps=eps, eps_placement=eps_placement,
+        input, normalized_shape, kind="layer", eps=eps, eps_placement=eps_placement,
         scale=weight is not None, scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, weight, bias, kernel=kernel)
+    return normalize(input, spec, weight, bias, kernel=kernel)

@@ -19,7 +19,15 @@ from normkit.spec import (
     Variance,
 )
 from normkit.torch import kernels
-from normkit.torch.functional import ShapeLike, add_norm, as_shape, check_trailing, normalize
+from normkit.torch.functional import (
+    TORCH_LAYER_NORM_EPS,
+    ShapeLike,
+    add_norm,
+    as_shape,
+    check_trailing,
+    normalize,
+    torch_eps,
+)
 from normkit.torch.kernels import Kernel
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
@@ -40,10 +48,14 @@ class _Norm(nn.Module):
         device: torch.device | str | None,
         dtype: torch.dtype | None,
         kernel: Kernel,
+        torch_eps_rule: bool = False,
     ) -> None:
         super().__init__()
         self.normalized_shape = as_shape(normalized_shape)
         self._spec = spec
+        # torch's eps=None: float64 inputs take float64's machine eps, the others float32's.
+        self._torch_eps_rule = torch_eps_rule
+        self._float64_spec = spec.replace(eps=torch_eps(torch.float64)) if torch_eps_rule else spec
         self.kernel = kernels.check_kernel(kernel)
         factory = {"device": device, "dtype": dtype}
         for name, present in (("weight", spec.scale), ("bias", spec.bias)):
@@ -59,8 +71,24 @@ class _Norm(nn.Module):
 
     @property
     def spec(self) -> NormSpec:
-        """The `NormSpec` this module implements."""
+        """The `NormSpec` this module implements (for float64 inputs: `spec_for`)."""
         return self._spec
+
+    def spec_for(self, dtype: torch.dtype) -> NormSpec:
+        """The `NormSpec` applied to inputs of ``dtype``: `spec`, except that an `RMSNorm` built
+        with ``eps=None`` (torch's rule) uses float64's machine eps for float64 inputs."""
+        return self._float64_spec if dtype == torch.float64 else self._spec
+
+    @property
+    def eps(self) -> float | None:
+        """eps as given (None: torch's rule, the machine eps of the compute dtype); None for
+        DyT."""
+        return None if self._torch_eps_rule else self._spec.eps
+
+    @property
+    def elementwise_affine(self) -> bool:
+        """Whether there is a learned ``weight``."""
+        return self._spec.scale
 
     def reset_parameters(self) -> None:
         """``weight = spec.scale_init`` (1, or 0 with scale_offset 1), ``bias = 0``,
@@ -84,7 +112,7 @@ class _Norm(nn.Module):
         """
         if isinstance(x, torch.Tensor):
             check_trailing(x, self.normalized_shape)
-        spec = self._spec
+        spec = self.spec_for(x.dtype)
         if spec.residual is None:
             if residual is not None:
                 raise ValueError(
@@ -110,10 +138,12 @@ class _Norm(nn.Module):
         if s.kind == "dyt":
             text += f", alpha_init={s.alpha_init:g}"
         else:
-            text += f", eps={s.eps:g}, eps_placement={s.eps_placement!r}"
+            text += f", eps={self.eps}"
         if s.p is not None:
             text += f", p={s.p:g}"
         text += f", elementwise_affine={s.scale}, bias={s.bias}"
+        if s.eps_placement not in (None, "inside"):
+            text += f", eps_placement={s.eps_placement!r}"
         if s.scale_offset:
             text += f", scale_offset={s.scale_offset:g}"
         text += f", cast={s.cast!r}"
@@ -127,15 +157,19 @@ class _Norm(nn.Module):
 class RMSNorm(_Norm):
     r"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (scale_offset + weight) + bias``.
 
-    The mean runs over the trailing ``normalized_shape``. A ``torch.nn.RMSNorm`` state_dict loads
-    into it (pass ``eps=torch.finfo(x.dtype).eps`` for torch's ``eps=None``).
+    The mean runs over the trailing ``normalized_shape``. A drop-in for ``torch.nn.RMSNorm``:
+    the same positional arguments, defaults, attributes and state_dict; normkit's options are
+    keyword-only.
 
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
-      eps: added to the mean square (inside) or to the RMS (outside). Default 1e-6.
-      eps_placement: ``"inside"`` (default) or ``"outside"`` the square root.
+      eps: added to the mean square (inside) or to the RMS (outside). Default None, torch's
+        rule: the machine eps of the compute dtype (float32's, 1.19e-7, for float32, bfloat16
+        and float16 inputs; float64's for float64), recorded in `spec` as float32's.
       elementwise_affine: whether there is a learned ``weight`` (initialized to
         ``1 - scale_offset``). Default True.
+      device, dtype: of the parameters.
+      eps_placement: ``"inside"`` (default) or ``"outside"`` the square root.
       scale_offset: constant added to ``weight``; 1.0 is Gemma's ``(1 + w)``. Default 0.0.
       bias: whether there is a learned ``bias`` (initialized to 0). Default False.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` (affine in float32, one rounding;
@@ -149,7 +183,6 @@ class RMSNorm(_Norm):
         of x and the parameters).
       backward: ``"exact"`` (default: the exact gradient, rounded once) or ``"autograd"``
         (autograd through the eager op sequence: Hugging Face Llama's gradients, bit for bit).
-      device, dtype: of the parameters.
       kernel: the implementation: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch
         ops elsewhere), ``"composite"``, ``"cpu"`` or ``"triton"`` (`normkit.torch.kernels`).
 
@@ -165,10 +198,12 @@ class RMSNorm(_Norm):
     def __init__(
         self,
         normalized_shape: ShapeLike,
-        eps: float = DEFAULT_EPS,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         eps_placement: EpsPlacement = "inside",
-        elementwise_affine: bool = True,
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
@@ -176,17 +211,16 @@ class RMSNorm(_Norm):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
-            kind="rms", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
+            kind="rms", eps=torch_eps(torch.float32) if eps is None else eps,
+            eps_placement=eps_placement, axis=_trailing(normalized_shape),
             scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
             backward=backward,
         )
-        super().__init__(normalized_shape, spec, device, dtype, kernel)
+        super().__init__(normalized_shape, spec, device, dtype, kernel, eps is None)
 
 
 class PartialRMSNorm(_Norm):
@@ -199,8 +233,9 @@ class PartialRMSNorm(_Norm):
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
       p: the fraction of the row the statistic reads, ``0 < p <= 1`` (the paper used 0.0625).
-      eps, eps_placement, elementwise_affine, scale_offset, bias, cast, residual, offset_dtype,
-        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
+      eps: as in `RMSNorm`; default 1e-6 (torch has no partial RMSNorm whose default to follow).
+      elementwise_affine, device, dtype, eps_placement, scale_offset, bias, cast, residual,
+        offset_dtype, output_dtype, backward, kernel: as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -214,9 +249,11 @@ class PartialRMSNorm(_Norm):
         normalized_shape: ShapeLike,
         p: float,
         eps: float = DEFAULT_EPS,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         eps_placement: EpsPlacement = "inside",
-        elementwise_affine: bool = True,
         scale_offset: float = 0.0,
         bias: bool = False,
         cast: Cast = "after_scale",
@@ -224,8 +261,6 @@ class PartialRMSNorm(_Norm):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
@@ -240,18 +275,21 @@ class PartialRMSNorm(_Norm):
 class LayerNorm(_Norm):
     r"""LayerNorm: ``y = (x - mean(x)) / sqrt(var(x) + eps) * (scale_offset + weight) + bias``.
 
-    Population variance over the trailing ``normalized_shape``. A ``torch.nn.LayerNorm``
-    state_dict loads into it; torch's default eps is 1e-5, normkit's 1e-6: pass it to match.
+    Population variance over the trailing ``normalized_shape``. A drop-in for
+    ``torch.nn.LayerNorm``: the same positional arguments, defaults, attributes and state_dict;
+    normkit's options are keyword-only.
 
     Args:
       normalized_shape: an int or a sequence of ints, the trailing dims normalized.
-      eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-6.
-      bias: whether there is a learned ``bias`` (initialized to 0). Default True. Unlike
-        torch's, it does not depend on ``elementwise_affine``.
+      eps: added to the variance (inside) or to the standard deviation (outside). Default 1e-5.
+      elementwise_affine: whether there are a learned ``weight`` and ``bias``. Default True.
+      bias: whether there is a learned ``bias`` (initialized to 0) when ``elementwise_affine``.
+        Default True. (`from_spec` builds the spec's other combinations.)
+      device, dtype: of the parameters.
       variance: ``"two_pass"`` (default: ``mean((x - mean)^2)``) or ``"fast"``
         (``max(0, mean(x^2) - mean^2)`` in float32: Flax's and Keras' default).
-      eps_placement, elementwise_affine, scale_offset, cast, residual, offset_dtype,
-        output_dtype, backward, device, dtype, kernel: as in `RMSNorm`.
+      eps_placement, scale_offset, cast, residual, offset_dtype, output_dtype, backward, kernel:
+        as in `RMSNorm`.
 
     Examples:
       >>> import torch
@@ -265,25 +303,26 @@ class LayerNorm(_Norm):
     def __init__(
         self,
         normalized_shape: ShapeLike,
-        eps: float = DEFAULT_EPS,
+        eps: float = TORCH_LAYER_NORM_EPS,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         eps_placement: EpsPlacement = "inside",
-        elementwise_affine: bool = True,
         scale_offset: float = 0.0,
-        bias: bool = True,
         cast: Cast = "after_scale",
         variance: Variance = "two_pass",
         residual: Residual | None = None,
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         kernel: Kernel = "auto",
     ) -> None:
         spec = NormSpec(
             kind="layer", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
-            scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+            scale=elementwise_affine, scale_offset=scale_offset, bias=bias and elementwise_affine,
+            cast=cast,
             variance=variance, residual=residual, offset_dtype=offset_dtype,
             output_dtype=output_dtype, backward=backward,
         )
@@ -371,17 +410,11 @@ def from_spec(
             f"normalizes the trailing axes {trailing} (use normkit.torch.functional.normalize "
             "for other axes)"
         )
-    options: dict[str, object] = {
-        "elementwise_affine": spec.scale, "scale_offset": spec.scale_offset, "bias": spec.bias,
-        "cast": spec.cast, "residual": spec.residual, "offset_dtype": spec.offset_dtype,
-        "output_dtype": spec.output_dtype, "backward": spec.backward, "device": device,
-        "dtype": dtype, "kernel": kernel,
+    # The spec as it is: the constructors' torch-style arguments cannot express every spec
+    # (LayerNorm drops the bias without elementwise_affine).
+    classes: dict[str, type[RMSNorm | PartialRMSNorm | LayerNorm | DyT]] = {
+        "rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm, "dyt": DyT
     }
-    if spec.kind == "dyt":
-        return DyT(shape, spec.alpha_init, **options)  # type: ignore[arg-type]
-    options.update(eps=spec.eps, eps_placement=spec.eps_placement)
-    if spec.kind == "partial_rms":
-        return PartialRMSNorm(shape, spec.p, **options)  # type: ignore[arg-type]
-    if spec.kind == "layer":
-        return LayerNorm(shape, variance=spec.variance, **options)  # type: ignore[arg-type]
-    return RMSNorm(shape, **options)  # type: ignore[arg-type]
+    module = classes[spec.kind].__new__(classes[spec.kind])
+    _Norm.__init__(module, shape, spec.replace(axis=trailing), device, dtype, kernel)
+    return module

@@ -478,7 +478,7 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.norm = nt.RMSNorm(dim)
+        self.norm = nt.RMSNorm(dim, 1e-6)
         self.up = nn.Linear(dim, hidden)
         self.hidden_norm = nt.PartialRMSNorm(hidden, p=0.3)  # k = 9: across two ranks' blocks
         self.down = nn.Linear(hidden, dim)
@@ -492,7 +492,7 @@ class Model(nn.Module):
     def __init__(self, dim: int = 16, hidden: int = 32) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(2)])
-        self.final_norm = nt.LayerNorm(dim)
+        self.final_norm = nt.LayerNorm(dim, 1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

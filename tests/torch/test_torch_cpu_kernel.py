@@ -349,7 +349,7 @@ def test_forked_dataloader_worker(spy: Spy) -> None:
     (batch,) = list(loader)
     torch.testing.assert_close(batch, expected, rtol=0, atol=0)
     tolerances.assert_close(to_numpy(batch), reference.normalize(data.x.numpy(),
-                                                                   NormSpec(kind="layer")))
+                                                                   data.module.spec))
 
 
 def test_torch_compile_fullgraph_runs_the_kernel(spy: Spy) -> None:

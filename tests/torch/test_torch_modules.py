@@ -17,10 +17,12 @@ def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> to
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def test_defaults_are_the_spec_defaults() -> None:
-    assert nt.RMSNorm(8).spec == NormSpec(axis=-1)
+def test_defaults_are_torchs() -> None:
+    """torch's defaults (eps=None: float32's machine eps; LayerNorm 1e-5); partial RMS, which
+    torch lacks, keeps the spec's."""
+    assert nt.RMSNorm(8).spec == NormSpec(axis=-1, eps=torch.finfo(torch.float32).eps)
     assert nt.PartialRMSNorm(8, 0.25).spec == NormSpec(kind="partial_rms", p=0.25)
-    assert nt.LayerNorm((2, 8)).spec == NormSpec(kind="layer", axis=(-2, -1))
+    assert nt.LayerNorm((2, 8)).spec == NormSpec(kind="layer", eps=1e-5, axis=(-2, -1))
     assert nt.LayerNorm(8).spec.bias is True and nt.RMSNorm(8).spec.bias is False
 
 
@@ -125,9 +127,9 @@ def test_functional_matches_the_modules() -> None:
     with torch.no_grad():
         m.weight.copy_(w)
         m.bias.copy_(b)
-    assert torch.equal(F.partial_rms_norm(x, 10, 0.5, w, b, scale_offset=1.0), m(x))
+    assert torch.equal(F.partial_rms_norm(x, 10, 0.5, w, bias=b, scale_offset=1.0), m(x))
     assert torch.equal(F.rms_norm(x, (10,), w, eps=1e-5), F.normalize(x, NormSpec(eps=1e-5), w))
-    assert torch.equal(F.layer_norm(x, (4, 10)), F.normalize(x, NormSpec(kind="layer", axis=(-2, -1), scale=False, bias=False)))
+    assert torch.equal(F.layer_norm(x, (4, 10)), F.normalize(x, NormSpec(kind="layer", eps=1e-5, axis=(-2, -1), scale=False, bias=False)))
 
 
 def test_functional_normalize_over_leading_axes() -> None:
