@@ -1,11 +1,19 @@
-"""The translation between a `NormSpec` and the modules' Flax-style keyword arguments, and the
-check of a module's residual argument against its spec."""
+"""The translation between a `NormSpec` and the modules' keyword arguments (normkit's and
+Flax's), the layout of Flax's parameters over its feature axes, and the check of a module's
+residual argument against its spec."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
-from normkit.spec import NormSpec
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from normkit.spec import NormSpec, OutputDtype, Variance
+
+Axes: TypeAlias = int | Sequence[int]
 
 
 def module_kwargs(spec: NormSpec) -> dict[str, Any]:
@@ -43,5 +51,106 @@ def check_residual(layer: str, spec: NormSpec, residual: object) -> None:
     if spec.residual is None and residual is not None:
         raise ValueError(
             f"{layer} was given a residual but its spec has residual=None; build it with "
-            "residual='rounded', 'float32' or 'float32_normalized' to add one before the norm"
+            "residual='rounded', 'float32' or 'float32_normalized' to add one before the norm "
+            "(Flax's mask is keyword-only here: layer(x, mask=mask))"
         )
+
+
+# --- Flax's arguments --------------------------------------------------------------------------
+
+
+def flax_axis(
+    axis: int | tuple[int, ...] | None, reduction_axes: Axes, feature_axes: Axes
+) -> tuple[int | tuple[int, ...], tuple[int, ...]]:
+    """``(spec axis, feature axes)`` from normkit's ``axis`` and Flax's ``reduction_axes`` and
+    ``feature_axes`` (Flax's default -1 each). ``axis``, when given, sets both; a Flax argument
+    given with another value than ``axis`` is a ValueError naming both."""
+    if axis is None:
+        return as_axes(reduction_axes), as_axes(feature_axes)
+    for name, value in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+        if as_axes(value) not in ((-1,), as_axes(axis)):
+            raise ValueError(
+                f"axis={axis!r} and {name}={value!r} conflict: axis sets both the reduction and "
+                "the feature axes; give one of them"
+            )
+    return axis, as_axes(axis)
+
+
+def as_axes(axes: Axes) -> tuple[int, ...]:
+    """An int or a sequence of ints as a tuple."""
+    return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+def flax_variance(
+    kind: str, variance: Variance | None, use_fast_variance: bool
+) -> Variance | None:
+    """The spec's ``variance``: the one given, else (LayerNorm) Flax's ``use_fast_variance``,
+    ``"fast"`` or ``"two_pass"``; None, the spec default, for the RMS kinds, whose statistic has
+    no mean (Flax's RMSNorm ignores the flag too). ``variance="fast"`` with
+    ``use_fast_variance=False`` is a ValueError naming both."""
+    if variance == "fast" and not use_fast_variance:
+        raise ValueError(
+            "variance='fast' and use_fast_variance=False conflict: give one of them"
+        )
+    if variance is not None or kind != "layer":
+        return variance
+    return "fast" if use_fast_variance else "two_pass"
+
+
+def flax_output_dtype(output_dtype: OutputDtype | None, dtype: DTypeLike | None) -> OutputDtype:
+    """The spec's ``output_dtype``: the one given, else Flax's rule: ``"promote"`` (the result
+    type of the input and the parameters) without ``dtype``, ``"input"`` (``dtype`` itself) with
+    it."""
+    if output_dtype is not None:
+        return output_dtype
+    return "promote" if dtype is None else "input"
+
+
+def check_axis_index_groups(axis_index_groups: object) -> None:
+    """Only None: the statistics are reduced across the whole of ``axis_name``."""
+    if axis_index_groups is not None:
+        raise ValueError(
+            f"axis_index_groups={axis_index_groups!r} is not supported: the statistics are "
+            "reduced across the whole mesh axis axis_name (leave axis_index_groups None)"
+        )
+
+
+def feature_positions(
+    spec: NormSpec, feature_axes: tuple[int, ...], ndim: int
+) -> tuple[int, ...]:
+    """The feature axes of an input of rank ``ndim`` (non-negative, increasing); ValueError if
+    one is out of range, or, when the layer has a scale or bias, not a normalized axis (the
+    spec's parameters span the normalized axes)."""
+    resolved = set()
+    for a in feature_axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"feature_axes={feature_axes!r}: axis {a} is out of range for an input of rank "
+                f"{ndim}"
+            )
+        resolved.add(a % ndim)
+    if (spec.scale or spec.bias) and not resolved <= set(spec.resolve_axes(ndim)):
+        raise ValueError(
+            f"feature_axes={feature_axes!r} must be among the reduction axes {spec.axis}: "
+            "NormSpec's scale and bias vary only over the normalized axes (Flax's "
+            "InstanceNorm-style layout, parameters along a batch axis, is not expressible)"
+        )
+    return tuple(sorted(resolved))
+
+
+def spread(
+    param: jax.Array, spec: NormSpec, features: tuple[int, ...], shape: tuple[int, ...]
+) -> jax.Array:
+    """A parameter over the feature axes (Flax's layout) repeated over the other normalized
+    axes: the spec's parameter of shape ``spec.param_shape(shape)``."""
+    axes = spec.resolve_axes(len(shape))
+    if features == axes:
+        return param
+    have = tuple(shape[a] for a in features)
+    if jnp.shape(param) != have:
+        raise ValueError(
+            f"a parameter has shape {jnp.shape(param)}, but x of shape {shape} has {have} "
+            f"features over the feature axes {features}: wrong feature size for this layer"
+        )
+    layout = [shape[a] if a in features else 1 for a in axes]
+    return jnp.broadcast_to(jnp.reshape(param, layout), spec.param_shape(shape))

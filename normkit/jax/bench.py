@@ -39,9 +39,13 @@ _BRIDGE = JaxBridge()
 
 def _modules(dtype: Any) -> dict[str, nn.Module]:
     return {
-        "normkit.jax.RMSNorm": nkjax.RMSNorm(epsilon=EPS),
+        # normkit's spec defaults (output in the input dtype, two-pass variance), as measured
+        # before the modules took Flax's defaults.
+        "normkit.jax.RMSNorm": nkjax.RMSNorm(epsilon=EPS, output_dtype="input"),
         "flax.linen.RMSNorm": nn.RMSNorm(epsilon=EPS, dtype=dtype),
-        "normkit.jax.LayerNorm": nkjax.LayerNorm(epsilon=EPS),
+        "normkit.jax.LayerNorm": nkjax.LayerNorm(
+            epsilon=EPS, output_dtype="input", variance="two_pass"
+        ),
         "flax.linen.LayerNorm": nn.LayerNorm(epsilon=EPS, dtype=dtype),
     }
 

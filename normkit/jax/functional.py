@@ -54,6 +54,7 @@ def normalize(
     alpha: jax.Array | None = None,
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     r"""``spec`` applied to ``x`` (see `NormSpec` for the math and the dtype policy).
 
@@ -78,6 +79,13 @@ def normalize(
         With ``kind="partial_rms"`` the statistic reads the first ``k = spec.stat_size(N)``
         elements of the global row of ``N = n * axis_size`` elements (shards in mesh order);
         this needs a single normalized axis. DyT, elementwise, ignores it.
+      mask: Flax's ``mask``: a boolean array broadcastable to ``x``; the mean and the statistic
+        of a row are then taken over its elements where ``mask`` is True only (``mean_m(v) =
+        sum(where(mask, v, 0)) / count(mask)``: ``s = mean_m(x^2)``, or for LayerNorm
+        ``mean_m((x - mean_m(x))^2)``, or with ``variance="fast"`` ``max(0, mean_m(x^2) -
+        mean_m(x)^2)``), in plain float32 arithmetic as Flax computes them (a row with no
+        element masked in gives NaN). Every element is normalized with them. JAX
+        differentiates this path. ``rms`` and ``layer`` only, without ``axis_name``.
 
     Returns:
       An array of ``x``'s shape, of dtype ``dtype`` (default ``x.dtype``), or with
@@ -87,8 +95,9 @@ def normalize(
       TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``, ``alpha``) is not floating-point.
       ValueError: an axis is out of range, a parameter has the wrong shape or is given although
         the spec lacks it, partial RMS is sharded over several normalized axes, ``spec.eps``
-        is out of the range of the compute dtype (`NormSpec.check_eps`), or the spec has a
-        residual.
+        is out of the range of the compute dtype (`NormSpec.check_eps`), the spec has a
+        residual, or a ``mask`` is given for partial RMS, DyT or with ``axis_name``, or does
+        not broadcast to ``x``.
     """
     if spec.residual is not None:
         raise ValueError(
@@ -96,6 +105,8 @@ def normalize(
             "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
         )
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
+    if mask is not None:
+        return _masked(plan, x, _checked_mask(mask, x, plan), scale, bias)
     return _run(plan, x, None, scale, bias, _alpha(plan, alpha))  # type: ignore[return-value]
 
 
@@ -230,6 +241,28 @@ def _checked_residual(residual: jax.Array, x: jax.Array, plan: _Plan, cast: bool
             f"{plan.dtype} needs {names}"
         )
     return residual
+
+
+def _checked_mask(mask: jax.Array, x: jax.Array, plan: _Plan) -> jax.Array:
+    """``mask`` as booleans of ``x``'s shape, for a spec whose statistic a mask can restrict."""
+    if plan.spec.kind not in ("rms", "layer"):
+        raise ValueError(
+            f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
+            f"{plan.spec.kind!r}: partial RMS already fixes the elements its statistic reads, "
+            "and DyT has no statistic"
+        )
+    if plan.axis_name is not None:
+        raise ValueError(
+            f"mask with axis_name={plan.axis_name!r} is not supported: the masked statistic is "
+            "computed per shard only"
+        )
+    mask = jnp.asarray(mask, bool)
+    try:
+        return jnp.broadcast_to(mask, x.shape)
+    except ValueError:
+        raise ValueError(
+            f"mask has shape {mask.shape}, which does not broadcast to x's shape {x.shape}"
+        ) from None
 
 
 def _alpha(plan: _Plan, alpha: jax.Array | None) -> jax.Array | None:
@@ -639,6 +672,37 @@ def _forward(
     y_hat, r = _normalized(plan, v, alpha)
     y = _affine(plan, y_hat, scale, bias, eager)
     return (y if h is None else (y, h)), r
+
+
+def _masked(
+    plan: _Plan,
+    x: jax.Array,
+    mask: jax.Array,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+) -> jax.Array:
+    """`normalize` with Flax's masked statistics (see its ``mask``); the affine step is the
+    spec's."""
+    spec = plan.spec
+    assert spec.eps is not None  # rms or layer
+    v = x.astype(_stat_dtype(plan.dtype))
+    count = jnp.sum(mask, axis=plan.axes, keepdims=True)
+
+    def masked_mean(value: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(mask, value, 0), axis=plan.axes, keepdims=True) / count
+
+    centered = v
+    if spec.kind == "rms":
+        s = masked_mean(v * v)
+    else:
+        m1 = masked_mean(v)
+        centered = v - m1
+        if spec.variance == "fast":
+            s = jnp.maximum(masked_mean(v * v) - m1 * m1, 0)
+        else:
+            s = masked_mean(centered * centered)
+    y_hat = centered * _r(s, spec.eps, spec)
+    return _affine(plan, y_hat, scale, bias, eager=spec.backward == "autograd")
 
 
 def _run(

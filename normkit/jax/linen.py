@@ -1,4 +1,11 @@
-"""Flax linen modules that compute a `NormSpec` exactly (via `normkit.jax.functional`)."""
+"""Flax linen modules that compute a `NormSpec` exactly (via `normkit.jax.functional`).
+
+They are drop-in replacements for ``flax.linen.RMSNorm`` and ``flax.linen.LayerNorm``: the same
+arguments with the same defaults (``epsilon=1e-6``, ``use_fast_variance=True``, the output dtype
+``result_type(x, params)``), the same parameters (``scale``, ``bias``, from ``scale_init`` and
+``bias_init``) and the same ``mask=`` at call time. normkit's own options are keyword extras; an
+explicit one wins over the Flax argument it refines (a contradicting pair is a ValueError).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,17 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from normkit.jax import functional
-from normkit.jax._fields import check_residual, module_kwargs
+from normkit.jax._fields import (
+    Axes,
+    check_axis_index_groups,
+    check_residual,
+    feature_positions,
+    flax_axis,
+    flax_output_dtype,
+    flax_variance,
+    module_kwargs,
+    spread,
+)
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -27,84 +44,130 @@ from normkit.spec import (
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
+Initializer = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
+
 
 class _Layer(nn.Module):
     """The parameters, options and ``__call__`` every linen layer here shares."""
 
     kind: ClassVar[Kind]
 
-    axis: int | tuple[int, ...] = -1
+    axis: int | tuple[int, ...] | None = None
     use_scale: bool = True
     scale_offset: float = 0.0
     use_bias: bool = False
     cast: Cast = "after_scale"
     residual: Residual | None = None
     offset_dtype: OffsetDtype = "float32"
-    output_dtype: OutputDtype = "input"
+    output_dtype: OutputDtype | None = None
     backward: Backward = "exact"
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
+    scale_init: Initializer | None = None
+    bias_init: Initializer | None = None
 
     @property
     def spec(self) -> NormSpec:
         """The `NormSpec` this module computes."""
         raise NotImplementedError
 
+    def _axes(self) -> tuple[int | tuple[int, ...], tuple[int, ...]]:
+        """``(spec axis, feature axes)``: both ``axis`` (default -1) for DyT."""
+        axis = -1 if self.axis is None else self.axis
+        return axis, (axis,) if isinstance(axis, int) else tuple(axis)
+
     def _spec(self, **fields: Any) -> NormSpec:
         return NormSpec(
             kind=self.kind,
-            axis=self.axis,
+            axis=self._axes()[0],
             scale=self.use_scale,
             scale_offset=self.scale_offset,
             bias=self.use_bias,
             cast=self.cast,
             residual=self.residual,
             offset_dtype=self.offset_dtype,
-            output_dtype=self.output_dtype,
+            output_dtype=flax_output_dtype(self.output_dtype, self.dtype),
             backward=self.backward,
             **fields,
         )
 
     def _param(
-        self, name: str, shape: tuple[int, ...], value: float, x: jax.Array
+        self,
+        name: str,
+        init: Initializer | None,
+        shape: tuple[int, ...],
+        value: float,
+        x: jax.Array,
     ) -> jax.Array:
-        """Parameter ``name`` (initially ``value``), checked against x's size over ``axis``."""
+        """Parameter ``name`` from ``init`` (None: the constant ``value``), checked against x's
+        size over the feature axes."""
         if self.has_variable("params", name):
             have = jnp.shape(self.get_variable("params", name))
             if have != shape:
                 raise ValueError(
                     f"{type(self).__name__}: x of shape {x.shape} has {shape} features over "
-                    f"axis {self.spec.axis}, but the layer's {name!r} has shape {have}"
+                    f"axis {self._axes()[1]}, but the layer's {name!r} has shape {have}"
                 )
-        return self.param(name, nn.initializers.constant(value), shape, self.param_dtype)
+        initializer = nn.initializers.constant(value) if init is None else init
+        return self.param(name, initializer, shape, self.param_dtype)
 
     def _params(
         self, spec: NormSpec, x: jax.Array
     ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-        shape = spec.param_shape(x.shape)
-        scale = self._param("scale", shape, spec.scale_init, x) if spec.scale else None
-        bias = self._param("bias", shape, 0.0, x) if spec.bias else None
-        alpha = None
+        """``scale`` and ``bias`` (Flax's, over the feature axes, spread to the spec's shape)
+        and DyT's ``alpha``."""
+        features = feature_positions(spec, self._axes()[1], x.ndim)
+        shape = tuple(x.shape[a] for a in features)
+        scale = bias = alpha = None
+        if spec.scale:
+            scale = self._param("scale", self.scale_init, shape, spec.scale_init, x)
+            scale = spread(scale, spec, features, x.shape)
+        if spec.bias:
+            bias = self._param("bias", self.bias_init, shape, 0.0, x)
+            bias = spread(bias, spec, features, x.shape)
         if spec.kind == "dyt":
             assert spec.alpha_init is not None
-            alpha = self._param("alpha", (1,), spec.alpha_init, x)
+            alpha = self._param("alpha", None, (1,), spec.alpha_init, x)
         return scale, bias, alpha
+
+    def _check_flax_dtype(self, x: jax.Array) -> None:
+        """With Flax's ``dtype`` (no explicit ``output_dtype``), x must convert to it exactly."""
+        if self.dtype is None or self.output_dtype is not None:
+            return
+        wanted = jnp.dtype(self.dtype)
+        if jnp.promote_types(x.dtype, wanted) != wanted:
+            raise ValueError(
+                f"{type(self).__name__}(dtype={wanted.name}) got x of dtype {x.dtype}: Flax "
+                f"normalizes the {x.dtype} values and rounds the result to {wanted.name}, which "
+                "NormSpec cannot express (its output is the input's dtype or the promoted one). "
+                f"Build it without dtype and cast the output (norm(x).astype({wanted.name}) is "
+                "what Flax computes), cast the input first, or pass output_dtype='input' to "
+                f"normalize x rounded to {wanted.name}"
+            )
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, residual: jax.Array | None = None
+        self, x: jax.Array, residual: jax.Array | None = None, *, mask: jax.Array | None = None
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """``y`` for ``x`` (over ``axis``), or with a ``residual`` spec ``(y, h)`` for
-        ``h = x + residual``; ``y`` has ``x``'s dtype (``dtype`` when set; the promoted one with
-        ``output_dtype="promote"``)."""
+        """``y`` for ``x`` (over the reduction axes), or with a ``residual`` spec ``(y, h)`` for
+        ``h = x + residual``. ``mask`` (Flax's, keyword-only): the statistics over the elements
+        where it is True (`normkit.jax.functional.normalize`). ``y`` has Flax's dtype: ``dtype``
+        when set, else ``result_type(x, params)`` (``output_dtype`` overrides)."""
         spec = self.spec
         check_residual(type(self).__name__, spec, residual)
         x = jnp.asarray(x)
+        self._check_flax_dtype(x)
         scale, bias, alpha = self._params(spec, x)
         axis_name = getattr(self, "axis_name", None)
         if residual is None:
             return functional.normalize(
-                x, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name
+                x, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name,
+                mask=mask,
+            )
+        if mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} has residual={spec.residual!r}: mask is supported "
+                "without a residual only"
             )
         return functional.add_norm(
             x, residual, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name
@@ -116,44 +179,66 @@ class _Norm(_Layer):
 
     epsilon: float = DEFAULT_EPS
     eps_placement: EpsPlacement = "inside"
+    reduction_axes: Axes = -1
+    feature_axes: Axes = -1
     axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+
+    def _axes(self) -> tuple[int | tuple[int, ...], tuple[int, ...]]:
+        return flax_axis(self.axis, self.reduction_axes, self.feature_axes)
 
     @property
     def spec(self) -> NormSpec:
         """The `NormSpec` this module computes."""
+        check_axis_index_groups(self.axis_index_groups)
         return self._spec(
             eps=self.epsilon,
             eps_placement=self.eps_placement,
             p=getattr(self, "p", None),
-            variance=getattr(self, "variance", None),
+            variance=flax_variance(
+                self.kind, getattr(self, "variance", None), self.use_fast_variance
+            ),
         )
 
 
 class RMSNorm(_Norm):
     r"""RMSNorm: ``y = x / sqrt(mean(x**2) + epsilon) * (scale_offset + scale) [+ bias]``.
 
+    A drop-in for ``flax.linen.RMSNorm`` (its arguments and defaults), with normkit's options.
+
     Attributes:
       epsilon: the constant in ``r(s)``. Default 1e-6.
+      dtype: Flax's: the output dtype (None: ``result_type(x, params)``); the input is
+        normalized as this dtype, so it must hold x exactly (a narrower one is a ValueError
+        naming the fixes) unless ``output_dtype`` is given, which makes it normkit's compute
+        dtype (x cast to it first).
+      param_dtype: the parameters' dtype. Default float32.
+      use_scale: learn ``scale``. Default True.
+      use_bias: learn ``bias``. Default False (True for `LayerNorm`).
+      scale_init, bias_init: Flax initializers ``(key, shape, dtype)``; None (default): the
+        constants ``1 - scale_offset`` and 0.
+      reduction_axes: the normalized axes (the statistic's). Default -1.
+      feature_axes: the axes ``scale`` and ``bias`` span, among the reduction axes (repeated
+        over the others). Default -1.
+      axis_name: the mesh axis the normalized axes are sharded over (inside ``shard_map``); the
+        statistics are reduced across it. Default None.
+      axis_index_groups: only None (reduction across the whole ``axis_name``).
+      use_fast_variance: Flax's flag; no effect on RMS (no mean), `LayerNorm`'s ``variance``.
+      axis: normkit's: sets both ``reduction_axes`` and ``feature_axes`` (a Flax argument given
+        with another value is a ValueError). Default None.
       eps_placement: ``"inside"`` the square root (default) or ``"outside"`` it.
-      axis: the normalized axes (int or tuple); ``scale``/``bias`` have the input's shape over
-        them. Flax's ``reduction_axes`` and ``feature_axes`` both equal to ``axis``. Default -1.
-      use_scale: learn ``scale`` (initialised to ``1 - scale_offset``). Default True.
       scale_offset: added to ``scale`` before multiplying; 1.0 is Gemma's convention. Default 0.
-      use_bias: learn ``bias`` (initialised to 0). Default False (True for `LayerNorm`).
       cast: ``"after_scale"`` (default) or ``"before_scale"`` (Llama) for half inputs.
       residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
         ``"float32"``, ``"float32_normalized"``): the module is then called as
         ``module.apply(params, x, residual)`` and returns ``(y, h)``.
       offset_dtype: ``"float32"`` (default) or ``"param"``: ``scale_offset + scale`` rounded
         to ``param_dtype`` first.
-      output_dtype: ``"input"`` (default: the input's dtype, or ``dtype``) or ``"promote"``
-        (Flax's ``result_type(x, params)``).
+      output_dtype: None (default: Flax's rule, ``"promote"`` without ``dtype`` and
+        ``"input"`` with it), ``"input"`` or ``"promote"``.
       backward: ``"exact"`` (default: the analytic VJP) or ``"autograd"`` (JAX differentiates
         the eager formula, rounding as eager model code does in half precision).
-      dtype: the dtype to compute in (the input is cast to it); None: the input's.
-      param_dtype: the parameters' dtype. Default float32.
-      axis_name: the mesh axis the normalized axes are sharded over (inside ``shard_map``); the
-        statistics are reduced across it. Default None.
 
     Examples:
       >>> import jax
@@ -173,7 +258,7 @@ class PartialRMSNorm(_Norm):
 
     ``k = max(1, floor(n * p))``; normalization, scale and bias apply to all ``n`` elements.
     With ``axis_name`` the first ``k`` of the global (unsharded) row are read; that needs a
-    single normalized axis.
+    single normalized axis. No ``mask``.
 
     Attributes:
       p: the fraction, ``0 < p <= 1``. Required.
@@ -187,16 +272,22 @@ class PartialRMSNorm(_Norm):
 class LayerNorm(_Norm):
     r"""LayerNorm: ``y = (x - mean(x)) / sqrt(var(x) + epsilon) * (scale_offset + scale) + bias``.
 
+    A drop-in for ``flax.linen.LayerNorm`` (its arguments and defaults), with normkit's options.
+
     Attributes:
-      variance: ``"two_pass"`` (default: ``mean((x - mean(x))**2)``, accurate when the mean is
-        large against the spread) or ``"fast"`` (``max(0, mean(x**2) - mean(x)**2)``, each
-        step rounded to float32: Flax's ``use_fast_variance=True``, its default).
+      use_fast_variance: Flax's: True (default) computes ``var`` as ``max(0, mean(x**2) -
+        mean(x)**2)``, each step rounded to float32 (``variance="fast"``), False in two passes,
+        ``mean((x - mean(x))**2)`` (``variance="two_pass"``, accurate when the mean is large
+        against the spread).
+      variance: normkit's name for the same choice, None (default) or ``"fast"`` /
+        ``"two_pass"``; when given it wins (``"fast"`` with ``use_fast_variance=False`` is a
+        ValueError).
       The other attributes are `RMSNorm`'s; ``use_bias`` defaults to True.
     """
 
     kind: ClassVar[Kind] = "layer"
     use_bias: bool = True
-    variance: Variance = "two_pass"
+    variance: Variance | None = None
 
 
 class DyT(_Layer):
@@ -204,12 +295,13 @@ class DyT(_Layer):
 
     ``alpha`` is a learned parameter of shape ``(1,)``, initially ``alpha_init``; ``scale`` and
     ``bias`` have the input's shape over ``axis``. For half inputs ``tanh`` is computed in
-    float32.
+    float32. Flax has no DyT; its dtype conventions (``dtype``, the promoted output) apply.
 
     Attributes:
       alpha_init: the initial ``alpha``. Default 0.5 (the paper's; x-transformers uses 1.0).
-      The others are `RMSNorm`'s (no epsilon, eps_placement, axis_name); ``use_bias`` defaults
-      to True.
+      The others are `RMSNorm`'s, with ``axis`` (default -1) for the parameters' axes (no
+      epsilon, eps_placement, reduction and feature axes, axis_name, use_fast_variance, mask);
+      ``use_bias`` defaults to True.
 
     Examples:
       >>> import jax
@@ -237,9 +329,10 @@ _CLASSES: dict[Kind, type[RMSNorm | PartialRMSNorm | LayerNorm | DyT]] = {
 
 
 def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | LayerNorm | DyT:
-    """The linen module that computes ``spec``.
+    """The linen module that computes ``spec`` (every field given explicitly, so Flax's
+    defaults do not apply).
 
     ``kwargs`` go to the module: ``dtype``, ``param_dtype``, ``axis_name`` (not for DyT),
-    ``name``, ``parent``.
+    ``scale_init``, ``bias_init``, ``name``, ``parent``.
     """
     return _CLASSES[spec.kind](**module_kwargs(spec), **kwargs)

@@ -162,7 +162,7 @@ def test_fast_variance_reproduces_its_rounding_on_rows_with_a_large_mean() -> No
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16], ids=str)
 def test_dyt_modules_parameters(param_dtype) -> None:
     x = np.ones((2, 3, 8), np.float32)
-    linen = nkjax.DyT(alpha_init=1.0, param_dtype=param_dtype)
+    linen = nkjax.DyT(alpha_init=1.0, param_dtype=param_dtype, output_dtype="input")
     assert linen.spec == NormSpec("dyt", alpha_init=1.0)
     params = linen.init(jax.random.key(0), x)["params"]
     shapes = {name: (v.shape, v.dtype, float(v.ravel()[0])) for name, v in params.items()}
@@ -173,7 +173,9 @@ def test_dyt_modules_parameters(param_dtype) -> None:
     assert {name: (state[name][...].shape, state[name][...].dtype) for name in ("scale", "bias", "alpha")} == {
         k: (s, jnp.dtype(d)) for k, (s, d, _) in expected.items()
     }
-    assert nkjax.nnx.DyT(8, use_bias=False, use_scale=False).spec == NormSpec("dyt", bias=False, scale=False)
+    assert nkjax.nnx.DyT(8, use_bias=False, use_scale=False, output_dtype="input").spec == NormSpec(
+        "dyt", bias=False, scale=False
+    )
     bare = nkjax.DyT(use_bias=False, use_scale=False)
     assert set(bare.init(jax.random.key(0), x)["params"]) == {"alpha"}
     tolerances.assert_close(module(x), reference.normalize(x, module.spec), what="nnx DyT")

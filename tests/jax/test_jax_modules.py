@@ -48,26 +48,30 @@ def test_from_spec_round_trips_and_initialises(spec: NormSpec) -> None:
 
 
 def test_constructors_follow_the_spec_defaults() -> None:
-    assert nkjax.RMSNorm().spec == NormSpec()
-    assert nkjax.LayerNorm().spec == NormSpec(kind="layer")
-    assert nkjax.PartialRMSNorm(p=0.5).spec == NormSpec(kind="partial_rms", p=0.5)
-    assert nkjax.nnx.RMSNorm(8).spec == NormSpec()
-    assert nkjax.nnx.LayerNorm(8).spec == NormSpec(kind="layer")
-    assert nkjax.nnx.PartialRMSNorm(8, p=0.5).spec == NormSpec(kind="partial_rms", p=0.5)
-    assert nkjax.LayerNorm(epsilon=1e-5, use_bias=False, axis=(1, 2)).spec == NormSpec(
+    # The Flax defaults (fast variance, promoted output) are the spec's with these two options.
+    spec_defaults = dict(output_dtype="input")
+    layer_defaults = dict(output_dtype="input", use_fast_variance=False)
+    assert nkjax.RMSNorm(**spec_defaults).spec == NormSpec()
+    assert nkjax.LayerNorm(**layer_defaults).spec == NormSpec(kind="layer")
+    assert nkjax.PartialRMSNorm(p=0.5, **spec_defaults).spec == NormSpec(kind="partial_rms", p=0.5)
+    assert nkjax.nnx.RMSNorm(8, **spec_defaults).spec == NormSpec()
+    assert nkjax.nnx.LayerNorm(8, **layer_defaults).spec == NormSpec(kind="layer")
+    assert nkjax.nnx.PartialRMSNorm(8, p=0.5, **spec_defaults).spec == NormSpec(kind="partial_rms", p=0.5)
+    assert nkjax.LayerNorm(epsilon=1e-5, use_bias=False, axis=(1, 2), **layer_defaults).spec == NormSpec(
         kind="layer", eps=1e-5, bias=False, axis=(1, 2)
     )
 
 
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=str)
 def test_no_silent_promotion_unlike_flax(dtype: np.dtype) -> None:
-    """Half input with float32 params: normkit returns the input dtype, flax float32."""
+    """Half input with float32 params: with output_dtype="input" normkit returns the input
+    dtype, flax float32."""
     x = _x(dtype=dtype)
-    ours = nkjax.LayerNorm()
+    ours = nkjax.LayerNorm(output_dtype="input")
     y = ours.apply(ours.init(jax.random.key(0), x), x)
     assert y.dtype == dtype
     tolerances.assert_close(np.asarray(y), reference.normalize(x, ours.spec))
-    module = nkjax.nnx.RMSNorm(16)
+    module = nkjax.nnx.RMSNorm(16, output_dtype="input")
     assert module(x).dtype == dtype
     theirs = nn.LayerNorm()
     assert theirs.apply(theirs.init(jax.random.key(0), x), x).dtype == jnp.float32
@@ -75,7 +79,9 @@ def test_no_silent_promotion_unlike_flax(dtype: np.dtype) -> None:
 
 def test_dtype_and_param_dtype() -> None:
     x = _x()
-    module = nkjax.RMSNorm(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, use_bias=True)
+    module = nkjax.RMSNorm(
+        dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, use_bias=True, output_dtype="input"
+    )
     params = module.init(jax.random.key(0), x)
     assert {v.dtype for v in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     y = module.apply(params, x)
