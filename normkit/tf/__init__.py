@@ -9,12 +9,16 @@ try:
     import keras
 except ImportError as err:
     raise ImportError(
-        "normkit.tf needs Keras 3 and TensorFlow: pip install 'normkit[tf]'"
+        "normkit.tf needs Keras 3: pip install 'normkit[tf]' (Keras 3 with TensorFlow), or pip "
+        "install 'normkit[keras]' (Keras 3 with JAX, then set KERAS_BACKEND=jax before Keras is "
+        "imported)"
     ) from err
 
 if int(keras.__version__.split(".")[0]) < 3:
     raise ImportError(
-        f"normkit.tf needs Keras 3, found Keras {keras.__version__}: pip install 'normkit[tf]'"
+        f"normkit.tf needs Keras 3, found Keras {keras.__version__}: pip install 'normkit[tf]' "
+        "(Keras 3 with TensorFlow), or pip install 'normkit[keras]' (Keras 3 with JAX, then set "
+        "KERAS_BACKEND=jax before Keras is imported)"
     )
 
 from normkit.tf.layers import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec

@@ -26,6 +26,10 @@ __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
 _HALF = ("float16", "bfloat16")
 
+# The defaults of the Keras layers these replace.
+LAYER_NORM_EPSILON = 1e-3  # keras.layers.LayerNormalization
+RMS_NORM_EPSILON = 1e-6  # keras.layers.RMSNormalization
+
 
 def _known(flag: Any) -> bool | None:
     """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
@@ -229,6 +233,17 @@ class _Norm(keras.layers.Layer):
         return self._spec
 
     @property
+    def axis(self) -> int | list[int]:
+        """The normalized axes as given: an int, or a list of ints for several."""
+        axes = self._spec.axis
+        return axes[0] if len(axes) == 1 else list(axes)
+
+    @property
+    def epsilon(self) -> float | None:
+        """``eps`` (None for DyT, which has no statistic)."""
+        return self._spec.eps
+
+    @property
     def param_dtype(self) -> str:
         """The dtype of the variables: ``param_dtype``, or the policy's variable dtype."""
         return self._param_dtype or keras.backend.standardize_dtype(self.variable_dtype)
@@ -290,14 +305,25 @@ class _Norm(keras.layers.Layer):
             self.scale = self.add_weight(
                 name="scale",
                 shape=param_shape,
-                initializer=keras.initializers.Constant(self._spec.scale_init),
                 dtype=dtype,
                 autocast=False,
+                **self._weight_options("scale"),
             )
         if self._spec.bias:
             self.bias = self.add_weight(
-                name="bias", shape=param_shape, initializer="zeros", dtype=dtype, autocast=False
+                name="bias",
+                shape=param_shape,
+                dtype=dtype,
+                autocast=False,
+                **self._weight_options("bias"),
             )
+
+    def _weight_options(self, name: str) -> dict[str, Any]:
+        """The initializer (and regularizer, constraint) of the weight ``name``: ``w`` starts
+        at ``1 - scale_offset`` (the effective scale at one), ``b`` at zero."""
+        if name == "scale":
+            return {"initializer": keras.initializers.Constant(self._spec.scale_init)}
+        return {"initializer": "zeros"}
 
     def _broadcast_shape(self, shape: tuple[int | None, ...]) -> tuple[tuple[int, ...], list[int]]:
         """The normalized axes of ``shape``, checked against the built sizes, and the shape that
@@ -528,6 +554,13 @@ class _Norm(keras.layers.Layer):
             return y
         return y, keras.KerasTensor(shape, dtype=self._h_dtype(dtype))
 
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> Any:
+        """The input's shape (for ``y``, and for ``h`` with a residual); ValueError naming the
+        axis when one is out of range for the input's rank."""
+        shape = tuple(input_shape)
+        self._axes(shape)
+        return shape if self._spec.residual is None else (shape, shape)
+
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         """The input's mask, passed through (to ``y`` and ``h`` with a residual)."""
         return mask if self._spec.residual is None else (mask, mask)
@@ -584,10 +617,11 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     else:
         kwargs["epsilon"] = spec.eps
         kwargs["eps_placement"] = spec.eps_placement
+    # LayerNorm names b's switch as Keras' LayerNormalization does: center.
+    kwargs["center" if spec.kind == "layer" else "bias"] = spec.bias
     kwargs.update(
         scale=spec.scale,
         scale_offset=spec.scale_offset,
-        bias=spec.bias,
         cast=spec.cast,
         residual=spec.residual,
         offset_dtype=spec.offset_dtype,
@@ -605,13 +639,16 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
 class RMSNorm(_Norm):
     """RMSNorm over ``axis``: ``y = x * r(mean(x**2)) * (scale_offset + w) + b``.
 
+    A drop-in for ``keras.layers.RMSNormalization``: the same arguments (``axis=-1,
+    epsilon=1e-6``), the attributes ``axis`` and ``epsilon``, and the weight ``scale``.
+
     Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
     docs/tf.md).
 
     Args:
       axis: the normalized axes, an int or a list of ints (negative count from the end).
         Default ``-1``. Their sizes are fixed by the first call.
-      epsilon: ``eps``, positive. Default ``1e-6``.
+      epsilon: ``eps``, positive. Default ``1e-6``, as ``keras.layers.RMSNormalization``.
       eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
         ``r(s) = 1 / (sqrt(s) + eps)``.
       bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
@@ -645,7 +682,7 @@ class RMSNorm(_Norm):
     def __init__(
         self,
         axis: int | list[int] | tuple[int, ...] = -1,
-        epsilon: float = DEFAULT_EPS,
+        epsilon: float = RMS_NORM_EPSILON,
         *,
         eps_placement: EpsPlacement = "inside",
         scale: bool = True,
@@ -733,8 +770,10 @@ class PartialRMSNorm(_Norm):
 class LayerNorm(_Norm):
     """LayerNorm over ``axis``: ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
 
-    ``c = x - mean(x)``. Keras' LayerNormalization defaults to ``epsilon=1e-3`` and to the fast
-    variance: pass both to match.
+    ``c = x - mean(x)``. A drop-in for ``keras.layers.LayerNormalization``: the same arguments,
+    in the same order, with the same defaults (``epsilon=1e-3``), and the attributes ``axis``,
+    ``epsilon``, ``center``, ``gamma`` (``w``) and ``beta`` (``b``). ``w`` and ``b`` are the
+    weights ``"scale"`` and ``"bias"`` (also the attributes ``scale`` and ``bias``).
 
     Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
     docs/tf.md).
@@ -742,15 +781,22 @@ class LayerNorm(_Norm):
     Args:
       axis: the normalized axes, an int or a list of ints (negative count from the end).
         Default ``-1``. Their sizes are fixed by the first call.
-      epsilon: ``eps``, positive. Default ``1e-6``.
+      epsilon: ``eps``, positive. Default ``1e-3``, as Keras'.
+      center: whether there is a weight ``b`` (Keras' ``beta``). Default ``True``.
+      scale: whether there is a weight ``w`` (Keras' ``gamma``). Default ``True``.
+      beta_initializer, gamma_initializer: the initializers of ``b`` and ``w``; default
+        ``"zeros"`` and ``"ones"``. With a nonzero ``scale_offset`` only ``"ones"`` is
+        accepted, and it starts ``w`` at ``1 - scale_offset`` (the effective scale at one).
+      beta_regularizer, gamma_regularizer, beta_constraint, gamma_constraint: Keras
+        regularizers and constraints of ``b`` and ``w`` (default None).
+      rms_scaling: only ``False``; Keras' ``rms_scaling=True`` is refused (it divides by the
+        variance, not by the mean square: use `RMSNorm`).
       eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
         ``r(s) = 1 / (sqrt(s) + eps)``.
-      bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
-      variance: ``"two_pass"`` (default: ``mean(c**2)``, ``c`` computed first) or ``"fast"``
-        (``max(0, mean(x**2) - mean(x)**2)`` in float32, Keras' and Flax's default); the
-        gradient is the exact function's either way.
-      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
-        initialized to ``1 - scale_offset``). Default ``True``.
+      variance: ``"two_pass"`` (default: ``mean(c**2)``, ``c`` computed first, as Keras'
+        LayerNormalization does on TensorFlow and JAX) or ``"fast"`` (``max(0, mean(x**2) -
+        mean(x)**2)`` in float32, Flax's default); the gradient is the exact function's either
+        way.
       scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
       cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
         ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
@@ -765,17 +811,33 @@ class LayerNorm(_Norm):
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+
+    Examples:
+      >>> import numpy as np
+      >>> layer = LayerNorm()
+      >>> y = layer(np.array([[1.0, 3.0]], dtype="float32"))  # [-1, 1] / sqrt(1 + 1e-3)
+      >>> [round(float(v), 4) for v in keras.ops.convert_to_numpy(y)[0]]
+      [-0.9995, 0.9995]
+      >>> [tuple(w.shape) for w in (layer.gamma, layer.beta)]
+      [(2,), (2,)]
     """
 
     def __init__(
         self,
         axis: int | list[int] | tuple[int, ...] = -1,
-        epsilon: float = DEFAULT_EPS,
-        *,
-        eps_placement: EpsPlacement = "inside",
+        epsilon: float = LAYER_NORM_EPSILON,
+        center: bool = True,
         scale: bool = True,
+        beta_initializer: Any = "zeros",
+        gamma_initializer: Any = "ones",
+        beta_regularizer: Any = None,
+        gamma_regularizer: Any = None,
+        beta_constraint: Any = None,
+        gamma_constraint: Any = None,
+        *,
+        rms_scaling: bool = False,
+        eps_placement: EpsPlacement = "inside",
         scale_offset: float = 0.0,
-        bias: bool = True,
         cast: Cast = "after_scale",
         variance: Variance = "two_pass",
         residual: Residual | None = None,
@@ -785,13 +847,84 @@ class LayerNorm(_Norm):
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if rms_scaling:
+            raise ValueError(
+                "LayerNorm(rms_scaling=True) is refused: Keras' rms_scaling divides x by "
+                "sqrt(variance + eps), the variance of x about its mean, not by the root mean "
+                "square of x, so it is neither LayerNorm nor RMSNorm (Keras 3.15 deprecates "
+                "it); use normkit.tf.RMSNorm, which is keras.layers.RMSNormalization's drop-in"
+            )
         spec = NormSpec(
             kind="layer", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
-            scale_offset=scale_offset, bias=bias, cast=cast, variance=variance,
+            scale_offset=scale_offset, bias=center, cast=cast, variance=variance,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
             backward=backward,
         )
+        gamma_init = keras.initializers.get(gamma_initializer)
+        if scale_offset and not isinstance(gamma_init, keras.initializers.Ones):
+            raise ValueError(
+                f"LayerNorm: gamma_initializer={gamma_initializer!r} with "
+                f"scale_offset={scale_offset}: with an offset only 'ones' is accepted (w then "
+                f"starts at 1 - scale_offset, so that scale_offset + w starts at one)"
+            )
         super().__init__(spec, param_dtype, **kwargs)
+        self.gamma_initializer = gamma_init
+        self.beta_initializer = keras.initializers.get(beta_initializer)
+        self.gamma_regularizer = keras.regularizers.get(gamma_regularizer)
+        self.beta_regularizer = keras.regularizers.get(beta_regularizer)
+        self.gamma_constraint = keras.constraints.get(gamma_constraint)
+        self.beta_constraint = keras.constraints.get(beta_constraint)
+
+    @property
+    def center(self) -> bool:
+        """Whether there is a weight ``b`` (``beta``)."""
+        return bool(self._spec.bias)
+
+    @property
+    def gamma(self) -> Any:
+        """``w``, the weight ``"scale"`` (None before `build` or with ``scale=False``)."""
+        return self.scale
+
+    @property
+    def beta(self) -> Any:
+        """``b``, the weight ``"bias"`` (None before `build` or with ``center=False``)."""
+        return self.bias
+
+    def _weight_options(self, name: str) -> dict[str, Any]:
+        if name == "scale":
+            initializer = self.gamma_initializer
+            if isinstance(initializer, keras.initializers.Ones):
+                initializer = keras.initializers.Constant(self._spec.scale_init)
+            return {
+                "initializer": initializer,
+                "regularizer": self.gamma_regularizer,
+                "constraint": self.gamma_constraint,
+            }
+        return {
+            "initializer": self.beta_initializer,
+            "regularizer": self.beta_regularizer,
+            "constraint": self.beta_constraint,
+        }
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "rms_scaling": False,
+            "beta_initializer": keras.initializers.serialize(self.beta_initializer),
+            "gamma_initializer": keras.initializers.serialize(self.gamma_initializer),
+            "beta_regularizer": keras.regularizers.serialize(self.beta_regularizer),
+            "gamma_regularizer": keras.regularizers.serialize(self.gamma_regularizer),
+            "beta_constraint": keras.constraints.serialize(self.beta_constraint),
+            "gamma_constraint": keras.constraints.serialize(self.gamma_constraint),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LayerNorm:
+        """The layer of ``config``; configs saved before ``center`` name it ``bias``."""
+        config = dict(config)
+        if "bias" in config:
+            config["center"] = config.pop("bias")
+        return super().from_config(config)  # type: ignore[no-any-return]
 
 
 @keras.saving.register_keras_serializable(package="normkit")

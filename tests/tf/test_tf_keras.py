@@ -78,10 +78,12 @@ def test_from_spec_needs_a_spec():
         from_spec({"kind": "rms"})
 
 
-def test_constructor_defaults_are_the_spec_defaults():
+def test_constructor_defaults_are_the_spec_defaults_but_layer_norm_eps_is_keras():
     assert RMSNorm().spec == NormSpec("rms")
     assert PartialRMSNorm(0.5).spec == NormSpec("partial_rms", p=0.5)
-    assert LayerNorm().spec == NormSpec("layer")
+    # keras.layers.LayerNormalization's epsilon, 1e-3; the spec's default is 1e-6
+    assert LayerNorm().spec == NormSpec("layer", eps=1e-3)
+    assert LayerNorm(epsilon=1e-6).spec == NormSpec("layer")
     with pytest.raises(ValueError, match=r"NormSpec.p=1.5 is invalid"):
         PartialRMSNorm(1.5)
 
@@ -209,7 +211,11 @@ def test_missing_keras_names_the_extra(monkeypatch):
     for name in [m for m in sys.modules if m == "normkit.tf" or m.startswith("normkit.tf.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "keras", None)
-    with pytest.raises(ImportError, match=re.escape("normkit.tf needs Keras 3 and TensorFlow: pip install 'normkit[tf]'")):
+    with pytest.raises(ImportError, match=re.escape(
+        "normkit.tf needs Keras 3: pip install 'normkit[tf]' (Keras 3 with TensorFlow), or pip "
+        "install 'normkit[keras]' (Keras 3 with JAX, then set KERAS_BACKEND=jax before Keras is "
+        "imported)"
+    )):
         importlib.import_module("normkit.tf")
 
 
@@ -217,7 +223,9 @@ def test_keras_2_names_the_extra(monkeypatch):
     for name in [m for m in sys.modules if m == "normkit.tf" or m.startswith("normkit.tf.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(keras, "__version__", "2.15.0")
-    with pytest.raises(ImportError, match=re.escape("normkit.tf needs Keras 3, found Keras 2.15.0")):
+    with pytest.raises(ImportError, match=re.escape(
+        "normkit.tf needs Keras 3, found Keras 2.15.0: pip install 'normkit[tf]'"
+    ) + ".*" + re.escape("pip install 'normkit[keras]'")):
         importlib.import_module("normkit.tf")
 
 
