@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
-    "BACKENDS", "Backend", "Bridge", "Outputs", "FrameworkFn", "bridge", "device_name", "get",
-    "install_hint",
+    "BACKENDS", "Alternative", "Backend", "Bridge", "Outputs", "FrameworkFn", "bridge",
+    "device_name", "get", "install_hint",
 ]
 
 Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
@@ -98,8 +98,19 @@ class Bridge(Protocol):
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """Other packages that also make a backend usable (Keras on JAX for normkit.tf): what they
+    are, and the environment that selects them."""
+
+    packages: tuple[str, ...]
+    env: Mapping[str, str]
+    note: str
+
+
+@dataclass(frozen=True)
 class Backend:
-    """A normkit backend: its subpackage, pip extra, packages, bridge and worker environment."""
+    """A normkit backend: its subpackage, pip extra, packages, bridge and worker environment,
+    and the alternatives to its packages."""
 
     name: str
     module: str
@@ -107,6 +118,7 @@ class Backend:
     packages: tuple[str, ...]
     bridge: str
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    alternatives: tuple[Alternative, ...] = ()
 
     @property
     def install(self) -> str:
@@ -116,6 +128,13 @@ class Backend:
     def missing(self) -> list[str]:
         """The needed packages that are not installed."""
         return [p for p in self.packages if importlib.util.find_spec(p) is None]
+
+    def alternative(self) -> Alternative | None:
+        """The first alternative whose packages are all installed, or None."""
+        for alternative in self.alternatives:
+            if all(importlib.util.find_spec(p) is not None for p in alternative.packages):
+                return alternative
+        return None
 
     def versions(self) -> dict[str, str | None]:
         """Each needed package's installed version, or None."""
@@ -152,6 +171,10 @@ BACKENDS: tuple[Backend, ...] = (
     Backend(
         "tf", "normkit.tf", "tf", ("tensorflow", "keras"), "TensorFlowBridge",
         {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        (
+            Alternative(("keras", "jax"), {"KERAS_BACKEND": "jax"}, "Keras on JAX"),
+            Alternative(("keras", "torch"), {"KERAS_BACKEND": "torch"}, "Keras on PyTorch"),
+        ),
     ),
     Backend("jax", "normkit.jax", "jax", ("jax", "flax"), "JaxBridge"),
 )

@@ -36,15 +36,19 @@ def _run_info(args: argparse.Namespace) -> int:
     rows = []
     for backend in backends.BACKENDS:
         versions = backend.versions()
-        installed = not backend.missing()
+        complete = not backend.missing()
+        alternative = None if complete else backend.alternative()
         row: dict[str, object] = {
             "backend": backend.name,
             "module": backend.module,
-            "installed": installed,
+            "installed": complete or alternative is not None,
             "versions": versions,
             "install": backend.install,
         }
-        if installed and not args.no_devices:
+        if alternative is not None:
+            row["via"] = alternative.note
+            row["env"] = dict(alternative.env)
+        if complete and not args.no_devices:
             try:
                 row["devices"] = backend.devices()
             except RuntimeError as exc:
@@ -66,6 +70,12 @@ def _run_info(args: argparse.Namespace) -> int:
         listed = ", ".join(f"{p} {v or '-'}" for p, v in found.items())
         if not row["installed"]:
             print(f"  {row['module']:<13} not installed ({listed}); {row['install']}")
+            continue
+        if "via" in row:
+            env = row["env"]
+            assert isinstance(env, dict)
+            selected = " ".join(f"{k}={v}" for k, v in env.items())
+            print(f"  {row['module']:<13} {listed}; usable as {row['via']} ({selected})")
             continue
         seen = row.get("devices", row.get("devices_error", "devices not listed"))
         devices = ", ".join(seen) if isinstance(seen, list) else seen

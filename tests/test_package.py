@@ -45,7 +45,8 @@ def test_info_json_lists_every_backend_without_importing_it(capsys):
     assert [b["backend"] for b in report["backends"]] == ["torch", "tf", "jax"]
     for row in report["backends"]:
         assert row["install"] == f"pip install 'normkit[{row['backend']}]'"
-        assert row["installed"] == all(v is not None for v in row["versions"].values())
+        complete = all(v is not None for v in row["versions"].values())
+        assert row["installed"] == complete or "via" in row
 
 
 def test_info_names_the_extra_for_a_missing_backend(capsys, monkeypatch):
@@ -54,6 +55,31 @@ def test_info_names_the_extra_for_a_missing_backend(capsys, monkeypatch):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "normkit.fake  not installed (no_such_package_xyz -); pip install 'normkit[fake]'" in out
+
+
+def test_info_reports_keras_on_another_backend_without_tensorflow(capsys, monkeypatch):
+    """With keras and jax but no tensorflow, normkit.tf is usable as Keras on JAX."""
+    find_spec = backends.importlib.util.find_spec
+    monkeypatch.setattr(
+        backends.importlib.util, "find_spec",
+        lambda name, *a: None if name == "tensorflow" else find_spec(name, *a),
+    )
+    version = backends.importlib.metadata.version
+
+    def hidden(name):
+        if name == "tensorflow":
+            raise backends.importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(backends.importlib.metadata, "version", hidden)
+    monkeypatch.setattr(backends, "BACKENDS", (backends.get("tf"),))
+    assert cli.main(["info", "--no-devices"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("  normkit.tf    tensorflow -, keras ")
+    assert line.endswith("; usable as Keras on JAX (KERAS_BACKEND=jax)")
+    assert cli.main(["info", "--json", "--no-devices"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["backends"]
+    assert row["installed"] and row["via"] == "Keras on JAX" and row["env"] == {"KERAS_BACKEND": "jax"}
 
 
 def test_unknown_backend_is_named():
