@@ -15,7 +15,8 @@ is ``1 / (sqrt(variance) + eps)``, DyT is ``tanh(alpha * h)``. The rows are not 
 whose statistic overflows float32 give what the eager program gives.
 """
 
-from __future__ import annotations
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -23,42 +24,65 @@ from normkit.spec import NormSpec
 from normkit.torch._autograd import _acc_dtype
 
 
+class EagerSpec(NamedTuple):
+    """The fields of a `NormSpec` the op sequence reads, in types TorchScript compiles
+    (`normkit.torch._scripted`; so this module has no postponed annotations): ``eps`` is 0 for
+    DyT."""
+
+    kind: str
+    eps: float
+    outside: bool
+    fast_variance: bool
+    before_scale: bool
+    scale_offset: float
+    offset_in_param: bool
+
+
+@functools.lru_cache(maxsize=256)
+def eager_spec(spec: NormSpec) -> EagerSpec:
+    """``spec`` as the op sequence reads it."""
+    return EagerSpec(
+        spec.kind, 0.0 if spec.eps is None else spec.eps, spec.eps_placement == "outside",
+        spec.variance == "fast", spec.cast == "before_scale", spec.scale_offset,
+        spec.offset_dtype == "param",
+    )
+
+
 def _normalized(
-    h: torch.Tensor, spec: NormSpec, k: int, alpha: torch.Tensor | None
+    h: torch.Tensor, spec: EagerSpec, k: int, alpha: torch.Tensor | None
 ) -> torch.Tensor:
     """``y_hat`` of the rows ``h`` (in the compute dtype)."""
     if spec.kind == "dyt":
         assert alpha is not None
         return torch.tanh(alpha.to(h.dtype) * h)
-    assert spec.eps is not None
     if spec.kind == "layer":
         mean = h.mean(-1, keepdim=True)
         centered = h - mean
-        if spec.variance == "fast":
+        if spec.fast_variance:
             variance = torch.clamp_min(h.pow(2).mean(-1, keepdim=True) - mean.pow(2), 0.0)
         else:
             variance = centered.pow(2).mean(-1, keepdim=True)
     else:
         centered = h
         variance = (h if k == h.shape[-1] else h[:, :k]).pow(2).mean(-1, keepdim=True)
-    if spec.eps_placement == "outside":
+    if spec.outside:
         return centered / (torch.sqrt(variance) + spec.eps)
     return centered * torch.rsqrt(variance + spec.eps)
 
 
-def _scale(weight: torch.Tensor, spec: NormSpec, dtype: torch.dtype) -> torch.Tensor:
+def _scale(weight: torch.Tensor, spec: EagerSpec, dtype: torch.dtype) -> torch.Tensor:
     """``scale_offset + w``: w itself without an offset; in w's dtype with
     ``offset_dtype="param"``; else in ``dtype`` promoted with w's."""
     if spec.scale_offset == 0:
         return weight
-    if spec.offset_dtype == "param":
+    if spec.offset_in_param:
         return weight + spec.scale_offset
     return weight.to(torch.promote_types(dtype, weight.dtype)) + spec.scale_offset
 
 
 def norm_rows(
     values: torch.Tensor,
-    spec: NormSpec,
+    spec: EagerSpec,
     k: int,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -75,7 +99,7 @@ def norm_rows(
     """
     acc = _acc_dtype(dtype)
     y = _normalized(values.to(acc), spec, k, alpha)
-    if dtype != acc and spec.cast == "before_scale":
+    if dtype != acc and spec.before_scale:
         y = y.to(dtype)
         if weight is not None:
             y = _scale(weight, spec, torch.float32) * y
@@ -92,20 +116,21 @@ def norm_rows(
 def add_norm_rows(
     x: torch.Tensor,
     residual: torch.Tensor,
-    spec: NormSpec,
+    rounding: str,
+    spec: EagerSpec,
     k: int,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     alpha: torch.Tensor | None,
     out: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, h)``: ``h = x + residual`` as model code adds it (in x's dtype for ``"rounded"``,
-    else in the compute dtype), and `norm_rows` of the sum."""
-    if spec.residual == "rounded":
+    """``(y, h)``: ``h = x + residual`` as model code adds it (in x's dtype for ``rounding``
+    ``"rounded"``, else in the compute dtype), and `norm_rows` of the sum."""
+    if rounding == "rounded":
         h = x + residual
         values = h
     else:
         acc = _acc_dtype(x.dtype)
         values = x.to(acc) + residual.to(acc)
-        h = values if spec.residual == "float32" else values.to(x.dtype)
+        h = values if rounding == "float32" else values.to(x.dtype)
     return norm_rows(values, spec, k, weight, bias, alpha, x.dtype, out), h

@@ -388,10 +388,12 @@ def _normalize_trailing(
         )
         return y.reshape(x.shape), h.reshape(x.shape)
     if spec.backward == "autograd" or recorded:
+        ops = _eager.eager_spec(spec)
         if res_rows is None:
-            y = _eager.norm_rows(rows, spec, k, w, b, alpha_t, x.dtype, out)
+            y = _eager.norm_rows(rows, ops, k, w, b, alpha_t, x.dtype, out)
             return y.reshape(x.shape), None
-        y, h = _eager.add_norm_rows(rows, res_rows, spec, k, w, b, alpha_t, out)
+        assert spec.residual is not None
+        y, h = _eager.add_norm_rows(rows, res_rows, spec.residual, ops, k, w, b, alpha_t, out)
         return y.reshape(x.shape), h.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
     g = _effective_scale(w, spec, acc)

@@ -132,6 +132,16 @@ class _Norm(nn.Module):
             x, residual, spec, self.weight, self.bias, alpha=self.alpha, kernel=self.kernel
         )
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """What ``torch.jit.script`` compiles: the same parameters and the eager op sequence
+        (`normkit.torch._scripted`)."""
+        from normkit.torch._scripted import ScriptedNorm
+
+        return ScriptedNorm(
+            self.normalized_shape, self._spec, self._float64_spec, self.weight, self.bias,
+            self.alpha,
+        )
+
     def extra_repr(self) -> str:
         s = self._spec
         text = f"{self.normalized_shape}"

@@ -294,3 +294,35 @@ def test_a_tiny_model_trains_as_with_torchs_norm(theirs, ours, kernel):
             assert torch.equal(a[name], b[name]), name
         else:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6 * largest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_jit_script_compiles_saves_and_loads_the_norms(dtype, tmp_path):
+    """torch.jit.script compiles the eager op sequence with the module's own parameters: the
+    spec's outputs within the tolerance policy, after a save and load too, torch's eps=None
+    rule included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        tiny_model(), nt.RMSNorm(8, 1e-5, scale_offset=1.0, cast="before_scale"),
+        nt.RMSNorm(8, output_dtype="promote"), nt.LayerNorm(8, bias=False),
+    ).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(model)
+        torch.jit.save(scripted, str(tmp_path / "model.pt"))
+        loaded = torch.jit.load(str(tmp_path / "model.pt"))
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    x = torch.randn(5, 8, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        for y in (scripted(x), loaded(x)):
+            assert y.dtype == expected.dtype == dtype
+            tolerances.assert_close(
+                y.double().numpy(), expected.double().numpy(),
+                dtype=str(dtype).removeprefix("torch."), what="scripted model",
+            )
+
+
+def test_jit_script_refuses_a_residual_module_naming_trace():
+    with pytest.raises(ValueError, match=r"residual='rounded' returns \(y, h\).*torch.jit.trace"):
+        torch.jit.script(nt.RMSNorm(8, residual="rounded"))
