@@ -219,7 +219,28 @@ def normalize(
             y = normalize(local.x, spec, local.weight, local.bias, alpha=local.alpha,
                           kernel=kernel)
             return local.wrap(y)
+    if _autocasts_to_float32(x, spec):
+        x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
+        assert x is not None
     return _along_axes(x, None, spec, weight, bias, alpha, kernel)[0]
+
+
+#: The dispatch key of each device type's autocast.
+_AUTOCAST_KEYS = {
+    "cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"
+}
+
+
+def _autocasts_to_float32(x: torch.Tensor, spec: NormSpec) -> bool:
+    """Whether torch's own op for ``spec`` (``layer_norm``, ``rms_norm`` for the RMS kinds)
+    would run in float32 here: autocast is on for x's device and registers a (float32) kernel
+    for it there, as on CUDA; not on the CPU, nor for DyT, which torch lacks."""
+    device = x.device.type
+    if spec.kind == "dyt" or x.dtype not in _HALF or not torch.is_autocast_enabled(device):
+        return False
+    key = _AUTOCAST_KEYS.get(device)
+    op = "aten::layer_norm" if spec.kind == "layer" else "aten::rms_norm"
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
 
 def add_norm(

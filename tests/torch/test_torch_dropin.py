@@ -214,6 +214,23 @@ def test_autocast_leaves_the_norms_as_torchs_own(dtype):
         assert torch.equal(y, expected)
 
 
+def test_autocast_runs_the_norms_in_float32_where_torchs_own_ops_are(monkeypatch):
+    """Where a device's autocast registers torch's layer_norm and rms_norm (CUDA: in float32),
+    normkit's norms run on float32 inputs too; checked on the CPU by reading CUDA's
+    registrations for it. DyT, which torch lacks, keeps its input dtype."""
+    import normkit.torch.functional as functional
+
+    monkeypatch.setitem(functional._AUTOCAST_KEYS, "cpu", "AutocastCUDA")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for module in (nt.LayerNorm(8), nt.RMSNorm(8), nt.PartialRMSNorm(8, 0.5)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x)
+        assert y.dtype == torch.float32
+        assert torch.equal(y, module(x.float()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert nt.DyT(8)(x).dtype == torch.bfloat16
+
+
 def tiny_model():
     return nn.Sequential(
         nt.DyT(8), nt.PartialRMSNorm(8, 0.5), nn.Linear(8, 8), nt.RMSNorm(8), nt.LayerNorm(8)
