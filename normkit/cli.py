@@ -120,7 +120,8 @@ def _run_reference(args: argparse.Namespace) -> int:
 
 def _add_conformance(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--quick", action="store_true", help="a small matrix (about a minute on CPU)")
+    add("--quick", action="store_true",
+        help="a small matrix touching every option (a few minutes on CPU)")
     add("--backend", type=arguments.names,
         help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
     add("--kind", type=arguments.names, help=f"comma-separated kinds of {list(ALL_KINDS)}")
