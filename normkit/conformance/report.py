@@ -120,6 +120,9 @@ def text(report: Report, failures: int = 10) -> str:
             f"disagreements; worst {worst.worst:.2f} of {PAIRWISE_FACTOR:g}x the tolerance "
             f"({worst.a} vs {worst.b})",
         ]
+    if report.restarts:
+        out += ["", "workers restarted after a signal killed them:"]
+        out += [f"  {line}" for line in report.restarts]
     if report.target_seconds:
         times = ", ".join(
             f"{name} {seconds:.0f} s" for name, seconds in report.target_seconds.items()
@@ -306,6 +309,8 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
             "",
             _markdown_table(ph, pr),
         ]
+    if report.restarts:
+        out += ["", "## Worker restarts", ""] + [f"- {line}" for line in report.restarts]
     if report.failed:
         out += ["", "## Failures", ""] + [
             f"- `{r.target}@{r.device}` {r.case.label}: {r.reason}" for r in report.failed
@@ -336,6 +341,7 @@ def to_json(report: Report) -> str:
             "cases": [r.to_dict() for r in report.results],
             "pairwise": [vars(p) for p in report.pairwise],
             "identified": report.identified,
+            "restarts": report.restarts,
         },
         indent=1,
     )

@@ -26,6 +26,10 @@ WORKER = "normkit.conformance.worker"
 
 PAIRWISE_FACTOR = 2.0
 
+#: How often a group's worker is started again after a signal killed it (a framework's
+#: segfault, the kernel's OOM killer); the cases it had not reported run in the new one.
+RESTARTS = 3
+
 
 @dataclass
 class Pairwise:
@@ -52,6 +56,7 @@ class Report:
     target_seconds: dict[str, float] = field(default_factory=dict)
     pairwise: list[Pairwise] = field(default_factory=list)
     seconds: float = 0.0
+    restarts: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Result]:
@@ -120,6 +125,7 @@ def run(
     seen_devices: dict[str, list[str]] = {}
     identified: dict[str, dict[str, Any]] = {}
     target_seconds: dict[str, float] = {}
+    restarts: list[str] = []
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
         groups: dict[tuple[str, str], list[Target]] = {}
         for t in runnable:
@@ -129,8 +135,14 @@ def run(
             error = "the worker did not finish"
             try:
                 with slots:
-                    job = _job(group, planned, devices, outdir if pairwise else None)
-                    error = workers.run(WORKER, job, group[0].environment, events.put)
+                    run = _GroupRun(group, planned, devices, events.put)
+                    for attempt in range(RESTARTS + 1):
+                        kept = outdir if pairwise else None
+                        job = _job(run.unfinished(), run.left, devices, kept)
+                        error = workers.run(WORKER, job, group[0].environment, run.forward)
+                        if not _killed(error) or attempt == RESTARTS or run.complete():
+                            break
+                        restarts.append(run.restart(error))
             finally:
                 events.put({"done": [t.name for t in group], "error": error})
 
@@ -160,7 +172,7 @@ def run(
             elif "identified" in event:
                 identified[name] = event["identified"]
             elif "seconds" in event:
-                target_seconds[name] = event["seconds"]
+                target_seconds[name] = target_seconds.get(name, 0.0) + event["seconds"]
             elif "status" in event:
                 result = Result.from_dict(event)
                 reported[name].add((result.case.id, result.device))
@@ -172,8 +184,89 @@ def run(
         pairs = _pairwise(results, Path(outdir)) if pairwise else []
     seconds = time.perf_counter() - start
     return Report(
-        results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds
+        results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds,
+        restarts,
     )
+
+
+def _killed(error: str) -> bool:
+    """Whether a worker's error says a signal ended it (``exit status -11``: a segfault)."""
+    return error.startswith("exit status -")
+
+
+class _GroupRun:
+    """What one group's workers have reported, so that a worker killed by a signal can be
+    replaced by one that runs the rest.
+
+    Events pass to ``put`` once: a restarted worker's repeated ``devices`` event is dropped.
+    The case a killed worker was running is run again in the next one; if that one is killed on
+    the same case as well, the case is reported as a FAIL naming the crashes and skipped.
+    """
+
+    def __init__(
+        self,
+        group: list[Target],
+        planned: dict[str, list[Case]],
+        devices: Sequence[str] | None,
+        put: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.group = group
+        self.left = {t.name: list(planned[t.name]) for t in group}
+        self.wanted = list(devices) if devices else None
+        self.put = put
+        self.finished: set[str] = set()
+        self.announced: set[str] = set()
+        self.devices: dict[str, list[str]] = {}
+        self.reported: set[tuple[str, str, str]] = set()
+        self.crashed_on: tuple[str, str] | None = None
+
+    def forward(self, event: dict[str, Any]) -> None:
+        name = event.get("target", "")
+        if "devices" in event:
+            self.devices[name] = event["devices"]
+            if name in self.announced:
+                return
+            self.announced.add(name)
+        elif "status" in event:
+            key = (name, event["case_id"], event["device"])
+            if key in self.reported:  # a restarted worker ran its case again
+                return
+            self.reported.add(key)
+        elif "seconds" in event:
+            self.finished.add(name)
+        self.put(event)
+
+    def unfinished(self) -> list[Target]:
+        return [t for t in self.group if t.name not in self.finished]
+
+    def complete(self) -> bool:
+        return not self.unfinished()
+
+    def restart(self, error: str) -> str:
+        """Drop the reported cases from ``left``; after a second crash on the same case, report
+        it as failed. Returns the line the report shows."""
+        first: tuple[str, Case] | None = None
+        for target in self.unfinished():
+            done = {(c, d) for t, c, d in self.reported if t == target.name}
+            devices = self.wanted or self.devices.get(target.name, [])
+            self.left[target.name] = [
+                case for case in self.left[target.name]
+                if not devices or any((case.id, d) not in done for d in devices)
+            ]
+            if first is None and self.left[target.name]:
+                first = (target.name, self.left[target.name][0])
+        if first is None:
+            return f"{', '.join(t.name for t in self.group)}: {error}; nothing left to run"
+        name, case = first
+        if self.crashed_on == (name, case.id):
+            self.left[name].pop(0)
+            for device in self.wanted or self.devices.get(name, ["cpu"]):
+                if (name, case.id, device) not in self.reported:
+                    reason = f"the worker was killed twice running this case: {error}"
+                    self.put(Result(name, device, case, "FAIL", reason).to_dict())
+                    self.reported.add((name, case.id, device))
+        self.crashed_on = (name, case.id)
+        return f"{name}: {error}, running {case.label}; restarted for the cases left"
 
 
 def _crashed(

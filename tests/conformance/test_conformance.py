@@ -188,6 +188,42 @@ def test_a_stray_line_on_the_event_channel_is_a_crash_not_a_hang(monkeypatch):
     )
 
 
+def two_cases() -> list[Case]:
+    """A case with eps inside and one with eps outside."""
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))
+    return [next(c for c in cases if c.spec.eps_placement == p) for p in ("inside", "outside")]
+
+
+def test_a_worker_killed_by_a_signal_is_restarted_for_the_cases_left(tmp_path):
+    target = Target(
+        "flaky", (), FAKES, {"mode": "segfault_once"},
+        {"PYTHONPATH": ROOT, "NORMKIT_FAKE_MARKER": str(tmp_path / "crashed")},
+        packages=("numpy",),
+    )
+    rep = runner.run([target], lambda t: two_cases(), progress=False)
+    assert [r.status for r in rep.results] == ["PASS", "PASS"]
+    (line,) = rep.restarts
+    assert line.startswith("flaky: exit status -11") and "restarted for the cases left" in line
+    assert "workers restarted after a signal killed them:\n  flaky: exit status -11" in (
+        report.text(rep)
+    )
+    assert json.loads(report.to_json(rep))["restarts"] == [line]
+
+
+def test_a_case_that_kills_its_worker_twice_fails_and_the_rest_still_run():
+    target = Target("fragile", (), FAKES, {"mode": "segfault_outside"}, {"PYTHONPATH": ROOT},
+                    packages=("numpy",))
+    cases = two_cases()
+    rep = runner.run([target], lambda t: cases[::-1], progress=False)  # the crashing one first
+    by_case = {r.case.spec.eps_placement: r for r in rep.results}
+    assert len(rep.results) == 2 and by_case["inside"].status == "PASS"
+    assert by_case["outside"].status == "FAIL"
+    assert by_case["outside"].reason.startswith(
+        "the worker was killed twice running this case: exit status -11"
+    )
+    assert len(rep.restarts) == 2
+
+
 # ---- the real thing --------------------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ framework; the other modes break it in one named way.
 """
 
 import os
+import signal
+from pathlib import Path
 
 import numpy as np
 
@@ -16,7 +18,8 @@ from normkit.spec import NormSpec
 VARIANTS = {
     "mode": (
         "exact", "raise", "skip", "crash", "eps_outside", "print", "plain_call", "drop_h",
-        "wrong_h", "wrong_dresidual", "wrong_dalpha", "input_dtype",
+        "wrong_h", "wrong_dresidual", "wrong_dalpha", "input_dtype", "segfault_once",
+        "segfault_outside",
     )
 }
 
@@ -56,6 +59,13 @@ def evaluate(
         raise NotImplementedError("this fake cannot do that")
     if mode == "crash":
         os._exit(3)
+    marker = Path(os.environ.get("NORMKIT_FAKE_MARKER", os.devnull))
+    if (mode == "segfault_once" and not marker.exists()) or (
+        mode == "segfault_outside" and spec.eps_placement == "outside"
+    ):
+        if mode == "segfault_once":
+            marker.touch()
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a framework's segfault looks like
     if mode == "plain_call" and (residual is not None or dh is not None or alpha is not None):
         raise TypeError("a plain spec's call got the extended keywords")
     if mode == "eps_outside":
