@@ -220,8 +220,9 @@ def normalize(
                           kernel=kernel)
             return local.wrap(y)
     if _autocasts_to_float32(x, spec):
-        x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
-        assert x is not None
+        x = x.float()
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
     return _along_axes(x, None, spec, weight, bias, alpha, kernel)[0]
 
 
