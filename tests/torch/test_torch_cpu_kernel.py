@@ -4,6 +4,7 @@ its fallback."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import itertools
 import os
@@ -26,6 +27,7 @@ from normkit.torch.kernels import cpu
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
 pytest.importorskip("numba")
+CHUNK = importlib.import_module("normkit.torch.kernels._cpu_numba").CHUNK
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECS = {
@@ -238,9 +240,34 @@ def test_partial_k1_gradient_is_free_of_cancellation(outside: bool, spy: Spy) ->
     _check(spec, x, dy, None, None, "k=1")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
+def test_rows_of_several_chunks_with_edges_in_one_chunk(kind: Kind, dtype: str, spy: Spy
+                                                        ) -> None:
+    """Rows of 3 chunks and a remainder (sums in float32 per chunk, float64 across): ordinary
+    rows, and rows where one chunk's float32 squares overflow or all underflow, a large mean,
+    a first element far from the mean (LayerNorm's backward shifts by it), and p ending
+    inside a chunk."""
+    n = 3 * CHUNK + 5
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, n))
+    x[1, 300] = 1e20
+    x[2] *= 1e-25
+    x[3] += 1e4
+    x[4, 0] = 1e3
+    dy = rng.standard_normal(x.shape)
+    dy[1, 300] = 1e20  # dy * x overflows float32 too
+    spec = NormSpec(kind=kind, p=0.4) if kind == "partial_rms" else NormSpec(kind=kind)
+    scale = rng.standard_normal(n).astype(np.float32) + 1
+    d = dtypes.DTYPE_NAMES[dtype]
+    _check(spec, x.astype(d), dy.astype(d), scale, None, f"{kind} {dtype} n={n}")
+    assert spy.calls["forward"] == 1 and spy.calls["backward"] == 1
+
+
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_row_of_2_20_elements(kind: Kind, spy: Spy) -> None:
-    """Accumulated in float64: within the float32 bound where one running float32 sum is not."""
+    """Float32 chunks added in float64: within the float32 bound where one running float32 sum
+    is not."""
     x, dy = _arrays((1, 2**20), "float32", 11)
     _check(NormSpec(kind=kind), x + np.float32(3.0), dy, None, None, "n=2**20")
 

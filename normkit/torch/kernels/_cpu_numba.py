@@ -5,18 +5,25 @@ selects, at compile time, how an element is read as float32 and how a float32 re
 rounded back (to nearest even, by integer operations), so every loop reads the input once from
 memory and writes its output once, with no row buffer.
 
-Per row the statistic is accumulated in float64 (no float32 overflow; rows of n = 2**20 keep
-their precision); LayerNorm takes two passes and corrects the mean by the mean of the centered
-values. The elementwise pass runs in float32 on ``((x - m_hi) - m_lo) * r`` (the mean split
-into two float32 parts); a row whose scalars leave float32's comfortable range (|x| near the
-float32 maximum, a tiny eps outside the root, NaN or inf) takes the same pass in float64.
+Per row the statistic is summed in float32 within chunks of `CHUNK` elements (eight lanes per
+vector) and in float64 across chunks, so rows of n = 2**20 keep their precision; a sum that
+overflows float32, or squares that underflow it, is taken again in float64. LayerNorm takes two
+passes and corrects the mean by the mean of the centered values. The elementwise pass runs in
+float32 on ``((x - m_hi) - m_lo) * r`` (the mean split into two float32 parts); a row whose
+scalars leave float32's comfortable range (|x| near the float32 maximum, a tiny eps outside the
+root, NaN or inf) takes the same pass in float64.
+
+Both directions read the next row of their block while writing this one: the forward its
+statistic, the backward its dot products (LayerNorm's in float64, shifted by the row's first
+element; the backward reuses the forward's ``r``), so reads and writes stream together as in a
+copy.
 
 The formulas are those of `normkit.reference.normalize` and `normalize_vjp`.
 """
 
 # numba compiles this module: its scalars are numpy float32/float64 where the annotations say
 # float, and intrinsics take numba's typing context implicitly.
-# mypy: disable-error-code="call-arg, var-annotated, return-value, arg-type"
+# mypy: disable-error-code="call-arg, var-annotated, return-value, arg-type, assignment"
 
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ _TWO_M24 = np.float32(2.0**-24)
 _TWO_P24 = np.float32(2.0**24)
 _TWO_P23 = np.float32(2.0**23)
 _REDUCE = {"reassoc", "contract"}
+CHUNK = 256
 
 
 def signatures(dtype: str) -> tuple[str, str]:
@@ -215,48 +223,10 @@ def _round_like_impl(row: Any, v: Any) -> Any:
     return round_f32
 
 
-# ---- per-row reductions, in float64 ----------------------------------------------------------
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def _sum(row: np.ndarray) -> float:
-    acc = 0.0
-    for j in range(row.size):
-        acc += np.float64(_load(row, j))
-    return acc
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def _sum_square(row: np.ndarray, k: int) -> float:
-    acc = 0.0
-    for j in range(k):
-        v = np.float64(_load(row, j))
-        acc += v * v
-    return acc
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
-    """``sum(x - m0)`` and ``sum((x - m0)^2)``."""
-    s1 = 0.0
-    s2 = 0.0
-    for j in range(row.size):
-        v = np.float64(_load(row, j)) - m0
-        s1 += v
-        s2 += v * v
-    return s1, s2
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float) -> tuple[float, float]:
-    """``sum(d)`` and ``sum(d * (x - m0))``, ``d = dy * g``."""
-    sd = 0.0
-    sdc = 0.0
-    for j in range(row.size):
-        d = np.float64(_load(dy, j) * g[j])
-        sd += d
-        sdc += d * (np.float64(_load(row, j)) - m0)
-    return sd, sdc
+# ---- per-row reductions ---------------------------------------------------------------------
+# A row's sums are float32 within chunks of `CHUNK` elements (eight float32 lanes per vector,
+# reassociated) and float64 across chunks; a sum that is not finite, or a statistic too small
+# for float32 squares, is taken again in float64 (`_exact_*`).
 
 
 @njit(cache=True, fastmath=_REDUCE)
@@ -271,10 +241,159 @@ def _add_square(acc: float, v: float) -> float:
     return acc + v * v
 
 
+@njit(cache=True, inline="always")
+def _chunk_sum(row: np.ndarray, square: bool, start: int, stop: int) -> float:
+    """``sum(row)`` (``sum(row^2)`` with ``square``) over elements ``start:stop`` (unsigned: no
+    negative-index check, so the loop vectorizes) in float32."""
+    acc = np.float32(0.0)
+    if square:
+        for j in range(start, stop):
+            acc = _add_square(acc, _load(row, j))
+    else:
+        for j in range(start, stop):
+            acc = _add(acc, _load(row, j))
+    return acc
+
+
+@njit(cache=True)
+def _exact_sum(row: np.ndarray, square: bool) -> float:
+    """``sum(row)`` (``sum(row^2)`` with ``square``) in float64."""
+    acc = 0.0
+    if square:
+        for j in range(row.size):
+            acc = _add_square(acc, np.float64(_load(row, j)))
+    else:
+        for j in range(row.size):
+            acc = _add(acc, np.float64(_load(row, j)))
+    return acc
+
+
+@njit(cache=True)
+def _checked(total: float, row: np.ndarray, square: bool) -> float:
+    """``total``, a chunked `_row_sum` of ``row``, or the exact one where float32 may have lost
+    it: a sum of squares below `_FAST_LOW` (squares under float32's normal range) and any sum
+    that is not finite (overflow, or a NaN or infinity in the row)."""
+    if np.isfinite(total) and (not square or total > _FAST_LOW):
+        return total
+    return _exact_sum(row, square)
+
+
+@njit(cache=True)
+def _row_sum(row: np.ndarray, square: bool) -> float:
+    """``sum(row)`` (``sum(row^2)`` with ``square``): float32 chunks added in float64."""
+    n = np.uint64(row.size)
+    chunk = np.uint64(CHUNK)
+    acc = 0.0
+    for start in range(np.uint64(0), n, chunk):
+        acc += np.float64(_chunk_sum(row, square, start, min(start + chunk, n)))
+    return _checked(acc, row, square)
+
+
+@njit(cache=True, inline="always")
+def _chunk_centered_sums(row: np.ndarray, m_hi: float, m_lo: float, start: int, stop: int
+                         ) -> tuple[float, float]:
+    """``sum(c)`` and ``sum(c^2)`` over elements ``start:stop`` (unsigned) in float32,
+    ``c = (x - m_hi) - m_lo``."""
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    for j in range(start, stop):
+        c = (_load(row, j) - m_hi) - m_lo
+        s1 = _add(s1, c)
+        s2 = _add_square(s2, c)
+    return s1, s2
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _exact_centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
+    """``sum(x - m0)`` and ``sum((x - m0)^2)`` in float64."""
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(row.size):
+        v = np.float64(_load(row, j)) - m0
+        s1 += v
+        s2 += v * v
+    return s1, s2
+
+
+@njit(cache=True)
+def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
+    """``sum(x - m0)`` and ``sum((x - m0)^2)``: float32 chunks of the centered row (``m0``
+    split into two float32 parts) added in float64; in float64 where that is not finite or
+    ``m0`` is not a float32-safe scalar."""
+    if m0 != 0.0 and not _fast(m0):
+        return _exact_centered_sums(row, m0)
+    m_hi, m_lo = _split(m0)
+    n = np.uint64(row.size)
+    chunk = np.uint64(CHUNK)
+    s1 = 0.0
+    s2 = 0.0
+    for start in range(np.uint64(0), n, chunk):
+        c1, c2 = _chunk_centered_sums(row, m_hi, m_lo, start, min(start + chunk, n))
+        s1 += np.float64(c1)
+        s2 += np.float64(c2)
+    if np.isfinite(s2) and s2 > _FAST_LOW:
+        return s1, s2
+    return _exact_centered_sums(row, m0)
+
+
+@njit(cache=True, inline="always")
+def _chunk_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
+    """``sum(dy * g * x)`` over elements ``start:stop`` (unsigned) in float32."""
+    acc = np.float32(0.0)
+    for j in range(start, stop):
+        acc = _add(acc, _load(dy, j) * g[j] * _load(row, j))
+    return acc
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
+    """``sum(dy * g * x)`` in float64 (``dy * g`` rounded to float32, as in `_chunk_dot`)."""
+    acc = 0.0
+    for j in range(row.size):
+        acc += np.float64(_load(dy, j) * g[j]) * np.float64(_load(row, j))
+    return acc
+
+
+@njit(cache=True)
+def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
+    """``total``, a chunked `_dot`, or the exact one where it is not finite or below
+    `_FAST_LOW` (products under float32's normal range)."""
+    if np.isfinite(total) and abs(total) > _FAST_LOW:
+        return total
+    return _exact_dot(row, dy, g)
+
+
+@njit(cache=True)
+def _dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
+    """``sum(dy * g * x)``: float32 chunks added in float64 (`_checked_dot`)."""
+    n = np.uint64(row.size)
+    chunk = np.uint64(CHUNK)
+    acc = 0.0
+    for start in range(np.uint64(0), n, chunk):
+        acc += np.float64(_chunk_dot(row, dy, g, start, min(start + chunk, n)))
+    return _checked_dot(acc, row, dy, g)
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float
+                ) -> tuple[float, float, float]:
+    """``sum(x - m0)``, ``sum(d)`` and ``sum(d * (x - m0))`` in float64, ``d = dy * g``."""
+    sc = 0.0
+    sd = 0.0
+    sdc = 0.0
+    for j in range(row.size):
+        d = np.float64(_load(dy, j) * g[j])
+        c = np.float64(_load(row, j)) - m0
+        sc += c
+        sd += d
+        sdc += d * c
+    return sc, sd, sdc
+
+
 @njit(cache=True)
 def _layer_moments(row: np.ndarray) -> tuple[float, float, float]:
     """``(mean, s, m0)``: two passes, the mean ``m0`` corrected by that of ``x - m0``."""
-    return _layer_moments_from(row, _sum(row))
+    return _layer_moments_from(row, _row_sum(row, False))
 
 
 @njit(cache=True)
@@ -327,36 +446,56 @@ def _first_pass(row: np.ndarray, kind: int, k: int) -> float:
     """What the statistic needs from a row's first read: the sum of squares of its first ``k``
     elements (RMS kinds), or its sum (layer)."""
     if kind == LAYER:
-        return _sum(row)
-    return _sum_square(row, k)
+        return _row_sum(row, False)
+    return _row_sum(row[:k], True)
 
 
 @njit(cache=True)
 def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
-                m_hi: float, m_lo: float) -> None:
-    """``y = ((x - m_hi) - m_lo) r g + b`` in float32."""
-    for j in range(x.size):
-        _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+                m_hi: float, m_lo: float, centered: bool) -> None:
+    """``y = ((x - m_hi) - m_lo) r g + b`` in float32 (``y = x r g + b`` unless ``centered``,
+    the same values for a zero mean, two operations fewer)."""
+    if centered:
+        for j in range(x.size):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+    else:
+        for j in range(x.size):
+            _store(y, j, _load(x, j) * r * g[j] + b[j])
+
+
+@njit(cache=True, inline="always")
+def _scale_chunk_and_read(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray,
+                          r: float, m_hi: float, m_lo: float, following: np.ndarray,
+                          layer: bool, start: int, stop: int) -> float:
+    """`_scale_span` over elements ``start:stop`` of a row (unsigned: no negative-index
+    check, so the loop vectorizes), returning the float32 sum of ``following``'s (layer) or of
+    their squares (RMS kinds, whose rows are not centered)."""
+    acc = np.float32(0.0)
+    if layer:
+        for j in range(start, stop):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
+            acc = _add(acc, _load(following, j))
+    else:
+        for j in range(start, stop):
+            _store(y, j, _load(x, j) * r * g[j] + b[j])
+            acc = _add_square(acc, _load(following, j))
+    return acc
 
 
 @njit(cache=True)
 def _scale_and_read_next(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
-                         m_hi: float, m_lo: float, following: np.ndarray, square: bool) -> float:
-    """`_scale_span` over the row while accumulating, in float64, the sum of ``following`` (of
-    its squares with ``square``; no longer than the row): the next row streams in from memory
-    while this one is written, as in a copy, instead of in a pass of reads of its own."""
-    m = following.size
+                         m_hi: float, m_lo: float, following: np.ndarray, layer: bool) -> float:
+    """`_scale_span` over the row while taking the `_row_sum` of ``following`` (of its squares
+    for the RMS kinds; no longer than the row): the next row streams in from memory while this
+    one is written, as in a copy, instead of in a pass of reads of its own."""
+    m = np.uint64(following.size)
+    chunk = np.uint64(CHUNK)
     acc = 0.0
-    if square:
-        for j in range(m):
-            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
-            acc = _add_square(acc, np.float64(_load(following, j)))
-    else:
-        for j in range(m):
-            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
-            acc = _add(acc, np.float64(_load(following, j)))
-    _scale_span(x[m:], y[m:], g[m:], b[m:], r, m_hi, m_lo)
-    return acc
+    for start in range(np.uint64(0), m, chunk):
+        acc += np.float64(_scale_chunk_and_read(x, y, g, b, r, m_hi, m_lo, following, layer,
+                                                start, min(start + chunk, m)))
+    _scale_span(x[m:], y[m:], g[m:], b[m:], r, m_hi, m_lo, layer)
+    return _checked(acc, following, not layer)
 
 
 @njit(cache=True)
@@ -378,7 +517,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
         m_hi, m_lo = _split(mean)
         ahead = following[:k] if kind != LAYER else following
         return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
-                                       kind != LAYER)
+                                       kind == LAYER)
     if _fast(r) and (mean == 0.0 or _fast(mean)):
         # y_hat in float64, rounded once: its rounding is that of the reference.
         for j in range(n):
@@ -427,96 +566,151 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
     return r * r * r * (eps * d0 - x0 * tail)
 
 
+@njit(cache=True, inline="always")
+def _gradient_chunk(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                    dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
+                    m_hi: float, m_lo: float, x_next: np.ndarray, dy_next: np.ndarray,
+                    m_next: float, start: int, stop: int) -> tuple[float, float, float]:
+    """``dx = r (dy g - mean_d) + c q`` in float32 over elements ``start:stop`` (unsigned), with
+    ``c = (x - m_hi) - m_lo``, ``dg += dy c r`` and ``db += dy``; returns the next row's
+    float64 ``sum(c')``, ``sum(d')`` and ``sum(d' c')`` over the same elements as they stream
+    in, ``c' = x_next - m_next``, ``d' = dy_next g``."""
+    sc = 0.0
+    sd = 0.0
+    sdc = 0.0
+    for j in range(start, stop):
+        c = (_load(x, j) - m_hi) - m_lo
+        dyj = _load(dy, j)
+        dg[j] += dyj * (c * r)
+        db[j] += dyj
+        _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
+        d_next = np.float64(_load(dy_next, j) * g[j])
+        c_next = np.float64(_load(x_next, j)) - m_next
+        sc = _add(sc, c_next)
+        sd = _add(sd, d_next)
+        sdc = _add(sdc, d_next * c_next)
+    return sc, sd, sdc
+
+
+@njit(cache=True, inline="always")
+def _rms_gradient_chunk(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                        dg: np.ndarray, r: float, q: float, x_next: np.ndarray,
+                        dy_next: np.ndarray, start: int, stop: int) -> float:
+    """`_gradient_chunk` for an RMS row without a bias (``c = x``, ``mean_d = 0``, no ``db``):
+    returns the next row's float32 ``sum(d' x_next)``."""
+    acc = np.float32(0.0)
+    for j in range(start, stop):
+        xj = _load(x, j)
+        dyj = _load(dy, j)
+        dg[j] += dyj * (xj * r)
+        _store(dx, j, r * (dyj * g[j]) + xj * q)
+        acc = _add(acc, _load(dy_next, j) * g[j] * _load(x_next, j))
+    return acc
+
+
 @njit(cache=True)
-def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
-                   dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
-                   m_hi: float, m_lo: float, need_g: bool, need_b: bool) -> None:
-    """``dx = r (dy g - mean_d) + c q`` in float32, with ``c = (x - m_hi) - m_lo``; with
-    ``need_g`` ``dg += dy c r``, with ``need_b`` ``db += dy`` (one loop per case, so that each
-    vectorizes and touches only the rows it needs)."""
-    if need_g and need_b:
-        for j in range(x.size):
-            c = (_load(x, j) - m_hi) - m_lo
-            dyj = _load(dy, j)
-            dg[j] += dyj * (c * r)
-            db[j] += dyj
-            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
-    elif need_g:
-        for j in range(x.size):
-            c = (_load(x, j) - m_hi) - m_lo
-            dyj = _load(dy, j)
-            dg[j] += dyj * (c * r)
-            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
-    elif need_b:
-        for j in range(x.size):
-            c = (_load(x, j) - m_hi) - m_lo
-            dyj = _load(dy, j)
-            db[j] += dyj
-            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
-    else:
-        for j in range(x.size):
-            c = (_load(x, j) - m_hi) - m_lo
-            _store(dx, j, r * (_load(dy, j) * g[j] - mean_d) + c * q)
+def _gradient_and_read_next(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                            dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
+                            m_hi: float, m_lo: float, k: int, x_next: np.ndarray,
+                            dy_next: np.ndarray, layer: bool, rms_only: bool
+                            ) -> tuple[float, float, float]:
+    """The float32 gradient of a row in chunks, ``q`` on its first ``k`` elements and 0 on the
+    rest, returning the `_backward_sums` of the next row (``x_next``, ``dy_next``), read while
+    this one is written: the `_rms_gradient_chunk` loop with ``rms_only``, else
+    `_gradient_chunk`'s."""
+    n = np.uint64(x.size)
+    head = np.uint64(k)
+    chunk = np.uint64(CHUNK)
+    m_next = np.float64(_load(x_next, 0)) if layer else 0.0
+    sums = np.zeros(3)
+    dots = np.zeros(2)
+    for part in range(2):
+        lo = np.uint64(0) if part == 0 else head
+        hi = head if part == 0 else n
+        qp = q if part == 0 else np.float32(0.0)
+        for start in range(lo, hi, chunk):
+            stop = min(start + chunk, hi)
+            if rms_only:
+                dots[part] += np.float64(_rms_gradient_chunk(x, dy, dx, g, dg, r, qp, x_next,
+                                                             dy_next, start, stop))
+            else:
+                sc, sd, sdc = _gradient_chunk(x, dy, dx, g, dg, db, r, qp, mean_d, m_hi, m_lo,
+                                              x_next, dy_next, m_next, start, stop)
+                sums[0] += sc
+                sums[1] += sd
+                sums[2] += sdc
+                dots[part] += sdc
+    if layer:
+        return sums[0], sums[1], sums[2]
+    return (_checked_dot(dots[0], x_next[:k], dy_next[:k], g[:k]),
+            _checked_dot(dots[1], x_next[k:], dy_next[k:], g[k:]), 0.0)
+
+
+@njit(cache=True)
+def _backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray, kind: int, k: int
+                   ) -> tuple[float, float, float]:
+    """What a row's gradient needs from its first read, ``d = dy g``: for layer ``sum(c)``,
+    ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0``; for the RMS kinds ``sum(d x)``
+    over the first ``k`` elements and over the rest (and 0)."""
+    if kind == LAYER:
+        return _dot_scaled(x, dy, g, np.float64(_load(x, 0)))
+    return _dot(x[:k], dy[:k], g[:k]), _dot(x[k:], dy[k:], g[k:]), 0.0
 
 
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
-                  outside: bool, need_g: bool, need_b: bool) -> None:
-    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` (with ``need_g``) and ``dy`` to ``db``
-    (with ``need_b``).
+                  outside: bool, need_b: bool, first: tuple[float, float, float],
+                  x_next: np.ndarray, dy_next: np.ndarray) -> tuple[float, float, float]:
+    """``dx`` of one row whose `_backward_sums` are ``first``; adds ``dy * y_hat`` to ``dg`` and
+    ``dy`` to ``db``; returns the `_backward_sums` of the row ``x_next`` (read while this one
+    is written).
 
-    The forward's float32 ``r`` serves where it determines ``r'(s)`` (the RMS kinds, eps
-    inside, r in float32's comfortable range); elsewhere the statistic is recomputed.
+    The forward's float32 ``r`` serves where it determines ``r'(s)`` (eps inside, r in
+    float32's comfortable range); elsewhere the statistic is recomputed.
 
     ``dx_j = r (d_j - mean(d)) + [j < k] c_j (2/k) r'(s) sum_i d_i c_i`` with ``d = dy * g``
     and ``c`` the centered row (``mean(d)`` only for layer); for k = 1 element 0 takes the
     cancellation-free closed form of `_first_of_one`.
     """
     n = x.size
+    reuse_r = not outside and _fast(saved_r)
     if kind == LAYER:
-        mean, s, m0 = _layer_moments(x)
-        sd, sdc0 = _dot_scaled(x, dy, g, m0)
-        dot = sdc0 - (mean - m0) * sd
+        sc, sd, sdc = first
+        mean = np.float64(_load(x, 0)) + sc / n
+        dot = sdc - (sc / n) * sd
         mean_d = sd / n
+        s = 0.0 if reuse_r else _layer_moments(x)[1]
         tail = 0.0
     else:
+        head, tail, _ = first
         mean = 0.0
-        s = 0.0 if not outside and _fast(saved_r) else _sum_square(x, k) / k
-        # Slices, so that every loop starts at 0: numba then drops its negative-index check,
-        # which would keep LLVM from vectorizing.
-        _, head = _dot_scaled(x[:k], dy[:k], g[:k], 0.0)
-        _, tail = _dot_scaled(x[k:], dy[k:], g[k:], 0.0)
+        s = 0.0 if reuse_r else _row_sum(x[:k], True) / k
         dot = head + tail
         mean_d = 0.0
-    r = np.float64(saved_r) if kind != LAYER and not outside and _fast(saved_r) else _rstd(
-        s, eps, outside
-    )
+    r = np.float64(saved_r) if reuse_r else _rstd(s, eps, outside)
     q = (2.0 / k) * _dr_ds(r, s, outside) * dot
     if (_fast(r) and abs(q) < _FAST_HIGH and abs(mean_d) < _FAST_HIGH
             and (mean == 0.0 or _fast(mean))):
-        r32 = np.float32(r)
-        q32 = np.float32(q)
-        md32 = np.float32(mean_d)
         m_hi, m_lo = _split(mean)
-        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], r32, q32, md32, m_hi, m_lo,
-                       need_g, need_b)
-        _gradient_span(x[k:], dy[k:], dx[k:], g[k:], dg[k:], db[k:], r32, np.float32(0.0), md32,
-                       m_hi, m_lo, need_g, need_b)
+        following = _gradient_and_read_next(
+            x, dy, dx, g, dg, db, np.float32(r), np.float32(q), np.float32(mean_d), m_hi, m_lo,
+            k, x_next, dy_next, kind == LAYER, kind != LAYER and not need_b,
+        )
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
             dyj = np.float64(_load(dy, j))
-            if need_g:
-                dg[j] += dyj * c * r
-            if need_b:
-                db[j] += dyj
+            dg[j] += dyj * c * r
+            db[j] += dyj
             v = r * (dyj * g[j] - mean_d)
             _store(dx, j, np.float32(v + c * q if j < k else v))
+        following = _backward_sums(x_next, dy_next, g, kind, k)
     if kind != LAYER and k == 1:
         d0 = np.float64(_load(dy, 0)) * g[0]
         dx0 = _first_of_one(np.float64(_load(x, 0)), d0, tail, r, eps, outside)
         _store(dx, 0, np.float32(dx0))
+    return following
 
 
 @njit(parallel=True, cache=True)
@@ -525,10 +719,18 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
              need_g: bool, need_b: bool, block: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
     dtype); row block ``i`` adds its rows' ``dy * y_hat`` to ``dg[i]`` (with ``need_g``) and
-    ``dy`` to ``db[i]`` (with ``need_b``): float32 partial sums, zero on entry."""
-    rows = x.shape[0]
+    ``dy`` to ``db[i]`` (with ``need_b``): float32 partial sums, zero on entry. A sum nobody
+    asked for goes to a scratch row of the block (one loop serves every case)."""
+    rows, n = x.shape
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
-        for i in range(blk * block, min(rows, (blk + 1) * block)):
-            _backward_row(x[i], r[i], dy[i], dx[i], g, dg[blk], db[blk], kind, k, eps, outside,
-                          need_g, need_b)
+        start = blk * block
+        end = min(rows, start + block)
+        dg_rows = dg[blk] if need_g else np.zeros(n, np.float32)
+        db_rows = db[blk] if need_b else np.zeros(n, np.float32)
+        first = _backward_sums(x[start], dy[start], g, kind, k)
+        for i in range(start, end):
+            # the next row of the block, read while this one is written (itself after the last)
+            following = min(i + 1, end - 1)
+            first = _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
+                                  outside, need_b, first, x[following], dy[following])
