@@ -134,27 +134,66 @@ def check_params(
     return g, b
 
 
+def _check_mask(mask: npt.ArrayLike, shape: tuple[int, ...], spec: NormSpec) -> np.ndarray:
+    """``mask`` as booleans of ``shape`` (nonzero values mean True, as in Flax)."""
+    if spec.kind not in ("rms", "layer"):
+        raise ValueError(
+            f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
+            f"{spec.kind!r}: partial RMS already fixes the elements its statistic reads, and "
+            "DyT has no statistic"
+        )
+    arr = np.asarray(mask)
+    if arr.dtype != np.bool_ and not np.issubdtype(arr.dtype, np.number):
+        raise TypeError(f"mask has dtype {arr.dtype}; expected bool or numbers (nonzero: True)")
+    try:
+        return np.broadcast_to(arr != 0, shape)
+    except ValueError:
+        raise ValueError(
+            f"mask has shape {arr.shape}, which does not broadcast to x's shape {shape}"
+        ) from None
+
+
+def _reads(rows: np.ndarray, spec: NormSpec, mask: np.ndarray | None) -> np.ndarray:
+    """Per row, the elements the statistic reads: ``mask``, or the first ``spec.stat_size(n)``
+    (all of them but for partial RMS)."""
+    if mask is not None:
+        return mask
+    n = rows.shape[1]
+    return np.broadcast_to(np.arange(n) < spec.stat_size(n), rows.shape)
+
+
+def _mean(values: np.ndarray, reads: np.ndarray) -> np.ndarray:
+    """Per row (keepdims), the mean of ``values`` over the elements ``reads`` marks; NaN for a
+    row that marks none (0 / 0). Unmarked elements are not read, NaN or not."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sum(values, axis=1, keepdims=True, where=reads) / reads.sum(1, keepdims=True)
+
+
 @dataclass(frozen=True)
 class _Statistic:
-    """Per row: the values the statistic centers (x, or x - mean(x)), s, r(s) and dr/ds."""
+    """Per row: the values the statistic centers (x, or x - mean(x)), the elements it reads and
+    their count K, s, r(s) and dr/ds (all but ``centered`` and ``reads`` of shape (rows, 1))."""
 
     centered: np.ndarray
-    k: int
+    reads: np.ndarray
+    count: np.ndarray
     s: np.ndarray
     r: np.ndarray
     dr_ds: np.ndarray
 
 
 def _statistic(
-    rows: np.ndarray, spec: NormSpec, moments: tuple[np.ndarray, np.ndarray] | None = None
+    rows: np.ndarray,
+    spec: NormSpec,
+    reads: np.ndarray,
+    moments: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> _Statistic:
-    """The exact statistic, or the given ``(centered, s)`` (those of ``variance="fast"``)."""
+    """The exact statistic over the elements ``reads`` marks (LayerNorm's mean over them too),
+    or the given ``(centered, s)`` (those of ``variance="fast"``)."""
     assert spec.eps is not None, "a normalization kind has an eps"
-    n = rows.shape[1]
-    k = spec.stat_size(n)
     if moments is None:
-        centered = rows - rows.mean(axis=1, keepdims=True) if spec.kind == "layer" else rows
-        s = np.mean(centered[:, :k] ** 2, axis=1)
+        centered = rows - _mean(rows, reads) if spec.kind == "layer" else rows
+        s = _mean(centered**2, reads)
     else:
         centered, s = moments
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -167,7 +206,7 @@ def _statistic(
             # sqrt is not differentiable at s = 0; there every x_i in the statistic is 0 and
             # the term's limit along any path is bounded, so the reference takes 0.
             dr_ds = np.where(s > 0, -0.5 * r**2 / np.where(s > 0, root, 1.0), 0.0)
-    return _Statistic(centered, k, s, r[:, None], dr_ds[:, None])
+    return _Statistic(centered, reads, reads.sum(axis=1, keepdims=True), s, r, dr_ds)
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -175,23 +214,26 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return dtypes.float64 if dtype == dtypes.float64 else dtypes.float32
 
 
-def _fast_moments(rows: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _fast_moments(
+    rows: np.ndarray, dtype: np.dtype, reads: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``variance="fast"``: ``(x - m1, v)`` with ``c`` the compute dtype of ``dtype`` and
 
         m1 = c(mean(x))    m2 = c(mean(c(x_i^2)))    v = max(0, c(m2 - c(m1^2)))
 
-    where ``c(.)`` rounds to ``c`` once and the means are taken in float64 (the ideal of the
-    float32 reduction: an implementation's summation order adds its own error).
+    where ``c(.)`` rounds to ``c`` once and the means, over the elements ``reads`` marks, are
+    taken in float64 (the ideal of the float32 reduction: an implementation's summation order
+    adds its own error). ``max`` keeps a NaN (a row that reads nothing).
     """
     c = _compute_dtype(dtype)
 
     def rounded(values: np.ndarray) -> np.ndarray:
         return dtypes.round_to(values, c).astype(np.float64)
 
-    m1 = rounded(rows.mean(axis=1))
-    m2 = rounded(rounded(rows**2).mean(axis=1))
+    m1 = rounded(_mean(rows, reads))
+    m2 = rounded(_mean(rounded(rows**2), reads))
     v = np.maximum(0.0, rounded(m2 - rounded(m1 * m1)))
-    return rows - m1[:, None], v
+    return rows - m1, v
 
 
 def _promote(*kinds: np.dtype) -> np.dtype:
@@ -282,23 +324,39 @@ def _refuse_residual(spec: NormSpec, who: str) -> None:
 
 
 def _normalized_rows(
-    rows: np.ndarray, spec: NormSpec, dtype: np.dtype, alpha: np.ndarray, exact: bool
+    rows: np.ndarray,
+    spec: NormSpec,
+    dtype: np.dtype,
+    alpha: np.ndarray,
+    exact: bool,
+    mask: np.ndarray | None,
 ) -> tuple[np.ndarray, _Statistic | None]:
     """``y_hat`` per row (and the statistic), for inputs of ``dtype``; ``exact`` ignores the
-    roundings of ``variance="fast"`` (the gradient is that of the exact function)."""
+    roundings of ``variance="fast"`` (the gradient is that of the exact function). ``mask``
+    (rows of booleans, or None) restricts the elements the statistic reads."""
     if spec.kind == "dyt":
         return np.tanh(float(alpha.reshape(())) * rows), None
+    reads = _reads(rows, spec, mask)
     fast = spec.variance == "fast" and not exact
-    stat = _statistic(rows, spec, _fast_moments(rows, dtype) if fast else None)
+    stat = _statistic(rows, spec, reads, _fast_moments(rows, dtype, reads) if fast else None)
     return stat.centered * stat.r, stat
 
 
 def _forward(
-    values: np.ndarray, dtype: np.dtype, out: np.dtype, spec: NormSpec, p: _Params
+    values: np.ndarray,
+    dtype: np.dtype,
+    out: np.dtype,
+    spec: NormSpec,
+    p: _Params,
+    mask: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The spec on float64 ``values`` with the dtype policy of inputs of ``dtype``, in ``out``."""
+    """The spec on float64 ``values`` with the dtype policy of inputs of ``dtype``, in ``out``;
+    ``mask``, of ``values``' shape, restricts the statistic."""
     layout = _Rows.of(values.shape, spec)
-    normalized, _ = _normalized_rows(layout.split(values), spec, dtype, p.alpha, exact=False)
+    mask_rows = None if mask is None else layout.split(mask)
+    normalized, _ = _normalized_rows(
+        layout.split(values), spec, dtype, p.alpha, exact=False, mask=mask_rows
+    )
     if dtypes.is_half(dtype) and spec.cast == "before_scale":
         normalized = dtypes.round_to(normalized, dtype).astype(np.float64)
     y = normalized * p.g.reshape(1, -1) + p.b.reshape(1, -1)
@@ -311,6 +369,8 @@ def normalize(
     scale: npt.ArrayLike | None = None,
     bias: npt.ArrayLike | None = None,
     alpha: npt.ArrayLike | None = None,
+    *,
+    mask: npt.ArrayLike | None = None,
 ) -> np.ndarray:
     """``spec`` applied to ``x``, computed in float64 and returned in the output dtype.
 
@@ -327,6 +387,14 @@ def normalize(
       bias: ``b``, of the same shape; None means zero.
       alpha: DyT's ``alpha``, a scalar (shape ``()`` or ``(1,)``); None means
         ``spec.alpha_init``. Only for ``kind="dyt"``.
+      mask: Flax's call-time ``mask``, for ``kind="rms"`` and ``"layer"``: a bool (or numeric,
+        nonzero meaning True) array broadcastable to ``x``. The statistic of a row reads only
+        its K elements where ``mask`` is True: with ``mean_m(v) = sum_{mask} v / K``, ``s =
+        mean_m(x^2)`` (RMS) or ``mean_m((x - mean_m(x))^2)`` (LayerNorm; ``variance="fast"``:
+        ``max(0, mean_m(x^2) - mean_m(x)^2)`` with its roundings). Every element, masked in or
+        out, is then normalized with that statistic and gets the affine step; masked-out values
+        never reach the statistic (they may be NaN). A row with no element masked in (K = 0)
+        is NaN throughout. None: every element is read.
 
     Examples:
       >>> import numpy as np
@@ -337,14 +405,16 @@ def normalize(
       array([[-1.5,  2.5]])
 
     Raises ValueError when ``spec.eps`` is out of the range of ``x``'s compute dtype
-    (`NormSpec.check_eps`).
+    (`NormSpec.check_eps`), or ``mask`` is given for another kind or does not broadcast to
+    ``x``; TypeError when ``mask`` is neither bool nor numeric.
     """
     arr = _check_input(x, "x")
     spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize")
     p = _params(arr.shape, spec, scale, bias, alpha)
+    m = None if mask is None else _check_mask(mask, arr.shape, spec)
     out = output_dtype(arr.dtype, spec, scale, bias, alpha)
-    return _forward(arr.astype(np.float64), arr.dtype, out, spec, p)
+    return _forward(arr.astype(np.float64), arr.dtype, out, spec, p, m)
 
 
 def _round_half(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -385,7 +455,12 @@ class _RawGrads:
 
 
 def _grads(
-    values: np.ndarray, dtype: np.dtype, dy: np.ndarray, spec: NormSpec, p: _Params
+    values: np.ndarray,
+    dtype: np.dtype,
+    dy: np.ndarray,
+    spec: NormSpec,
+    p: _Params,
+    mask: np.ndarray | None = None,
 ) -> _RawGrads:
     r"""The VJP at float64 ``values`` with the dtype policy of inputs of ``dtype``.
 
@@ -393,13 +468,14 @@ def _grads(
     through the eager forward does, ``a`` being `_affine_dtype` and ``z`` the rounded ``y_hat``:
     ``dz = t(a(dy g))``, ``dscale = a(sum_rows a(dy z))``, ``dbias = a(sum_rows dy)``, where
     ``t(.)`` and ``a(.)`` round to the input and the affine dtype: products always, sums only to
-    a half dtype (a float32 sum's rounding depends on its order).
+    a half dtype (a float32 sum's rounding depends on its order). ``mask`` as in `_forward`.
     """
     layout = _Rows.of(values.shape, spec)
     rows = layout.split(values)
     dy_rows = layout.split(dy)
     g = p.g.reshape(1, -1)
-    normalized, stat = _normalized_rows(rows, spec, dtype, p.alpha, exact=True)
+    mask_rows = None if mask is None else layout.split(mask)
+    normalized, stat = _normalized_rows(rows, spec, dtype, p.alpha, exact=True, mask=mask_rows)
     autograd = (
         spec.backward == "autograd" and dtypes.is_half(dtype) and spec.cast == "before_scale"
     )
@@ -418,26 +494,7 @@ def _grads(
         dx = float(p.alpha.reshape(())) * slope * d
         dalpha = np.asarray(np.sum(d * rows * slope)).reshape(p.alpha.shape)
     else:
-        c = stat.centered
-        n = c.shape[1]
-        # Where the statistic reads one value (k = 1; LayerNorm rows of two, c = +-delta), the
-        # factor r + 2 s r'(s) of that value's own term cancels even in float64; it is taken in
-        # its closed form, eps r**3 (inside) or eps r**2 (outside).
-        assert spec.eps is not None
-        own = spec.eps * stat.r * stat.r * (stat.r if spec.eps_placement == "inside" else 1.0)
-        if spec.kind == "layer" and n == 2:
-            dx = own * (d - d.mean(axis=1, keepdims=True))
-        elif spec.kind == "layer":
-            dx = stat.r * (d - d.mean(axis=1, keepdims=True))
-            dx += (2.0 / n) * c * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
-        elif stat.k == 1:
-            dx = stat.r * d
-            others = np.sum(d[:, 1:] * c[:, 1:], axis=1, keepdims=True)
-            dx[:, :1] = own * d[:, :1] + 2.0 * c[:, :1] * stat.dr_ds * others
-        else:
-            dx = stat.r * d
-            k = stat.k
-            dx[:, :k] += (2.0 / k) * c[:, :k] * stat.dr_ds * np.sum(d * c, axis=1, keepdims=True)
+        dx = _input_grad(stat, d, spec)
         dalpha = np.zeros(())
     param_shape = spec.param_shape(values.shape)
     return _RawGrads(
@@ -446,6 +503,35 @@ def _grads(
         dbias.reshape(param_shape) if spec.bias else None,
         dalpha,
     )
+
+
+def _input_grad(stat: _Statistic, d: np.ndarray, spec: NormSpec) -> np.ndarray:
+    r"""``dx`` for ``d = dy g`` (`normalize_vjp`), the statistic reading the K elements R::
+
+        dx_i = r d_i + [i in R] ((2 c_i / K) r'(s) sum_j d_j c_j - [layer] (r / K) sum_j d_j)
+
+    (sums over the whole row: every output depends on the statistic). Where R holds one value
+    (RMS kinds, K = 1) or two (LayerNorm, c = +-delta), the part of the sums over R cancels
+    even in float64, to ``own (d_i - [layer] mean_R(d))`` with ``own = r + 2 s r'(s)``, taken
+    in its closed form ``eps r**3`` (inside) or ``eps r**2`` (outside); the part over the other
+    elements is added as it is.
+    """
+    assert spec.eps is not None
+    c, reads, k, r, dr_ds = stat.centered, stat.reads, stat.count, stat.r, stat.dr_ds
+    layer = spec.kind == "layer"
+
+    def total(values: np.ndarray, where: np.ndarray | bool = True) -> np.ndarray:
+        return np.sum(values, axis=1, keepdims=True, where=where)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        general = 2.0 * c / k * dr_ds * total(d * c) - (r / k * total(d) if layer else 0.0)
+        own = spec.eps * r * r * (r if spec.eps_placement == "inside" else 1.0)
+        others = 2.0 * c / k * dr_ds * total(d * c, ~reads)
+        if layer:
+            others -= r / k * total(d, ~reads)
+        closed = own * (d - (total(d, reads) / k if layer else 0.0)) + others
+        degenerate = k == (2 if layer else 1)
+        return np.where(reads, np.where(degenerate, closed, r * d + general), r * d)
 
 
 def _param_grads(
@@ -478,6 +564,8 @@ def normalize_vjp(
     scale: npt.ArrayLike | None = None,
     bias: npt.ArrayLike | None = None,
     alpha: npt.ArrayLike | None = None,
+    *,
+    mask: npt.ArrayLike | None = None,
 ) -> NormGrads | DytGrads:
     r"""The gradients of ``sum(dy * normalize(x, spec, scale, bias, alpha))``, analytic.
 
@@ -491,6 +579,10 @@ def normalize_vjp(
                            dalpha = sum over all elements of x_i (1 - y_hat_i^2) d_i
 
     with ``r'(s) = -r^3 / 2`` (inside) or ``-r^2 / (2 sqrt(s))`` (outside, 0 at s = 0).
+    With a ``mask`` (`normalize`'s) the statistic reads the K masked-in elements R: ``k`` is K
+    and ``[i < k]`` is ``[i in R]`` in the RMS line, and LayerNorm's is
+    ``dx_i = r d_i + [i in R] ((2 c_i / K) r'(s) sum_j d_j c_j - (r / K) sum_j d_j)``, the sums
+    over the whole row; a row with K = 0 has NaN gradients.
 
     ``backward="exact"`` (default): the roundings of the half-precision policy are not
     differentiated (``variance="fast"`` has the gradient of ``"two_pass"``); the gradients are
@@ -509,7 +601,8 @@ def normalize_vjp(
     spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize_vjp")
     p = _params(arr.shape, spec, scale, bias, alpha)
-    raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p)
+    m = None if mask is None else _check_mask(mask, arr.shape, spec)
+    raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p, m)
     dx = raw.dx if spec.backward == "exact" else dtypes.round_to(raw.dx, arr.dtype)
     dscale, dbias, dalpha = _param_grads(raw, spec, p)
     if spec.kind == "dyt":

@@ -68,13 +68,14 @@ def _pair_sum(values: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.
 
 
 def mean(
-    values: jax.Array, axes: tuple[int, ...], n: int, axis_name: str | None = None
+    values: jax.Array, axes: tuple[int, ...], n: int | jax.Array, axis_name: str | None = None
 ) -> jax.Array:
     """The mean over ``axes`` (keepdims) of float32 ``values``, rounded once to float32.
 
     ``n`` is the number of elements a row has in all (across ``axis_name``'s shards, whose
-    partial sums are gathered and added in mesh order). The quotient of the pair sum by ``n`` is
-    corrected by its exact remainder.
+    partial sums are gathered and added in mesh order), or per row (keepdims; a masked mean,
+    the values outside the mask zero). The quotient of the pair sum by ``n`` is corrected by
+    its exact remainder.
     """
     hi, lo = _pair_sum(values, axes)
     if axis_name is not None:

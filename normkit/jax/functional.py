@@ -79,13 +79,14 @@ def normalize(
         With ``kind="partial_rms"`` the statistic reads the first ``k = spec.stat_size(N)``
         elements of the global row of ``N = n * axis_size`` elements (shards in mesh order);
         this needs a single normalized axis. DyT, elementwise, ignores it.
-      mask: Flax's ``mask``: a boolean array broadcastable to ``x``; the mean and the statistic
-        of a row are then taken over its elements where ``mask`` is True only (``mean_m(v) =
-        sum(where(mask, v, 0)) / count(mask)``: ``s = mean_m(x^2)``, or for LayerNorm
-        ``mean_m((x - mean_m(x))^2)``, or with ``variance="fast"`` ``max(0, mean_m(x^2) -
-        mean_m(x)^2)``), in plain float32 arithmetic as Flax computes them (a row with no
-        element masked in gives NaN). Every element is normalized with them. JAX
-        differentiates this path. ``rms`` and ``layer`` only, without ``axis_name``.
+      mask: Flax's call-time ``mask``, as `normkit.reference.normalize` defines it: a bool (or
+        numeric, nonzero meaning True) array broadcastable to ``x``. The mean and the statistic
+        of a row read only its K elements where ``mask`` is True (``mean_m(v) = sum_{mask} v /
+        K``: ``s = mean_m(x^2)``, for LayerNorm ``mean_m((x - mean_m(x))^2)``, with
+        ``variance="fast"`` ``max(0, mean_m(x^2) - mean_m(x)^2)`` rounded as without a mask);
+        every element is normalized with them and gets the affine step. Masked-out values never
+        reach the statistic; a row with K = 0 is NaN. The same analytic VJP as without a mask.
+        ``rms`` and ``layer`` only, without ``axis_name``.
 
     Returns:
       An array of ``x``'s shape, of dtype ``dtype`` (default ``x.dtype``), or with
@@ -93,6 +94,7 @@ def normalize(
 
     Raises:
       TypeError: ``x`` (or ``dtype``, ``scale``, ``bias``, ``alpha``) is not floating-point.
+      TypeError: ``mask`` is neither bool nor numeric.
       ValueError: an axis is out of range, a parameter has the wrong shape or is given although
         the spec lacks it, partial RMS is sharded over several normalized axes, ``spec.eps``
         is out of the range of the compute dtype (`NormSpec.check_eps`), the spec has a
@@ -105,9 +107,8 @@ def normalize(
             "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
         )
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
-    if mask is not None:
-        return _masked(plan, x, _checked_mask(mask, x, plan), scale, bias)
-    return _run(plan, x, None, scale, bias, _alpha(plan, alpha))  # type: ignore[return-value]
+    checked = None if mask is None else _checked_mask(mask, x, plan)
+    return _run(plan, x, None, scale, bias, _alpha(plan, alpha), checked)  # type: ignore[return-value]
 
 
 def add_norm(
@@ -244,7 +245,8 @@ def _checked_residual(residual: jax.Array, x: jax.Array, plan: _Plan, cast: bool
 
 
 def _checked_mask(mask: jax.Array, x: jax.Array, plan: _Plan) -> jax.Array:
-    """``mask`` as booleans of ``x``'s shape, for a spec whose statistic a mask can restrict."""
+    """``mask`` as booleans of ``x``'s shape, for a spec whose statistic a mask can restrict
+    (the checks of `normkit.reference.normalize`)."""
     if plan.spec.kind not in ("rms", "layer"):
         raise ValueError(
             f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
@@ -256,9 +258,11 @@ def _checked_mask(mask: jax.Array, x: jax.Array, plan: _Plan) -> jax.Array:
             f"mask with axis_name={plan.axis_name!r} is not supported: the masked statistic is "
             "computed per shard only"
         )
-    mask = jnp.asarray(mask, bool)
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.number):
+        raise TypeError(f"mask has dtype {mask.dtype}; expected bool or numbers (nonzero: True)")
     try:
-        return jnp.broadcast_to(mask, x.shape)
+        return jnp.broadcast_to(mask != 0, x.shape)
     except ValueError:
         raise ValueError(
             f"mask has shape {mask.shape}, which does not broadcast to x's shape {x.shape}"
@@ -363,8 +367,28 @@ def _row_size(x: jax.Array, plan: _Plan) -> int:
     return n if plan.axis_name is None else n * lax.axis_size(plan.axis_name)
 
 
-def _row_mean(value: jax.Array, plan: _Plan, n: int) -> jax.Array:
-    return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan) / n
+class _Reads(NamedTuple):
+    """The elements of a row the statistic reads: ``where`` (broadcastable to the input; None
+    for all of them) and their number per row, ``size`` (an int, or per row with a mask)."""
+
+    where: jax.Array | None
+    size: int | jax.Array
+
+
+def _reads(x: jax.Array, plan: _Plan, n: int, mask: jax.Array | None) -> _Reads:
+    """The call's ``mask`` (with its count per row), partial RMS's first k, or every element."""
+    if mask is not None:
+        return _Reads(mask, jnp.sum(mask, axis=plan.axes, keepdims=True, dtype=x.dtype))
+    if plan.spec.kind == "partial_rms":
+        return _Reads(*_partial_mask(x, plan, n))
+    return _Reads(None, n)
+
+
+def _read_mean(value: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
+    """The mean per row of ``value`` over the elements read (0 / 0 = NaN where none is)."""
+    if reads.where is not None:
+        value = jnp.where(reads.where, value, 0)
+    return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan) / reads.size
 
 
 def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
@@ -379,27 +403,24 @@ def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
     return local < k, k
 
 
-def _centered(xf: jax.Array, plan: _Plan, n: int) -> jax.Array:
-    """``x - mean(x)`` per row for LayerNorm (``x`` for the RMS kinds), with one correction pass:
-    the mean of the centered values is subtracted again, recovering what the rounding of a
-    large mean loses."""
+def _centered(xf: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
+    """``x - mean(x)`` per row for LayerNorm (``x`` for the RMS kinds), the mean over the
+    elements read, with one correction pass: the mean of the centered values is subtracted
+    again, recovering what the rounding of a large mean loses."""
     if plan.spec.kind != "layer":
         return xf
-    if n == 2 and plan.axis_name is None:
+    if reads.where is None and reads.size == 2 and plan.axis_name is None:
         # x - mean(x) = (x - x_other) / 2 (flipping the normalized axes swaps the two elements):
         # one rounding, relative to the centered values; the mean's rounding is relative to |x|,
         # which at n = 2 can dwarf them.
         return (xf - jnp.flip(xf, axis=plan.axes)) / 2
-    c = xf - _row_mean(xf, plan, n)
-    return c - _row_mean(c, plan, n)
+    c = xf - _read_mean(xf, plan, reads)
+    return c - _read_mean(c, plan, reads)
 
 
-def _statistic(c: jax.Array, plan: _Plan, n: int) -> jax.Array:
-    """s per row (keepdims): the mean of c**2 over the row, or over its first k elements."""
-    if plan.spec.kind != "partial_rms":
-        return _row_mean(c * c, plan, n)
-    mask, k = _partial_mask(c, plan, n)
-    return _row_mean(jnp.where(mask, c * c, 0), plan, k)
+def _statistic(c: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
+    """s per row (keepdims): the mean of c**2 over the elements read."""
+    return _read_mean(c * c, plan, reads)
 
 
 def _r(s: jax.Array, eps: float | jax.Array, spec: NormSpec) -> jax.Array:
@@ -436,13 +457,13 @@ class _Scaled(NamedTuple):
     pre: jax.Array
 
 
-def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
+def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
     """Every row divided by its largest magnitude (at least eps's), so that s lies in [1/k, 1].
 
     ``sigma = 1 / max(max|x|, floor)``, ``floor = sqrt(eps)`` (inside) or ``eps`` (outside), over
     the elements the statistic reads; LayerNorm rows are scaled, centered, then scaled again by
-    their largest centered value. The scaling is a constant to autodiff: ``y_hat`` does not
-    depend on it.
+    their largest centered value read. The scaling is a constant to autodiff: ``y_hat`` does
+    not depend on it.
     """
     spec = plan.spec
     assert spec.eps is not None  # a normalization kind
@@ -450,37 +471,40 @@ def _rescaled(xf: jax.Array, plan: _Plan, n: int) -> _Scaled:
     floor = spec.eps if outside else float(np.sqrt(spec.eps))
     tiny = float(jnp.finfo(xf.dtype).tiny)
     big = 2.0 ** (2 * _SAFE_EXPONENT[jnp.dtype(xf.dtype)])
-    magnitude = jnp.abs(xf)
-    if spec.kind == "partial_rms":
-        magnitude = jnp.where(_partial_mask(xf, plan, n)[0], magnitude, 0)
-    largest = _row_max(magnitude, plan)
+    def largest_read(values: jax.Array) -> jax.Array:
+        magnitude = jnp.abs(values)
+        if reads.where is not None:
+            magnitude = jnp.where(reads.where, magnitude, 0)
+        return _row_max(magnitude, plan)
+
+    largest = largest_read(xf)
     pre = jnp.where(largest > big, 1 / big, 1.0).astype(xf.dtype)
     sigma = 1 / jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny))
     c = xf * pre * sigma
     scaled_floor = floor * pre * sigma
     if spec.kind == "layer":
-        c = _centered(c, plan, n)
-        widest = _row_max(jnp.abs(c), plan)
+        c = _centered(c, plan, reads)
+        widest = largest_read(c)
         second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
         c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
-    s = _statistic(c, plan, n)
+    s = _statistic(c, plan, reads)
     eps = jnp.maximum(scaled_floor if outside else scaled_floor * scaled_floor, tiny)
     return _Scaled(c, s, eps, sigma, pre)
 
 
-def _rows(xf: jax.Array, plan: _Plan, n: int, r: jax.Array | None = None) -> _Scaled:
+def _rows(xf: jax.Array, plan: _Plan, reads: _Reads, r: jax.Array | None = None) -> _Scaled:
     """The rows in scaled units: as they are, except those whose ``r`` (the saved true ``r``,
     or else computed here) is out of range, which `_rescaled` recomputes. The rescaling runs
     only when some row needs it."""
     assert plan.spec.eps is not None  # a normalization kind
-    c = _centered(xf, plan, n)
-    s = _statistic(c, plan, n) if r is None else jnp.zeros_like(r)
+    c = _centered(xf, plan, reads)
+    s = _statistic(c, plan, reads) if r is None else jnp.zeros_like(r)
     bad = _out_of_range(_r(s, plan.spec.eps, plan.spec) if r is None else r)
     eps = jnp.full_like(s, plan.spec.eps)
     one = jnp.ones_like(s)
 
     def rescale() -> _Scaled:
-        scaled = _rescaled(xf, plan, n)
+        scaled = _rescaled(xf, plan, reads)
         # Rows holding an inf or a NaN get sigma = 0 or NaN and keep their plain values.
         use = bad & (scaled.sigma > 0)
         return _Scaled(
@@ -542,45 +566,52 @@ def _added(
     return (h.astype(compute) if plan.spec.residual == "rounded" else total), h
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2))
-def _fast_moments(plan: _Plan, v: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _fast_moments(plan: _Plan, v: jax.Array, reads: _Reads) -> tuple[jax.Array, jax.Array]:
     """``variance="fast"``: ``(m1, v)`` with ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))`` and
-    ``v = max(0, c(m2 - c(m1^2)))``, each step rounded once (`normkit.jax._exact`; float64
-    inputs in plain float64). Differentiated as the two-pass variance: ``dv = 2 mean(c dx)``."""
+    ``v = max(0, c(m2 - c(m1^2)))``, the means over the elements read, each step rounded once
+    (`normkit.jax._exact`; float64 inputs in plain float64). Differentiated as the two-pass
+    variance: ``dv = 2 mean(c dx)``."""
     if v.dtype == jnp.float32:
-        m1 = _exact.mean(v, plan.axes, n, plan.axis_name)
-        m2 = _exact.mean(_exact.product(v, v), plan.axes, n, plan.axis_name)
-        variance = m2 - _exact.product(m1, m1)
+
+        def mean(value: jax.Array) -> jax.Array:
+            if reads.where is not None:
+                value = jnp.where(reads.where, value, 0)
+            return _exact.mean(value, plan.axes, reads.size, plan.axis_name)
+
+        m1 = mean(v)
+        variance = mean(_exact.product(v, v)) - _exact.product(m1, m1)
     else:
-        m1 = _row_mean(v, plan, n)
-        variance = _row_mean(v * v, plan, n) - m1 * m1
+        m1 = _read_mean(v, plan, reads)
+        variance = _read_mean(v * v, plan, reads) - m1 * m1
     return m1, jnp.maximum(variance, 0)
 
 
 @_fast_moments.defjvp
 def _fast_moments_jvp(
-    plan: _Plan, n: int, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+    plan: _Plan, primals: tuple[jax.Array, _Reads], tangents: tuple[jax.Array, _Reads]
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    (v,), (dv,) = primals, tangents
-    m1, variance = _fast_moments(plan, v, n)
-    dvariance = 2 * _row_mean((v - m1) * dv, plan, n)
-    return (m1, variance), (_row_mean(dv, plan, n), jnp.where(variance > 0, dvariance, 0))
+    (v, reads), (dv, _) = primals, tangents
+    m1, variance = _fast_moments(plan, v, reads)
+    dvariance = 2 * _read_mean((v - m1) * dv, plan, reads)
+    dm1 = _read_mean(dv, plan, reads)
+    return (m1, variance), (dm1, jnp.where(variance > 0, dvariance, 0))
 
 
 def _normalized(
-    plan: _Plan, v: jax.Array, alpha: jax.Array | None
+    plan: _Plan, v: jax.Array, alpha: jax.Array | None, mask: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(y_hat, r)``: ``y_hat`` and the true ``r(s)`` per row (None for DyT and the fast
-    variance, whose backward recomputes the two-pass statistic)."""
+    variance, whose backward recomputes the two-pass statistic); ``mask`` the call's."""
     spec = plan.spec
     if alpha is not None:  # dyt
         return jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), None
     assert spec.eps is not None
-    n = _row_size(v, plan)
+    reads = _reads(v, plan, _row_size(v, plan), mask)
     if spec.variance == "fast":
-        m1, variance = _fast_moments(plan, v, n)
+        m1, variance = _fast_moments(plan, v, reads)
         return (v - m1) * _r(variance, spec.eps, spec), None
-    rows = _rows(v, plan, n)
+    rows = _rows(v, plan, reads)
     r = _r(rows.s, rows.eps, spec)
     return rows.c * r, r * rows.sigma * rows.pre
 
@@ -665,44 +696,14 @@ def _forward(
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
+    mask: jax.Array | None,
     eager: bool,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array | None]:
     """The output (``y``, or ``(y, h)`` with a residual) and the true ``r`` per row."""
     v, h = _added(plan, x, residual)
-    y_hat, r = _normalized(plan, v, alpha)
+    y_hat, r = _normalized(plan, v, alpha, mask)
     y = _affine(plan, y_hat, scale, bias, eager)
     return (y if h is None else (y, h)), r
-
-
-def _masked(
-    plan: _Plan,
-    x: jax.Array,
-    mask: jax.Array,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-) -> jax.Array:
-    """`normalize` with Flax's masked statistics (see its ``mask``); the affine step is the
-    spec's."""
-    spec = plan.spec
-    assert spec.eps is not None  # rms or layer
-    v = x.astype(_stat_dtype(plan.dtype))
-    count = jnp.sum(mask, axis=plan.axes, keepdims=True)
-
-    def masked_mean(value: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.where(mask, value, 0), axis=plan.axes, keepdims=True) / count
-
-    centered = v
-    if spec.kind == "rms":
-        s = masked_mean(v * v)
-    else:
-        m1 = masked_mean(v)
-        centered = v - m1
-        if spec.variance == "fast":
-            s = jnp.maximum(masked_mean(v * v) - m1 * m1, 0)
-        else:
-            s = masked_mean(centered * centered)
-    y_hat = centered * _r(s, spec.eps, spec)
-    return _affine(plan, y_hat, scale, bias, eager=spec.backward == "autograd")
 
 
 def _run(
@@ -712,16 +713,22 @@ def _run(
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
+    mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     if plan.spec.backward == "autograd":
-        return _forward(plan, x, residual, scale, bias, alpha, eager=True)[0]
-    return _norm(plan, x, residual, scale, bias, alpha)
+        return _forward(plan, x, residual, scale, bias, alpha, mask, eager=True)[0]
+    return _norm(plan, x, residual, scale, bias, alpha, mask)
 
 
 # --- the custom_vjp ---------------------------------------------------------------------------
 
 _Saved = tuple[
-    jax.Array, jax.Array | None, jax.Array | None, jax.Array | None, jax.Array | None
+    jax.Array,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
 ]
 
 
@@ -733,8 +740,9 @@ def _norm(
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
+    mask: jax.Array | None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    return _forward(plan, x, residual, scale, bias, alpha, eager=False)[0]
+    return _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)[0]
 
 
 def _norm_fwd(
@@ -744,8 +752,9 @@ def _norm_fwd(
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
+    mask: jax.Array | None,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, r = _forward(plan, x, residual, scale, bias, alpha, eager=False)
+    out, r = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
@@ -754,16 +763,16 @@ def _norm_fwd(
         normalized = out[1]
     else:
         normalized = _added(plan, x, residual)[0]
-    return out, (normalized, r, scale, bias, alpha)
+    return out, (normalized, r, scale, bias, alpha, mask)
 
 
 def _norm_bwd(
     plan: _Plan, saved: _Saved, cotangent: jax.Array | tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None, jax.Array | None]:
+) -> tuple[jax.Array | None, ...]:
     """`normkit.reference.add_normalize_vjp` / `normalize_vjp`: the norm's input gradient
     (`_input_grad`), plus ``dh`` with a residual, rounded once to x's and the residual's dtypes;
-    the parameters' gradients summed in the compute dtype."""
-    normalized, r_saved, scale, bias, alpha = saved
+    the parameters' gradients summed in the compute dtype; none for the mask."""
+    normalized, r_saved, scale, bias, alpha, mask = saved
     dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
     compute = _stat_dtype(plan.dtype)
     v = normalized.astype(compute)
@@ -778,37 +787,39 @@ def _norm_bwd(
         dv = a * slope * d
         dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
     else:
-        dv, y_hat = _input_grad(plan, v, r_saved, d)
+        dv, y_hat = _input_grad(plan, v, r_saved, d, mask)
     batch = tuple(a for a in range(v.ndim) if a not in plan.axes)
     dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
     dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
     if plan.residual_dtype is None:
-        return dv.astype(plan.dtype), None, dscale, dbias, dalpha
+        return dv.astype(plan.dtype), None, dscale, dbias, dalpha, None
     total = dv + dh.astype(compute)  # type: ignore[union-attr]
     dx, dresidual = total.astype(plan.dtype), total.astype(plan.residual_dtype)
-    return dx, dresidual, dscale, dbias, dalpha
+    return dx, dresidual, dscale, dbias, dalpha, None
 
 
 def _input_grad(
-    plan: _Plan, v: jax.Array, r_saved: jax.Array | None, d: jax.Array
+    plan: _Plan, v: jax.Array, r_saved: jax.Array | None, d: jax.Array, mask: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
     ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` (two-pass; the fast variance has
     its gradient, recomputed here).
 
-    With ``t = sqrt(s) r = 1 - eps r`` and ``u = y_hat`` (inside) or ``y_hat / sqrt(t)``
-    (outside, 0 where s = 0)::
+    With ``t = sqrt(s) r = 1 - eps r``, ``u = y_hat`` (inside) or ``y_hat / sqrt(t)`` (outside,
+    0 where s = 0), R the K elements the statistic reads (the mask's, partial RMS's first k, or
+    all n) and the sums over the whole row::
 
-        rms, partial_rms:  dx_i = r (d_i - [i < k] (1/k) u_i sum_j d_j u_j)
-        layer:             dx_i = r (d_i - mean(d) - (1/n) u_i sum_j d_j u_j)
+        dx_i = r (d_i - [i in R] ([layer] sum_j d_j + u_i sum_j d_j u_j) / K)
 
-    No intermediate leaves the dtype's range (``r**3`` would). Where the statistic reads one
-    element (k = 1) or LayerNorm has two, ``1 - u_0**2`` cancels; it is taken in the closed form
-    ``eps r**2`` (inside) or ``eps r`` (outside).
+    No intermediate leaves the dtype's range (``r**3`` would). Where R holds one element (RMS
+    kinds) or two (LayerNorm), the part of the sums over R cancels, to ``rest (d_i - [layer]
+    mean_R(d))`` with ``rest = 1 - u_i**2 = eps r**2`` (inside) or ``eps r`` (outside), taken in
+    that closed form; the part over the other elements is added as it is.
     """
     spec = plan.spec
     n = _row_size(v, plan)
-    rows = _rows(v, plan, n, r_saved)
+    reads = _reads(v, plan, n, mask)
+    rows = _rows(v, plan, reads, r_saved)
     r = _r(rows.s, rows.eps, spec)
     if r_saved is not None:
         # Plain rows keep the saved r; rescaled rows (s recomputed, non-zero) take r in scaled
@@ -822,22 +833,35 @@ def _input_grad(
     else:
         u = y_hat
         rest = rows.eps * r * r
-    if spec.kind == "layer":
-        centered_d = d - _row_mean(d, plan, n)
-        if n <= 2:
-            inner = rest * centered_d
-        else:
-            inner = centered_d - u * _row_mean(d * u, plan, n)
-    elif spec.kind == "rms" and n > 1:
-        inner = d - u * _row_mean(d * u, plan, n)
+    layer = spec.kind == "layer"
+    du = d * u
+    k = reads.size
+
+    def total(value: jax.Array, where: jax.Array | None = None) -> jax.Array:
+        if where is not None:
+            value = jnp.where(where, value, 0)
+        return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan)
+
+    def on_reads(value: jax.Array) -> jax.Array:
+        """``value`` on the elements read, ``d`` elsewhere."""
+        return value if reads.where is None else jnp.where(reads.where, value, d)
+
+    def general() -> jax.Array:
+        return on_reads(d - ((total(d) if layer else 0) + u * total(du)) / k)
+
+    def closed() -> jax.Array:
+        mean_d = total(d, reads.where) / k if layer else 0
+        value = (d - mean_d) * rest
+        if reads.where is not None:  # the part of the sums over the other elements
+            others = ~reads.where
+            value -= ((total(d, others) if layer else 0) + u * total(du, others)) / k
+        return on_reads(value)
+
+    degenerate = k == (2 if layer else 1)
+    if isinstance(k, int):  # no mask: every row reads as many elements
+        inner = closed() if degenerate else general()
     else:
-        mask, k = _partial_mask(v, plan, n)
-        du = d * u
-        if k == 1:
-            others = _psum(jnp.sum(jnp.where(mask, 0, du), axis=plan.axes, keepdims=True), plan)
-            inner = jnp.where(mask, d * rest - u * others, d)
-        else:
-            inner = jnp.where(mask, d - u * _row_mean(du, plan, k), d)
+        inner = jnp.where(degenerate, closed(), general())
     return r * inner * rows.sigma * rows.pre, y_hat
 
 

@@ -1,0 +1,172 @@
+"""normkit.jax with Flax's call-time ``mask``, against `normkit.reference.normalize(..., mask=)`
+and `normalize_vjp(..., mask=)` under `normkit.tolerances` (forward and gradients, float32 and
+bfloat16). test_jax_dropin.py compares the same calls with Flax's own layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import normkit.jax as nkjax  # noqa: E402
+from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit.jax import functional as F  # noqa: E402
+
+DTYPES = {"f32": np.float32, "bf16": dtypes.bfloat16}
+
+
+def _mask(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A random mask whose rows (over the last axis) read 0 (row 0), 1 (row 1), 2 (row 2) or
+    about half of their elements."""
+    m = rng.random(shape) < 0.5
+    m[0] = False
+    m[1] = False
+    m[1, 3] = True
+    m[2] = False
+    m[2, [1, 4]] = True
+    return m
+
+
+def _check(spec, x, dy, m, y, grads, scale, bias) -> None:
+    """``y`` and ``(dx, dscale, dbias)`` against the reference, NaN where it has NaN."""
+    want = reference.normalize(x, spec, scale, bias, mask=m)
+    magnitude = reference.scaled_magnitude(x, spec, scale) if spec.cast == "before_scale" else None
+    tolerances.assert_close(np.asarray(y), want, cast=spec.cast, magnitude=magnitude, what="y")
+    ref = reference.normalize_vjp(x, dy, spec, scale, bias, mask=m)
+    for name, got, exp in zip(("dx", "dscale", "dbias"), grads, ref):
+        if exp is not None:
+            tolerances.assert_close(np.asarray(got), exp, quantity="grad", what=name)
+
+
+def _module_case(kind: str, fast: bool, dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shape = (8, 12)
+    x = (rng.standard_normal(shape) * 2 + 0.5).astype(DTYPES[dtype])
+    dy = rng.standard_normal(shape).astype(DTYPES[dtype])
+    scale = (1 + 0.5 * rng.standard_normal(12)).astype(DTYPES[dtype])
+    bias = rng.standard_normal(12).astype(DTYPES[dtype]) if kind == "layer" else None
+    kwargs = dict(param_dtype=x.dtype)
+    if kind == "layer":
+        kwargs["use_fast_variance"] = fast
+    return x, dy, _mask(shape, rng), scale, bias, kwargs
+
+
+CASES = [("rms", False), ("layer", True), ("layer", False)]
+IDS = ["rms", "layer-fast", "layer-two_pass"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind, fast", CASES, ids=IDS)
+def test_linen_matches_reference(kind: str, fast: bool, dtype: str) -> None:
+    x, dy, m, scale, bias, kwargs = _module_case(kind, fast, dtype)
+    module = {"rms": nkjax.RMSNorm, "layer": nkjax.LayerNorm}[kind](**kwargs)
+    params = {"scale": jnp.asarray(scale)} | ({} if bias is None else {"bias": jnp.asarray(bias)})
+    variables = {"params": params}
+    apply = jax.jit(lambda v, x: module.apply(v, x, mask=m))
+    y, vjp = jax.vjp(apply, variables, jnp.asarray(x))
+    dvars, dx = vjp(jnp.asarray(dy, y.dtype))
+    grads = (dx, dvars["params"]["scale"], dvars["params"].get("bias"))
+    _check(module.spec, x, dy, m, y, grads, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind, fast", CASES, ids=IDS)
+def test_nnx_matches_reference(kind: str, fast: bool, dtype: str) -> None:
+    x, dy, m, scale, bias, kwargs = _module_case(kind, fast, dtype, seed=1)
+    module = {"rms": nkjax.nnx.RMSNorm, "layer": nkjax.nnx.LayerNorm}[kind](12, **kwargs)
+    nnx.update(module, nnx.State({"scale": scale} | ({} if bias is None else {"bias": bias})))
+
+    def loss(module, x):
+        return jnp.sum(jnp.asarray(dy, jnp.float32) * module(x, mask=m).astype(jnp.float32))
+
+    y = module(jnp.asarray(x), mask=m)
+    dmodule, dx = nnx.grad(loss, argnums=(0, 1))(module, jnp.asarray(x))
+    grads = (dx, dmodule.scale[...], None if bias is None else dmodule.bias[...])
+    _check(module.spec, x, dy, m, y, grads, scale, bias)
+
+
+SPECS = [
+    NormSpec(eps_placement="outside", eps=1e-3, scale_offset=1.0),
+    NormSpec("layer", axis=(-2, -1), bias=False),
+    NormSpec(cast="before_scale", axis=0),
+    NormSpec("layer", variance="fast", eps_placement="outside", eps=1e-5),
+    NormSpec(backward="autograd", cast="before_scale"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_functional_spec_options_with_a_broadcast_mask(spec: NormSpec, dtype: str) -> None:
+    """Several axes, eps outside, an offset, the before-scale cast and the autograd rounding
+    model, with a mask broadcast over the batch (one shape per row) and one per element."""
+    rng = np.random.default_rng(2)
+    shape = (6, 5, 8)
+    x = rng.standard_normal(shape).astype(DTYPES[dtype])
+    dy = rng.standard_normal(shape).astype(DTYPES[dtype])
+    p_shape = spec.param_shape(shape)
+    scale = rng.standard_normal(p_shape).astype(DTYPES[dtype])
+    bias = rng.standard_normal(p_shape).astype(DTYPES[dtype]) if spec.bias else None
+    for m in (rng.random(shape[1:]) < 0.6, rng.random(shape) < 0.7):
+        f = jax.jit(lambda x, w, b, m=m: F.normalize(x, spec, w, b, mask=m))
+        y, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(scale), None if bias is None else jnp.asarray(bias))
+        _check(spec, x, dy, m, y, vjp(jnp.asarray(dy)), scale, bias)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_large_mean_rows_match_the_reference(kind: str) -> None:
+    """x = 1e4 + N(0, 1) in float32: the masked statistic has the unmasked path's two-pass
+    correction and exactly rounded fast moments, so both variances stay within the bound (the
+    fast one against its own rounding model)."""
+    rng = np.random.default_rng(3)
+    x = (1e4 + rng.standard_normal((16, 64))).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    m = rng.random(x.shape) < 0.5
+    variances = ["two_pass", "fast"] if kind == "layer" else ["two_pass"]
+    for variance in variances:
+        spec = NormSpec(kind, variance=variance, scale=False, bias=False)
+        y, vjp = jax.vjp(lambda x, spec=spec: F.normalize(x, spec, mask=m), jnp.asarray(x))
+        _check(spec, x, dy, m, y, (*vjp(jnp.asarray(dy)), None, None), None, None)
+
+
+@pytest.mark.parametrize("kind, picked", [("rms", 1), ("layer", 2)])
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+def test_degenerate_rows_keep_their_small_gradient(kind: str, picked: int, placement: str) -> None:
+    """One element read (RMS) or two (LayerNorm), dy zero elsewhere: the masked-in gradient is
+    about eps r^3 of r, what the sums over the row would lose in float32 cancellation."""
+    spec = NormSpec(kind, eps=1e-6, eps_placement=placement)
+    x = np.array([[1.5, -0.5, 3.0, 2.0]], np.float32)
+    dy = np.array([[0.7, -0.2 if picked == 2 else 0.0, 0.0, 0.0]], np.float32)
+    m = np.array([[True, picked == 2, False, False]])
+    y, vjp = jax.vjp(lambda x: F.normalize(x, spec, mask=m), jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(dy))
+    want = reference.normalize_vjp(x, dy, spec, mask=m).dx
+    assert 0 < np.abs(want).max() < 1e-4
+    tolerances.assert_close(np.asarray(dx), want, quantity="grad")
+
+
+def test_all_true_mask_is_the_unmasked_norm() -> None:
+    """The same function (the reference's are equal exactly); the masked program sums in
+    another order, so within the forward bound rather than bit for bit."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((4, 6)).astype(np.float32))
+    for spec in (NormSpec(), NormSpec("layer"), NormSpec("layer", variance="fast")):
+        unmasked = np.asarray(F.normalize(x, spec))
+        tolerances.assert_close(np.asarray(F.normalize(x, spec, mask=np.ones(6, bool))), unmasked)
+
+
+def test_numeric_masks_mean_nonzero_as_in_flax() -> None:
+    """Flax takes any numeric mask, nonzero meaning True; so does normkit, and nothing else."""
+    x = jnp.ones((3, 5)) + jnp.arange(5.0)
+    for numbers in (np.array([1, 0, 3, 0, 1]), np.array([1.0, 0.0, 0.5, 0.0, 1.0])):
+        np.testing.assert_array_equal(F.normalize(x, NormSpec(), mask=numbers),
+                                      F.normalize(x, NormSpec(), mask=numbers != 0))
+        flax_ln = nn.LayerNorm()
+        params = flax_ln.init(jax.random.key(0), x)
+        tolerances.assert_close(np.asarray(F.normalize(x, NormSpec("layer"), mask=numbers)),
+                                np.asarray(flax_ln.apply(params, x, mask=jnp.asarray(numbers))),
+                                what="float mask against flax.linen.LayerNorm")
+
