@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normkit import NormSpec, dtypes, reference
+from tests.helpers.numerical import numerical_vjp
 
 
 def independent_normalize(x, spec, scale=None, bias=None):
@@ -121,27 +122,6 @@ def test_nan_stays_in_its_row():
 
 
 # ---- gradients -------------------------------------------------------------------------------
-
-
-def numerical_vjp(x, dy, spec, scale, bias, h=1e-6):
-    """Central differences of sum(dy * normalize(...)) w.r.t. x, scale and bias."""
-
-    def loss(x_, s_, b_):
-        return float(np.sum(dy * reference.normalize(x_, spec, s_, b_)))
-
-    def grad_of(array, call):
-        g = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            plus, minus = array.copy(), array.copy()
-            plus[index] += h
-            minus[index] -= h
-            g[index] = (call(plus) - call(minus)) / (2 * h)
-        return g
-
-    dx = grad_of(x, lambda v: loss(v, scale, bias))
-    ds = grad_of(scale, lambda v: loss(x, v, bias)) if scale is not None else None
-    db = grad_of(bias, lambda v: loss(x, scale, v)) if bias is not None else None
-    return dx, ds, db
 
 
 spec_strategy = st.builds(

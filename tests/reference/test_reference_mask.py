@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normkit import NormSpec, dtypes, reference
+from tests.helpers.numerical import numerical_vjp
 
 
 def masked_normalize(x, mask, spec, scale=None, bias=None):
@@ -180,27 +181,6 @@ def test_mask_errors_name_the_problem():
 # ---- gradients -------------------------------------------------------------------------------
 
 
-def numerical_vjp(x, dy, spec, scale, bias, mask, h=1e-6):
-    """Central differences of sum(dy * normalize(..., mask=mask)) w.r.t. x, scale and bias."""
-
-    def loss(x_, s_, b_):
-        return math.fsum((dy * reference.normalize(x_, spec, s_, b_, mask=mask)).ravel())
-
-    def grad_of(array, call):
-        g = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            plus, minus = array.copy(), array.copy()
-            plus[index] += h
-            minus[index] -= h
-            g[index] = (call(plus) - call(minus)) / (2 * h)
-        return g
-
-    dx = grad_of(x, lambda v: loss(v, scale, bias))
-    ds = grad_of(scale, lambda v: loss(x, v, bias)) if scale is not None else None
-    db = grad_of(bias, lambda v: loss(x, scale, v)) if bias is not None else None
-    return dx, ds, db
-
-
 spec_strategy = st.builds(
     lambda kind, eps, placement, offset, bias, axis: NormSpec(
         kind, eps=eps, eps_placement=placement, scale_offset=offset, bias=bias, axis=axis
@@ -238,7 +218,7 @@ def test_vjp_matches_finite_differences(spec, seed, n, density):
     scale, bias = _params(spec, shape, rng)
     got = reference.normalize_vjp(x, dy, spec, scale, bias, mask=mask)
     h = 1e-6
-    want = numerical_vjp(x, dy, spec, scale, bias, mask, h)
+    want = numerical_vjp(x, dy, spec, scale, bias, h, mask=mask)
     # The differences' own error: the loss's float64 rounding over 2h. It matters where the
     # statistic is tiny (a LayerNorm row reading one element has s = 0, so the elements masked
     # out are scaled by r(0), up to 1/eps).
@@ -273,5 +253,5 @@ def test_degenerate_rows_keep_their_small_gradient(kind, picked, placement):
     d = dy[0, :picked] - (dy[0, :picked].mean() if kind == "layer" else 0.0)
     np.testing.assert_allclose(dx[0, :picked], own * d, rtol=1e-9)
     np.testing.assert_allclose(dx[0, picked:], 0.0, atol=0)
-    want = numerical_vjp(x, dy, spec, None, None, mask, h=1e-4)[0]
+    want = numerical_vjp(x, dy, spec, None, None, h=1e-4, mask=mask)[0]
     np.testing.assert_allclose(dx, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -1,0 +1,37 @@
+"""Central differences of the reference, the independent check of its analytic gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from normkit import reference
+from normkit.spec import NormSpec
+
+
+def numerical_vjp(
+    x: np.ndarray, dy: np.ndarray, spec: NormSpec, scale: np.ndarray | None,
+    bias: np.ndarray | None, h: float = 1e-6, **call: Any,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Central differences (step ``h``) of ``sum(dy * reference.normalize(x, spec, scale, bias,
+    **call))``, summed exactly (``math.fsum``), with respect to x, scale and bias."""
+
+    def loss(x_: np.ndarray, s_: np.ndarray | None, b_: np.ndarray | None) -> float:
+        return math.fsum((dy * reference.normalize(x_, spec, s_, b_, **call)).ravel())
+
+    def grad_of(array: np.ndarray, at: Callable[[np.ndarray], float]) -> np.ndarray:
+        g = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            plus, minus = array.copy(), array.copy()
+            plus[index] += h
+            minus[index] -= h
+            g[index] = (at(plus) - at(minus)) / (2 * h)
+        return g
+
+    dx = grad_of(x, lambda v: loss(v, scale, bias))
+    ds = grad_of(scale, lambda v: loss(x, v, bias)) if scale is not None else None
+    db = grad_of(bias, lambda v: loss(x, scale, v)) if bias is not None else None
+    return dx, ds, db
