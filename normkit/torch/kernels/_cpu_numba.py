@@ -55,8 +55,8 @@ def signatures(dtype: str) -> tuple[str, str]:
         "int64)"
     )
     backward_sig = (
-        f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], "
-        "int64, int64, float64, boolean, boolean, boolean, int64)"
+        f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], {vec}, "
+        f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64)"
     )
     return forward_sig, backward_sig
 
@@ -713,24 +713,44 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     return following
 
 
+@njit(cache=True)
+def _add_rows(partial: np.ndarray, total: np.ndarray) -> None:
+    """``total`` = the rows of ``partial`` added up in float64, rounded to float32."""
+    acc = np.zeros(total.size)
+    for row in partial:
+        for j in range(total.size):
+            acc[j] += row[j]
+    for j in range(total.size):
+        total[j] = np.float32(acc[j])
+
+
 @njit(parallel=True, cache=True)
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
-             dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
-             need_g: bool, need_b: bool, block: int) -> None:
+             dg: np.ndarray, db: np.ndarray, dg_total: np.ndarray, db_total: np.ndarray,
+             kind: int, k: int, eps: float, outside: bool, need_g: bool, need_b: bool,
+             block: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
-    dtype); row block ``i`` adds its rows' ``dy * y_hat`` to ``dg[i]`` (with ``need_g``) and
-    ``dy`` to ``db[i]`` (with ``need_b``): float32 partial sums, zero on entry. A sum nobody
-    asked for goes to a scratch row of the block (one loop serves every case)."""
+    dtype). With ``need_g`` row block ``i`` sums its rows' ``dy * y_hat`` into ``dg[i]`` (float32)
+    and ``dg_total`` receives the blocks' sums added in float64; with ``need_b`` the same for
+    ``dy`` in ``db`` and ``db_total``. A sum nobody asked for goes to a scratch row of the block
+    (one loop serves every case). Everything happens in this one launch: no torch op between
+    the kernels, whose threads would wait on numba's."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
     for blk in prange(blocks):
         start = blk * block
         end = min(rows, start + block)
-        dg_rows = dg[blk] if need_g else np.zeros(n, np.float32)
-        db_rows = db[blk] if need_b else np.zeros(n, np.float32)
+        dg_rows = dg[blk] if need_g else np.empty(n, np.float32)
+        db_rows = db[blk] if need_b else np.empty(n, np.float32)
+        dg_rows[:] = 0.0
+        db_rows[:] = 0.0
         first = _backward_sums(x[start], dy[start], g, kind, k)
         for i in range(start, end):
             # the next row of the block, read while this one is written (itself after the last)
             following = min(i + 1, end - 1)
             first = _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
                                   outside, need_b, first, x[following], dy[following])
+    if need_g:
+        _add_rows(dg, dg_total)
+    if need_b:
+        _add_rows(db, db_total)

@@ -236,31 +236,25 @@ def _norm_backward(
     dx = _output_like(x)
     block = _block(rows)
     blocks = math.ceil(rows / block)
-    dg_blocks = torch.zeros(blocks, n if need_g else 0, dtype=torch.float32)
-    db_blocks = torch.zeros(blocks, n if need_b else 0, dtype=torch.float32)
+    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
+    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
+    dg = torch.zeros(n, dtype=torch.float32)
+    db = torch.zeros(n, dtype=torch.float32)
     with _lock:
         import numba
 
         numba.set_num_threads(_threads())
         module.backward(
-            _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx),
-            _rows(dg_blocks), _rows(db_blocks), KINDS[kind], k, eps, outside, need_g, need_b,
-            block,
+            _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
+            _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, eps, outside, need_g,
+            need_b, block,
         )
-    return dx, _sum_blocks(dg_blocks, n), _sum_blocks(db_blocks, n)
+    return dx, dg, db
 
 
 cpu_norm_backward = torch.library.custom_op(
     "normkit::cpu_norm_backward", _norm_backward, mutates_args=(), device_types="cpu"
 )
-
-
-def _sum_blocks(partial: torch.Tensor, n: int) -> torch.Tensor:
-    """The per-block partial sums added up in float64, returned in float32 (zeros where no
-    partial sums were asked for)."""
-    if partial.shape[1] != n:
-        return torch.zeros(n, dtype=torch.float32)
-    return partial.sum(dim=0, dtype=torch.float64).to(torch.float32)
 
 
 @cpu_norm_backward.register_fake
