@@ -336,18 +336,9 @@ def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     return _exact_centered_sums(row, m0)
 
 
-@njit(cache=True, inline="always")
-def _chunk_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
-    """``sum(dy * g * x)`` over elements ``start:stop`` (unsigned) in float32."""
-    acc = np.float32(0.0)
-    for j in range(start, stop):
-        acc = _add(acc, _load(dy, j) * g[j] * _load(row, j))
-    return acc
-
-
 @njit(cache=True, fastmath=_REDUCE)
 def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
-    """``sum(dy * g * x)`` in float64 (``dy * g`` rounded to float32, as in `_chunk_dot`)."""
+    """``sum(dy * g * x)`` in float64 (``dy * g`` rounded to float32, as in the chunked sum)."""
     acc = 0.0
     for j in range(row.size):
         acc += np.float64(_load(dy, j) * g[j]) * np.float64(_load(row, j))
@@ -356,38 +347,11 @@ def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
 
 @njit(cache=True)
 def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
-    """``total``, a chunked `_dot`, or the exact one where it is not finite or below
+    """``total``, a chunked ``sum(dy * g * x)``, or the exact one where it is not finite or below
     `_FAST_LOW` (products under float32's normal range)."""
     if np.isfinite(total) and abs(total) > _FAST_LOW:
         return total
     return _exact_dot(row, dy, g)
-
-
-@njit(cache=True)
-def _dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
-    """``sum(dy * g * x)``: float32 chunks added in float64 (`_checked_dot`)."""
-    n = np.uint64(row.size)
-    chunk = np.uint64(CHUNK)
-    acc = 0.0
-    for start in range(np.uint64(0), n, chunk):
-        acc += np.float64(_chunk_dot(row, dy, g, start, min(start + chunk, n)))
-    return _checked_dot(acc, row, dy, g)
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def _dot_scaled(row: np.ndarray, dy: np.ndarray, g: np.ndarray, m0: float
-                ) -> tuple[float, float, float]:
-    """``sum(x - m0)``, ``sum(d)`` and ``sum(d * (x - m0))`` in float64, ``d = dy * g``."""
-    sc = 0.0
-    sd = 0.0
-    sdc = 0.0
-    for j in range(row.size):
-        d = np.float64(_load(dy, j) * g[j])
-        c = np.float64(_load(row, j)) - m0
-        sc += c
-        sd += d
-        sdc += d * c
-    return sc, sd, sdc
 
 
 @njit(cache=True)
@@ -442,15 +406,6 @@ def _split(mean: float) -> tuple[float, float]:
 
 
 @njit(cache=True)
-def _first_pass(row: np.ndarray, kind: int, k: int) -> float:
-    """What the statistic needs from a row's first read: the sum of squares of its first ``k``
-    elements (RMS kinds), or its sum (layer)."""
-    if kind == LAYER:
-        return _row_sum(row, False)
-    return _row_sum(row[:k], True)
-
-
-@njit(cache=True)
 def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
                 m_hi: float, m_lo: float, centered: bool) -> None:
     """``y = ((x - m_hi) - m_lo) r g + b`` in float32 (``y = x r g + b`` unless ``centered``,
@@ -499,11 +454,29 @@ def _scale_and_read_next(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndar
 
 
 @njit(cache=True)
+def _first_pass(x: np.ndarray, following: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
+                k: int, spare: np.ndarray, fuse: bool) -> float:
+    """What the statistic needs from the first read of the row ``following``: the sum of
+    squares of its first ``k`` elements (RMS kinds), or its sum (layer). Taken by
+    `_scale_and_read_next`, the loop that reads a row while writing the one before (here ``x``
+    into the ``spare`` row): every row's sums then come from the same machine code, in the same
+    order, whichever rows start a block, so results do not depend on the thread count. Rows
+    shorter than a chunk (``fuse`` false) take the sum in a loop of its own: the fused loop's
+    vector path then depends on where the arrays lie in memory (LLVM's overlap check)."""
+    ahead = following[:k] if kind != LAYER else following
+    if not fuse:
+        return _row_sum(ahead, kind != LAYER)
+    zero = np.float32(0.0)
+    return _scale_and_read_next(x, spare, g, b, zero, zero, zero, ahead, kind == LAYER)
+
+
+@njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
                  k: int, eps: float, outside: bool, before_scale: bool, first: float,
-                 following: np.ndarray) -> tuple[float, float]:
+                 following: np.ndarray, spare: np.ndarray, fuse: bool) -> tuple[float, float]:
     """``y = (x - mean) * r * g + b`` for one row whose `_first_pass` is ``first``; returns
-    ``r`` and the `_first_pass` of the row ``following`` (empty after a block's last row).
+    ``r`` and the `_first_pass` of the row ``following`` (empty after a block's last row;
+    ``spare`` a row to write where this one's pass does not read it).
     With ``before_scale`` the normalized value is rounded to the row's dtype before the
     affine step."""
     n = x.size
@@ -515,10 +488,12 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     r = _rstd(s, eps, outside)
     if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        ahead = following[:k] if kind != LAYER else following
-        return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
-                                       kind == LAYER)
-    if _fast(r) and (mean == 0.0 or _fast(mean)):
+        if fuse:
+            ahead = following[:k] if kind != LAYER else following
+            return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
+                                           kind == LAYER)
+        _scale_span(x, y, g, b, np.float32(r), m_hi, m_lo, kind == LAYER)
+    elif _fast(r) and (mean == 0.0 or _fast(mean)):
         # y_hat in float64, rounded once: its rounding is that of the reference.
         for j in range(n):
             v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
@@ -529,7 +504,9 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
             if before_scale:
                 v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
-    return r, _first_pass(following, kind, k) if following.size else 0.0
+    if not following.size:
+        return r, 0.0
+    return r, _first_pass(x, following, g, b, kind, k, spare, fuse)
 
 
 @njit(parallel=True, cache=True)
@@ -541,15 +518,17 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     ``block`` rows."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
+    fuse = n >= CHUNK
     for blk in prange(blocks):
         start = blk * block
         end = min(rows, start + block)
-        first = _first_pass(x[start], kind, k)
+        spare = np.empty(n, y.dtype)
+        first = _first_pass(x[start], x[start][:n], g, b, kind, k, spare, fuse)
         for i in range(start, end):
             # the next row of the block, read while this one is written (none after the last)
             following = x[min(i + 1, end - 1)][: n if i + 1 < end else 0]
             r[i], first = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
-                                       first, following)
+                                       first, following, spare, fuse)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -647,21 +626,44 @@ def _gradient_and_read_next(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np
 
 
 @njit(cache=True)
-def _backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray, kind: int, k: int
+def _backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray, kind: int, k: int,
+                   need_b: bool, spare_dx: np.ndarray, spare: np.ndarray, fuse: bool
                    ) -> tuple[float, float, float]:
     """What a row's gradient needs from its first read, ``d = dy g``: for layer ``sum(c)``,
     ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0``; for the RMS kinds ``sum(d x)``
-    over the first ``k`` elements and over the rest (and 0)."""
-    if kind == LAYER:
-        return _dot_scaled(x, dy, g, np.float64(_load(x, 0)))
-    return _dot(x[:k], dy[:k], g[:k]), _dot(x[k:], dy[k:], g[k:]), 0.0
+    over the first ``k`` elements and over the rest (and 0). Taken by
+    `_gradient_and_read_next`, the loop that reads a row while writing the one before (here
+    into the ``spare_dx`` and ``spare`` rows), so that every row's sums come from the same
+    machine code, in the same order, whichever rows start a block. Rows shorter than a chunk
+    (``fuse`` false) take them in one plain float64 loop, in order (see `_first_pass`)."""
+    if not fuse:
+        m0 = np.float64(_load(x, 0)) if kind == LAYER else 0.0
+        sc = 0.0
+        sd = 0.0
+        head = 0.0
+        tail = 0.0
+        for j in range(x.size):
+            d = np.float64(_load(dy, j) * g[j])
+            c = np.float64(_load(x, j)) - m0
+            sc += c
+            sd += d
+            if j < k:
+                head += d * c
+            else:
+                tail += d * c
+        return (sc, sd, head + tail) if kind == LAYER else (head, tail, 0.0)
+    zero = np.float32(0.0)
+    return _gradient_and_read_next(x, dy, spare_dx, g, spare[0], spare[1], zero, zero, zero,
+                                   zero, zero, k, x, dy, kind == LAYER,
+                                   kind != LAYER and not need_b)
 
 
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
                   outside: bool, need_b: bool, first: tuple[float, float, float],
-                  x_next: np.ndarray, dy_next: np.ndarray) -> tuple[float, float, float]:
+                  x_next: np.ndarray, dy_next: np.ndarray, spare_dx: np.ndarray,
+                  spare: np.ndarray, fuse: bool) -> tuple[float, float, float]:
     """``dx`` of one row whose `_backward_sums` are ``first``; adds ``dy * y_hat`` to ``dg`` and
     ``dy`` to ``db``; returns the `_backward_sums` of the row ``x_next`` (read while this one
     is written).
@@ -693,10 +695,14 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     if (_fast(r) and abs(q) < _FAST_HIGH and abs(mean_d) < _FAST_HIGH
             and (mean == 0.0 or _fast(mean))):
         m_hi, m_lo = _split(mean)
+        ahead, dy_ahead = (x_next, dy_next) if fuse else (x, dy)
         following = _gradient_and_read_next(
             x, dy, dx, g, dg, db, np.float32(r), np.float32(q), np.float32(mean_d), m_hi, m_lo,
-            k, x_next, dy_next, kind == LAYER, kind != LAYER and not need_b,
+            k, ahead, dy_ahead, kind == LAYER, kind != LAYER and not need_b,
         )
+        if not fuse:
+            following = _backward_sums(x_next, dy_next, g, kind, k, need_b, spare_dx, spare,
+                                       False)
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
@@ -705,7 +711,7 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
             db[j] += dyj
             v = r * (dyj * g[j] - mean_d)
             _store(dx, j, np.float32(v + c * q if j < k else v))
-        following = _backward_sums(x_next, dy_next, g, kind, k)
+        following = _backward_sums(x_next, dy_next, g, kind, k, need_b, spare_dx, spare, fuse)
     if kind != LAYER and k == 1:
         d0 = np.float64(_load(dy, 0)) * g[0]
         dx0 = _first_of_one(np.float64(_load(x, 0)), d0, tail, r, eps, outside)
@@ -737,6 +743,7 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
     the kernels, whose threads would wait on numba's."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
+    fuse = n >= CHUNK
     for blk in prange(blocks):
         start = blk * block
         end = min(rows, start + block)
@@ -744,12 +751,15 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
         db_rows = db[blk] if need_b else np.empty(n, np.float32)
         dg_rows[:] = 0.0
         db_rows[:] = 0.0
-        first = _backward_sums(x[start], dy[start], g, kind, k)
+        spare_dx = np.empty(n, dx.dtype)
+        spare = np.empty((2, n), np.float32)
+        first = _backward_sums(x[start], dy[start], g, kind, k, need_b, spare_dx, spare, fuse)
         for i in range(start, end):
             # the next row of the block, read while this one is written (itself after the last)
             following = min(i + 1, end - 1)
             first = _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
-                                  outside, need_b, first, x[following], dy[following])
+                                  outside, need_b, first, x[following], dy[following],
+                                  spare_dx, spare, fuse)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:

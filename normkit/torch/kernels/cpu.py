@@ -36,7 +36,9 @@ __all__ = ["CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
 KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-BLOCK_ROWS = 256
+BLOCK_ROWS = 64
+"""Rows per parallel task and per partial sum of the weight and bias gradients: fixed, so that
+the results are the same bit for bit whatever the thread count."""
 INSTALL = "pip install 'normkit[torch]' (numba)"
 HUGE_PAGE = 2**21
 HUGE_PAGE_MIN_BYTES = 2**25
@@ -168,10 +170,6 @@ def _output_like(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _block(rows: int) -> int:
-    return max(1, min(BLOCK_ROWS, math.ceil(rows / max(1, torch.get_num_threads()))))
-
-
 def _eager() -> bool:
     """Whether to call the kernels directly rather than through their custom ops.
 
@@ -201,7 +199,7 @@ def _norm(
         numba.set_num_threads(_threads())
         module.forward(
             _rows(x), _rows(g), _rows(b), _rows(y), _rows(r),
-            KINDS[kind], k, eps, outside, cast == "before_scale", _block(x.shape[0]),
+            KINDS[kind], k, eps, outside, cast == "before_scale", BLOCK_ROWS,
         )
     return y, r
 
@@ -234,7 +232,7 @@ def _norm_backward(
     x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     rows, n = x.shape
     dx = _output_like(x)
-    block = _block(rows)
+    block = BLOCK_ROWS
     blocks = math.ceil(rows / block)
     dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
     db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
