@@ -79,13 +79,20 @@ def import_norms(model: keras.layers.Layer, path: str | os.PathLike[str]) -> lis
     planned = plan_import(path, shapes, "keras")
     for name, params in planned.items():
         for param, value in params.items():
-            variable = getattr(norms[name], param)
+            variable = getattr(norms[name], _ATTRIBUTES[param])
             variable.assign(dtypes.round_to(value, variable.dtype))
     return list(planned)
 
 
+_ATTRIBUTES = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
+"""The normkit.tf layer attribute holding each parameter of the files (every layer has all
+three, None where its spec has no such weight)."""
+
+
 def _weights(layer: keras.layers.Layer) -> dict[str, Any]:
-    return {n: v for n in ("scale", "bias", "alpha") if (v := getattr(layer, n, None)) is not None}
+    """The layer's weights by the files' parameter names."""
+    found = {name: getattr(layer, attribute) for name, attribute in _ATTRIBUTES.items()}
+    return {name: v for name, v in found.items() if v is not None}
 
 
 def _shape(layer: keras.layers.Layer) -> tuple[int, ...]:

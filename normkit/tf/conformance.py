@@ -7,6 +7,7 @@ process per ``KERAS_BACKEND``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -19,9 +20,17 @@ from normkit.conformance.targets import check_variant
 from normkit.spec import NormSpec
 from normkit.tf.layers import from_spec
 
-__all__ = ["VARIANTS", "devices", "evaluate", "keras_backend"]
+__all__ = ["POLICIES", "VARIANTS", "devices", "evaluate", "keras_backend"]
 
 VARIANTS: dict[str, tuple[object, ...] | None] = {"jit": (True, False), "policy": None}
+POLICIES = {
+    "float16": "mixed_float16", "bfloat16": "mixed_bfloat16",
+    "float32": "float32", "float64": "float64",
+}
+"""The dtype policy `evaluate` picks for an input dtype: its compute dtype is the input's, so
+Keras' autocast leaves ``x`` as it is (the mixed policies keep float32 variables)."""
+_WEIGHTS = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
+"""The layer's attribute for each of `evaluate`'s parameters."""
 _BRIDGES: dict[str, Bridge] = {
     "tensorflow": TensorFlowBridge(), "jax": JaxBridge(), "torch": TorchBridge(),
 }
@@ -123,11 +132,13 @@ def evaluate(
       device: one of `devices()` (``gpu:N`` is read as ``cuda:N``).
       **variant: ``jit=True`` runs under ``tf.function(jit_compile=True)`` (TensorFlow) or
         ``jax.jit`` (JAX); the torch backend has no jit variant. ``policy=`` a Keras dtype policy
-        name; under a float16/bfloat16 compute dtype ``x`` is cast to it first, and the outputs
-        are in it.
+        name; ``x`` is cast to its compute dtype first, and the outputs are in it. Without it the
+        policy is ``x``'s own (`POLICIES`: ``mixed_bfloat16`` for bfloat16, ...), under which
+        the layer computes the spec on ``x`` as given.
 
-    The variables take the dtype of the parameters given (``param_dtype``), or the policy's
-    (float32) when none is; parameters of different dtypes raise NotImplementedError.
+    The variables take the dtype of the parameters given (``param_dtype``); when none is, the
+    policy's, or float32 under the policy chosen from ``x``. Parameters of different dtypes
+    raise NotImplementedError.
     """
     check_variant(variant, VARIANTS)
     device = device_name(device)
@@ -145,26 +156,29 @@ def evaluate(
     _check_extended(spec, x, residual, dh, alpha)
     params = {"scale": scale, "bias": bias, "alpha": alpha}
     param_dtype = _param_dtype(spec, params)
-    policy = variant.get("policy") or "float32"
+    policy = variant.get("policy")
+    if not policy:
+        # Other dtypes run under float32, where the layer names what it accepts.
+        policy = POLICIES.get(np.asarray(x).dtype.name, "float32")
+        param_dtype = param_dtype or "float32"
 
     framework = _bridge()
     with _float64_scope(backend, x), keras.device(_keras_device(device)):
+        given = [np.asarray(a) for a in (x, dy, residual, dh) if a is not None]
+        inputs = [framework.to_tensor(a, device) for a in given]
         layer = from_spec(spec, dtype=policy, param_dtype=param_dtype)
-        inputs = [framework.to_tensor(np.asarray(a), device) for a in (x, dy)]
-        if residual is not None and dh is not None:
-            inputs += [framework.to_tensor(np.asarray(a), device) for a in (residual, dh)]
         layer.build(tuple(inputs[0].shape))
-        for name, value in params.items():
+        for name, attribute in _WEIGHTS.items():
+            variable, value = getattr(layer, attribute), params[name]
             if value is not None:
-                variable = getattr(layer, name)
                 assert variable is not None  # checked above: the spec has this parameter
                 array = np.asarray(value).reshape(tuple(variable.shape))
                 variable.assign(framework.to_tensor(array, device))
         vjp = {"tensorflow": _vjp_tensorflow, "jax": _vjp_jax}.get(backend, _vjp_torch)
-        primals, grads = vjp(layer, inputs, jit)
+        primals, grads = vjp(layer, jit)(*inputs)
     found = [
         None if variable is None else grads[_position(layer, variable)]
-        for variable in (layer.scale, layer.bias, layer.alpha)
+        for variable in (layer.gamma, layer.beta, layer.alpha)
     ]
     outputs = [primals[0], grads[0], found[0], found[1]]
     if spec.residual is not None:
@@ -198,7 +212,9 @@ def _split(layer: Any, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
     return (inputs[0::2], inputs[1::2]) if len(inputs) == 4 else ([inputs[0]], [inputs[1]])
 
 
-def _vjp_tensorflow(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
+def _vjp_tensorflow(layer: Any, jit: bool) -> Callable[..., tuple[list[Any], list[Any]]]:
+    """The VJP of ``layer`` on ``(x, dy[, residual, dh])``; with ``jit`` one
+    ``tf.function(jit_compile=True)``, traced once per input signature."""
     import tensorflow as tf
 
     def vjp(*inputs: Any) -> tuple[list[Any], list[Any]]:
@@ -214,16 +230,15 @@ def _vjp_tensorflow(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any]
         )
         return outs, grads
 
-    return (tf.function(vjp, jit_compile=True) if jit else vjp)(*inputs)
+    return tf.function(vjp, jit_compile=True) if jit else vjp
 
 
-def _vjp_jax(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
+def _vjp_jax(layer: Any, jit: bool) -> Callable[..., tuple[list[Any], list[Any]]]:
+    """The VJP of ``layer`` on ``(x, dy[, residual, dh])`` at its variables' current values;
+    with ``jit`` one `jax.jit`, traced once per input signature."""
     import jax
 
-    trainable = [v.value for v in layer.trainable_variables]
-    frozen = [v.value for v in layer.non_trainable_variables]
-
-    def vjp(trainable: list[Any], *inputs: Any) -> tuple[list[Any], list[Any]]:
+    def vjp(trainable: list[Any], frozen: list[Any], *inputs: Any) -> tuple[list[Any], list[Any]]:
         primals, cotangents = _split(layer, list(inputs))
 
         def f(trainable: list[Any], *primals: Any) -> list[Any]:
@@ -234,19 +249,33 @@ def _vjp_jax(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[
         grads = pullback([c.astype(o.dtype) for c, o in zip(cotangents, outs, strict=True)])
         return outs, [*grads[1:], *grads[0]]
 
-    return (jax.jit(vjp) if jit else vjp)(trainable, *inputs)
+    compiled = jax.jit(vjp) if jit else vjp
+
+    def run(*inputs: Any) -> tuple[list[Any], list[Any]]:
+        trainable = [v.value for v in layer.trainable_variables]
+        frozen = [v.value for v in layer.non_trainable_variables]
+        return compiled(trainable, frozen, *inputs)
+
+    return run
 
 
-def _vjp_torch(layer: Any, inputs: list[Any], jit: bool) -> tuple[list[Any], list[Any]]:
+def _vjp_torch(layer: Any, jit: bool) -> Callable[..., tuple[list[Any], list[Any]]]:
+    """The VJP of ``layer`` on ``(x, dy[, residual, dh])`` at its variables' current values."""
     import torch
 
     del jit  # refused by evaluate: the torch backend has no jit variant
-    primals, cotangents = _split(layer, inputs)
-    primals = [t.detach().requires_grad_(True) for t in primals]
-    trainable = [v.value.detach().clone().requires_grad_(True) for v in layer.trainable_variables]
-    frozen = [v.value for v in layer.non_trainable_variables]
-    out = layer.stateless_call(trainable, frozen, *primals)[0]
-    outs = list(out) if isinstance(out, tuple) else [out]
-    cotangents = [c.to(o.dtype) for c, o in zip(cotangents, outs, strict=True)]
-    grads = torch.autograd.grad(outs, [*primals, *trainable], cotangents)
-    return [o.detach() for o in outs], list(grads)
+
+    def run(*inputs: Any) -> tuple[list[Any], list[Any]]:
+        primals, cotangents = _split(layer, list(inputs))
+        primals = [t.detach().requires_grad_(True) for t in primals]
+        trainable = [
+            v.value.detach().clone().requires_grad_(True) for v in layer.trainable_variables
+        ]
+        frozen = [v.value for v in layer.non_trainable_variables]
+        out = layer.stateless_call(trainable, frozen, *primals)[0]
+        outs = list(out) if isinstance(out, tuple) else [out]
+        cotangents = [c.to(o.dtype) for c, o in zip(cotangents, outs, strict=True)]
+        grads = torch.autograd.grad(outs, [*primals, *trainable], cotangents)
+        return [o.detach() for o in outs], list(grads)
+
+    return run

@@ -207,24 +207,28 @@ _PROMOTE = NormSpec(output_dtype="promote")
 class _Norm(keras.layers.Layer):
     """The shared machinery: weights, dtype policy, shape checks and the spec's arithmetic.
 
-    Dtypes: the statistic and the normalized value are computed in float32 (float64 for a
-    float64 input). Under a policy whose compute dtype is float16 or bfloat16 (``mixed_float16``,
-    ``mixed_bfloat16``), floating inputs are first cast to the compute dtype. Under a float32 or
-    float64 policy nothing is cast. The output dtype is then the spec's: that input dtype
-    (``output_dtype="input"``) or its promotion with the variables' dtypes (``"promote"``).
-    Variables have ``param_dtype``, by default the policy's variable dtype, and are never
-    autocast.
+    Dtypes, as Keras' layers: a floating input is first cast to the policy's compute dtype
+    (float32 under ``"float32"``, bfloat16 under ``"mixed_bfloat16"``, ...), unless the layer is
+    built with Keras' ``autocast=False``, which keeps the input's dtype. The spec then applies to
+    that input: the statistic and the normalized value in float32 (float64 for float64), the
+    output in its dtype (``output_dtype="input"``) or in its promotion with the variables' dtypes
+    (``"promote"``). Variables have ``param_dtype``, by default the policy's variable dtype, and
+    are never autocast. The weights are ``gamma`` (``w``), ``beta`` (``b``) and ``alpha`` (DyT),
+    None where the spec has none, stored under the names ``"scale"``, ``"bias"``, ``"alpha"``.
     """
 
     def __init__(self, spec: NormSpec, param_dtype: str | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        # Keras' autocast argument, applied in `call`: Keras' own cast in __call__ (which reads
+        # self.autocast) would also round a float32 residual stream to a half compute dtype.
+        autocast = bool(kwargs.pop("autocast", True))
+        super().__init__(autocast=False, **kwargs)
+        self._autocast_inputs = autocast
         self._spec = spec
         self._param_dtype = None if param_dtype is None else _float_dtype(param_dtype)
-        self.autocast = False
         self.supports_masking = True
         self._param_shape: tuple[int, ...] | None = None
-        self.scale: Any = None
-        self.bias: Any = None
+        self.gamma: Any = None
+        self.beta: Any = None
         self.alpha: Any = None
 
     @property
@@ -255,14 +259,16 @@ class _Norm(keras.layers.Layer):
             raise ValueError(f"{self.name}: input of shape {shape}: {err}") from None
 
     def _input_dtype(self, dtype: Any) -> str:
-        """The dtype the spec sees: the compute dtype under a half policy, else the input's."""
+        """The dtype the spec sees: the compute dtype (Keras' autocast), or with
+        ``autocast=False`` the input's. TypeError for a non-floating input (Keras' own layers
+        compute on integers in integer arithmetic)."""
         dtype = keras.backend.standardize_dtype(dtype)
         if not keras.backend.is_float_dtype(dtype):
             raise TypeError(
                 f"{self.name}: the input has dtype {dtype}; {type(self).__name__} needs a "
                 "floating input (float16, bfloat16, float32 or float64)"
             )
-        return self.compute_dtype if self.compute_dtype in _HALF else dtype
+        return self.compute_dtype if self._autocast_inputs else dtype
 
     def _present(self) -> list[str]:
         """The names of the variables the spec has, in the order `build` creates them."""
@@ -302,7 +308,7 @@ class _Norm(keras.layers.Layer):
                 autocast=False,
             )
         if self._spec.scale:
-            self.scale = self.add_weight(
+            self.gamma = self.add_weight(
                 name="scale",
                 shape=param_shape,
                 dtype=dtype,
@@ -310,7 +316,7 @@ class _Norm(keras.layers.Layer):
                 **self._weight_options("scale"),
             )
         if self._spec.bias:
-            self.bias = self.add_weight(
+            self.beta = self.add_weight(
                 name="bias",
                 shape=param_shape,
                 dtype=dtype,
@@ -345,8 +351,8 @@ class _Norm(keras.layers.Layer):
     def _residual_dtype(self, shape: tuple[Any, ...], residual: Any, dtype: str) -> str | None:
         """Check the call's residual against the spec; the dtype to add it in (None: none).
 
-        Under a half compute policy a floating residual is cast to the compute dtype, as the
-        input is, except a float32 one with ``residual="float32"`` (a float32 residual stream).
+        A floating residual is autocast to the compute dtype, as the input is, except one in
+        ``h``'s dtype with ``residual="float32"`` (a float32 residual stream next to half inputs).
         """
         spec = self._spec
         if spec.residual is None:
@@ -372,7 +378,7 @@ class _Norm(keras.layers.Layer):
         allowed = {dtype, stream}
         if found in allowed:
             return found
-        if self.compute_dtype in _HALF and keras.backend.is_float_dtype(found):
+        if self._autocast_inputs and keras.backend.is_float_dtype(found):
             return dtype
         names = " or ".join(sorted(allowed))
         raise TypeError(
@@ -490,18 +496,18 @@ class _Norm(keras.layers.Layer):
         if offset and self._spec.offset_dtype == "param":
             # The sum formed in float32 (float64 for float64 weights), rounded once to w's dtype.
             wide = _promoted("float32", self.param_dtype)
-            g = ops.cast(ops.cast(self.scale, wide) + offset, self.param_dtype)
+            g = ops.cast(ops.cast(self.gamma, wide) + offset, self.param_dtype)
             return self._param(g, dtype, target)
-        g = self._param(self.scale, dtype, target)
+        g = self._param(self.gamma, dtype, target)
         return g + offset if offset else g
 
     def _affine(self, y: Any, target: list[int] | None, work: str) -> Any:
         """``y * (scale_offset + w) + b`` in the ``work`` dtype; the weights reshaped to
         ``target`` unless it is None."""
-        if self.scale is not None:
+        if self.gamma is not None:
             y = y * self._effective_scale(work, target)
-        if self.bias is not None:
-            y = y + self._param(self.bias, work, target)
+        if self.beta is not None:
+            y = y + self._param(self.beta, work, target)
         return y
 
     def _affine_dtype(self, dtype: str) -> str:
@@ -509,10 +515,10 @@ class _Norm(keras.layers.Layer):
         promoted with the effective scale's (``w``'s, or at least float32 when the offset is
         added there) and the bias's."""
         kinds = []
-        if self.scale is not None:
+        if self.gamma is not None:
             own = self._spec.offset_dtype == "param" or not self._spec.scale_offset
             kinds.append(self.param_dtype if own else _promoted("float32", self.param_dtype))
-        if self.bias is not None:
+        if self.beta is not None:
             kinds.append(self.param_dtype)
         return _promoted(dtype, *kinds)
 
@@ -534,10 +540,10 @@ class _Norm(keras.layers.Layer):
         y_hat = ops.cast(y_hat, acc)
         ones = ops.ones_like(y_hat)
         y = _rounded(_rounded(y_hat, dtype), a)
-        if self.scale is not None:
+        if self.gamma is not None:
             y = y * _rounded(ones * self._effective_scale(acc, target), a)
-        if self.bias is not None:
-            y = y + _rounded(ones * self._param(self.bias, acc, target), a)
+        if self.beta is not None:
+            y = y + _rounded(ones * self._param(self.beta, acc, target), a)
         # The incoming cotangent is rounded to a, as the cast from a to the output dtype does.
         return _rounded(y, a), acc
 
@@ -570,6 +576,7 @@ class _Norm(keras.layers.Layer):
             **super().get_config(),
             **_spec_kwargs(self._spec),
             "param_dtype": self._param_dtype,
+            "autocast": self._autocast_inputs,
         }
 
 
@@ -635,12 +642,28 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     return kwargs
 
 
+class _ScaleBias(_Norm):
+    """The weights under the names of the constructor's switches: ``scale`` (``w``, as
+    ``keras.layers.RMSNormalization``'s) and ``bias`` (``b``)."""
+
+    @property
+    def scale(self) -> Any:
+        """``w``, the weight ``"scale"`` (None before `build` or with ``scale=False``)."""
+        return self.gamma
+
+    @property
+    def bias(self) -> Any:
+        """``b``, the weight ``"bias"`` (None before `build` or with ``bias=False``)."""
+        return self.beta
+
+
 @keras.saving.register_keras_serializable(package="normkit")
-class RMSNorm(_Norm):
+class RMSNorm(_ScaleBias):
     """RMSNorm over ``axis``: ``y = x * r(mean(x**2)) * (scale_offset + w) + b``.
 
     A drop-in for ``keras.layers.RMSNormalization``: the same arguments (``axis=-1,
-    epsilon=1e-6``), the attributes ``axis`` and ``epsilon``, and the weight ``scale``.
+    epsilon=1e-6``), the attributes ``axis`` and ``epsilon``, and the weight ``scale`` (``w``;
+    also ``gamma``, the name every normkit.tf layer gives it; ``b`` is ``bias`` and ``beta``).
 
     Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
     docs/tf.md).
@@ -667,7 +690,9 @@ class RMSNorm(_Norm):
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
+        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
+        policy's compute dtype).
 
     Examples:
       >>> import numpy as np
@@ -705,7 +730,7 @@ class RMSNorm(_Norm):
 
 
 @keras.saving.register_keras_serializable(package="normkit")
-class PartialRMSNorm(_Norm):
+class PartialRMSNorm(_ScaleBias):
     """Partial RMSNorm over ``axis``: ``y = x * r(mean(x[:k]**2)) * (scale_offset + w) + b``.
 
     ``x[:k]`` are the first ``k = max(1, floor(n * p))`` of a row's ``n`` normalized elements, in
@@ -737,7 +762,9 @@ class PartialRMSNorm(_Norm):
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
+        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
+        policy's compute dtype).
     """
 
     def __init__(
@@ -771,9 +798,9 @@ class LayerNorm(_Norm):
     """LayerNorm over ``axis``: ``y = c * r(mean(c**2)) * (scale_offset + w) + b``.
 
     ``c = x - mean(x)``. A drop-in for ``keras.layers.LayerNormalization``: the same arguments,
-    in the same order, with the same defaults (``epsilon=1e-3``), and the attributes ``axis``,
-    ``epsilon``, ``center``, ``gamma`` (``w``) and ``beta`` (``b``). ``w`` and ``b`` are the
-    weights ``"scale"`` and ``"bias"`` (also the attributes ``scale`` and ``bias``).
+    in the same order, with the same defaults (``epsilon=1e-3``), and Keras' attributes
+    ``axis``, ``epsilon``, ``center`` and ``scale`` (bools), ``gamma`` (``w``) and ``beta``
+    (``b``). ``w`` and ``b`` are stored as the weights ``"scale"`` and ``"bias"``.
 
     Statistics in float32; the output dtype follows the policy and ``output_dtype`` (see
     docs/tf.md).
@@ -810,7 +837,9 @@ class LayerNorm(_Norm):
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
+        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
+        policy's compute dtype).
 
     Examples:
       >>> import numpy as np
@@ -877,18 +906,13 @@ class LayerNorm(_Norm):
 
     @property
     def center(self) -> bool:
-        """Whether there is a weight ``b`` (``beta``)."""
+        """Whether there is a weight ``b`` (``beta``), as Keras' ``center``."""
         return bool(self._spec.bias)
 
     @property
-    def gamma(self) -> Any:
-        """``w``, the weight ``"scale"`` (None before `build` or with ``scale=False``)."""
-        return self.scale
-
-    @property
-    def beta(self) -> Any:
-        """``b``, the weight ``"bias"`` (None before `build` or with ``center=False``)."""
-        return self.bias
+    def scale(self) -> bool:
+        """Whether there is a weight ``w`` (``gamma``), as Keras' ``scale``."""
+        return self._spec.scale
 
     def _weight_options(self, name: str) -> dict[str, Any]:
         if name == "scale":
@@ -928,7 +952,7 @@ class LayerNorm(_Norm):
 
 
 @keras.saving.register_keras_serializable(package="normkit")
-class DyT(_Norm):
+class DyT(_ScaleBias):
     """Dynamic Tanh over ``axis``: ``y = tanh(alpha * x) * (scale_offset + w) + b``.
 
     ``alpha`` is a learned scalar (the weight "alpha", shape ``(1,)``, initialized to
@@ -955,7 +979,9 @@ class DyT(_Norm):
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``.
+      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
+        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
+        policy's compute dtype).
 
     Examples:
       >>> import numpy as np

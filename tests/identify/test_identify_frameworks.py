@@ -65,13 +65,20 @@ def test_identify_recovers_normkit_tf(spec):
     import keras
 
     from normkit.tf import from_spec
+    from normkit.tf.conformance import POLICIES
 
     if keras.backend.backend() != "tensorflow":
         pytest.skip("the TensorFlow bridge needs the tensorflow Keras backend")
-    layer = from_spec(spec)
-    layer.build((None, N))
+    layers = {}
 
     def fn(x, scale, bias):
+        # The policy of x's dtype (mixed_bfloat16 for bfloat16, ...): Keras' autocast then leaves
+        # x as it is and the layer computes the spec on it.
+        dtype = x.dtype.name
+        if dtype not in layers:
+            layers[dtype] = from_spec(spec, dtype=POLICIES[dtype], param_dtype="float32")
+            layers[dtype].build((None, N))
+        layer = layers[dtype]
         for variable, value in zip(layer.trainable_variables, [v for v in own_params(spec, scale, bias) if v is not None]):
             variable.assign(value)
         return layer(x)

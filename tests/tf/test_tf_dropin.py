@@ -156,24 +156,36 @@ def test_built_with_a_smaller_shape_then_called_as_keras_test_correctness_does()
     assert 0.99 < undone.std() < 1.0
 
 
-def test_attributes_and_weight_aliases():
+def test_attributes_are_keras_own():
+    """LayerNorm: Keras' bools ``center`` and ``scale`` and weights ``gamma`` and ``beta``;
+    RMSNorm: Keras' weight ``scale``. Every normkit layer has ``gamma`` and ``beta``."""
     layer = LayerNorm(axis=[1, 2, 3])
     keras_layer = keras.layers.LayerNormalization(axis=[1, 2, 3])
     assert layer.axis == keras_layer.axis == [1, 2, 3]
-    assert (layer.epsilon, layer.center) == (keras_layer.epsilon, keras_layer.center) == (1e-3, True)
+    assert (layer.epsilon, layer.center, layer.scale) == (
+        keras_layer.epsilon, keras_layer.center, keras_layer.scale) == (1e-3, True, True)
     assert layer.gamma is None and layer.beta is None
     layer.build([5, 20, 30, 40])
-    assert layer.gamma is layer.scale and layer.beta is layer.bias
-    assert tuple(layer.gamma.shape) == tuple(layer.beta.shape) == (20, 30, 40)
+    keras_layer.build([5, 20, 30, 40])
+    assert tuple(layer.gamma.shape) == tuple(layer.beta.shape) == tuple(keras_layer.gamma.shape)
+    assert not hasattr(layer, "bias") and not hasattr(keras_layer, "bias")
     # the weights keep normkit's names, so .keras files saved before the aliases still load
     assert [w.name for w in layer.weights] == ["scale", "bias"]
-    layer.gamma.assign(np.full((20, 30, 40), 70000.0, np.float32))
-    assert float(_numpy(layer.scale).min()) == 70000.0
+    assert layer.weights == [layer.gamma, layer.beta]
     bare = LayerNorm(center=False, scale=False)
+    bare_keras = keras.layers.LayerNormalization(center=False, scale=False)
     bare.build((2, 4))
-    assert (bare.center, bare.gamma, bare.beta, bare.weights) == (False, None, None, [])
-    rms = RMSNorm(axis=1, epsilon=1e-5)
+    bare_keras.build((2, 4))
+    assert (bare.center, bare.scale, bare.gamma, bare.beta, bare.weights) == (
+        bare_keras.center, bare_keras.scale, bare_keras.gamma, bare_keras.beta,
+        bare_keras.weights) == (False, False, None, None, [])
+    rms, keras_rms = RMSNorm(axis=1, epsilon=1e-5), keras.layers.RMSNormalization(1, 1e-5)
     assert (rms.axis, rms.epsilon) == (1, 1e-5)
+    rms.build((2, 6))
+    keras_rms.build((2, 6))
+    assert rms.scale is rms.gamma and rms.bias is rms.beta is None
+    assert tuple(rms.scale.shape) == tuple(keras_rms.scale.shape) == (6,)
+    assert [w.name for w in rms.weights] == [w.name for w in keras_rms.weights] == ["scale"]
     assert DyT().epsilon is None
 
 
@@ -340,6 +352,41 @@ def test_mixed_policy_gives_keras_output_on_compute_dtype_inputs(policy):
         assert [w.dtype for w in ours.weights] == [w.dtype for w in theirs.weights]
         np.testing.assert_array_equal(_numpy(keras.ops.cast(y, "float32")),
                                       _numpy(keras.ops.cast(expected, "float32")))
+
+
+@pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_output_dtype_follows_the_policy_as_keras(policy, dtype):
+    """Every policy and floating input dtype: the input is cast to the compute dtype and the
+    output has it, as Keras' layers return (measured: keras 3.15). RMSNorm then gives
+    RMSNormalization's output to the bit; LayerNorm the reference's on the cast input."""
+    compute = keras.DTypePolicy(policy).compute_dtype
+    x = keras.ops.cast(np.random.default_rng(8).standard_normal((4, 16)), dtype)
+    seen = _numpy(keras.ops.cast(x, compute))
+    rms, keras_rms = RMSNorm(dtype=policy), keras.layers.RMSNormalization(dtype=policy)
+    np.testing.assert_array_equal(_numpy(rms(x)), _numpy(keras_rms(x)))
+    pairs = ((rms, keras_rms),
+             (LayerNorm(dtype=policy), keras.layers.LayerNormalization(dtype=policy)))
+    for ours, theirs in pairs:
+        y, expected = ours(x), theirs(x)
+        assert keras.backend.standardize_dtype(y.dtype) == compute
+        assert keras.backend.standardize_dtype(expected.dtype) == compute
+        tolerances.assert_close(_numpy(y), reference.normalize(seen, ours.spec))
+
+
+def test_autocast_false_keeps_the_input_dtype_as_keras_rms_normalization():
+    """Keras' ``autocast=False``: the spec applies to the input as given, so a bfloat16 input
+    under the float32 policy gives bfloat16, as RMSNormalization(autocast=False) does; the
+    argument round-trips through get_config."""
+    x = keras.ops.cast(np.random.default_rng(9).standard_normal((4, 16)), "bfloat16")
+    ours = RMSNorm(autocast=False)
+    y = ours(x)
+    assert keras.backend.standardize_dtype(y.dtype) == "bfloat16"
+    np.testing.assert_array_equal(_numpy(y), _numpy(keras.layers.RMSNormalization(autocast=False)(x)))
+    tolerances.assert_close(_numpy(y), reference.normalize(_numpy(x), ours.spec))
+    clone = RMSNorm.from_config(ours.get_config())
+    assert keras.backend.standardize_dtype(clone(x).dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(RMSNorm.from_config(RMSNorm().get_config())(x).dtype) == "float32"
 
 
 def _train(norm: keras.layers.Layer, weights: list[np.ndarray]) -> tuple[list, list]:

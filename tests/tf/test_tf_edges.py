@@ -141,7 +141,7 @@ def test_degenerate_rows_have_exact_second_derivatives(
 @pytest.mark.parametrize(
     "layer, dtype",
     [(lambda: RMSNorm(epsilon=1e-46), "float32"), (lambda: LayerNorm(epsilon=1e-39), "float32"),
-     (lambda: PartialRMSNorm(0.5, epsilon=1e-320), "float64")],
+     (lambda: PartialRMSNorm(0.5, epsilon=1e-320, dtype="float64"), "float64")],
     ids=["1e-46", "1e-39", "1e-320"],
 )
 def test_eps_out_of_range_for_the_dtype_is_refused(layer, dtype: str) -> None:

@@ -169,15 +169,20 @@ def test_model_fit_takes_the_reference_gradient_step(spec):
 
 
 @pytest.mark.parametrize("policy,in_dtype,out_dtype", [
-    ("float32", "bfloat16", "bfloat16"),
-    ("float32", "float64", "float64"),
+    ("float32", "bfloat16", "float32"),
+    ("float32", "float64", "float32"),
+    ("float64", "float16", "float64"),
     ("mixed_bfloat16", "float32", "bfloat16"),
     ("mixed_float16", "bfloat16", "float16"),
 ])
 def test_symbolic_output_dtype_follows_the_policy(policy, in_dtype, out_dtype):
-    y = RMSNorm(dtype=policy)(keras.Input((4,), dtype=in_dtype))
-    assert y.dtype == out_dtype
-    assert y.shape == (None, 4)
+    """The compute dtype, as Keras' own layers' symbolic outputs."""
+    x = keras.Input((4,), dtype=in_dtype)
+    for ours, theirs in ((RMSNorm, keras.layers.RMSNormalization),
+                         (LayerNorm, keras.layers.LayerNormalization)):
+        y = ours(dtype=policy)(x)
+        assert y.dtype == theirs(dtype=policy)(x).dtype == out_dtype
+        assert y.shape == (None, 4)
 
 
 def test_symbolic_integer_input_raises_type_error():

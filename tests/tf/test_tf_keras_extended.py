@@ -106,7 +106,7 @@ def test_keras_file_round_trip_with_dyt_and_residual_layers(tmp_path):
 
 
 def test_residual_call_returns_y_and_h():
-    layer = LayerNorm(residual="rounded")
+    layer = LayerNorm(residual="rounded", dtype="mixed_bfloat16")
     rng = np.random.default_rng(5)
     x, r = (rng.standard_normal((4, 6)).astype(BF16) for _ in range(2))
     y, h = layer(x, r)
@@ -124,30 +124,32 @@ def test_residual_call_errors_name_the_problem():
         RMSNorm()(x, x)
     with pytest.raises(ValueError, match=r"the residual has shape \(2, 3\), expected the input's shape \(2, 4\)"):
         RMSNorm(residual="float32")(x, np.ones((2, 3), np.float32))
+    # Autocast casts a floating residual to the compute dtype; without it the dtypes must fit.
     with pytest.raises(TypeError, match=r"the residual has dtype float16; residual='rounded' with an input of dtype bfloat16 needs bfloat16"):
-        RMSNorm(residual="rounded")(x.astype(BF16), x.astype(np.float16))
+        RMSNorm(residual="rounded", autocast=False)(x.astype(BF16), x.astype(np.float16))
     with pytest.raises(TypeError, match=r"residual='float32' with an input of dtype float16 needs float16 or float32"):
-        RMSNorm(residual="float32")(x.astype(np.float16), x.astype(np.float64))
+        RMSNorm(residual="float32", autocast=False)(x.astype(np.float16), x.astype(np.float64))
 
 
 def test_float32_residual_stream_with_half_inputs():
-    """residual="float32" takes a float32 residual next to a bfloat16 x and returns h in float32."""
-    layer = RMSNorm(residual="float32")
+    """residual="float32" takes a float32 residual next to a bfloat16 x and returns h in float32:
+    the mixed policy's autocast leaves the float32 residual stream alone."""
+    layer = RMSNorm(residual="float32", dtype="mixed_bfloat16")
     rng = np.random.default_rng(6)
     x = rng.standard_normal((3, 8)).astype(BF16)
     r = rng.standard_normal((3, 8)).astype(np.float32)
     y, h = layer(x, r)
     ry, rh = reference.add_normalize(x, r, layer.spec)
-    assert rh.dtype == np.float32
+    assert rh.dtype == np.float32 and keras.backend.standardize_dtype(y.dtype) == "bfloat16"
     np.testing.assert_array_equal(_numpy(h), rh)
     tolerances.assert_close(_numpy(y).astype(BF16), ry)
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
-def test_symbolic_residual_outputs_and_masks(policy):
+@pytest.mark.parametrize("policy,y_dtype", [("float32", "float32"), ("mixed_bfloat16", "bfloat16")])
+def test_symbolic_residual_outputs_and_masks(policy, y_dtype):
     layer = RMSNorm(residual="float32", dtype=policy)
     y, h = layer(keras.Input((5, 4), dtype="bfloat16"), keras.Input((5, 4), dtype="float32"))
-    assert (y.dtype, h.dtype) == ("bfloat16", "float32")
+    assert (y.dtype, h.dtype) == (y_dtype, "float32")
     mask = np.array([[True, False]])
     assert layer.compute_mask(None, mask) == (mask, mask)
     with pytest.raises(ValueError, match=r"the spec has residual='float32'; call the layer"):
@@ -177,14 +179,18 @@ def test_mixed_bfloat16_policy_output_dtype(output_dtype, expected):
 
 
 def test_promote_follows_the_variables_dtype():
-    """Under a float32 policy a bfloat16 input with float32 variables promotes to float32; with
-    bfloat16 variables (param_dtype, or the bfloat16 policy) it stays bfloat16."""
+    """A bfloat16 input (under mixed_bfloat16, or autocast=False) with float32 variables
+    promotes to float32; with bfloat16 variables (param_dtype, or the bfloat16 policy) it stays
+    bfloat16. Under the float32 policy the input is float32 once autocast."""
     x = keras.Input((4,), dtype="bfloat16")
-    assert RMSNorm(output_dtype="promote")(x).dtype == "float32"
-    assert RMSNorm(output_dtype="promote", param_dtype="bfloat16")(x).dtype == "bfloat16"
+    mixed = {"dtype": "mixed_bfloat16"}
+    assert RMSNorm(output_dtype="promote", **mixed)(x).dtype == "float32"
+    assert RMSNorm(output_dtype="promote", autocast=False)(x).dtype == "float32"
+    assert RMSNorm(output_dtype="promote", param_dtype="bfloat16", **mixed)(x).dtype == "bfloat16"
     assert RMSNorm(output_dtype="promote", dtype="bfloat16")(x).dtype == "bfloat16"
-    assert RMSNorm(output_dtype="promote", scale=False)(x).dtype == "bfloat16"  # no variables
-    assert DyT(output_dtype="promote", scale=False, bias=False)(x).dtype == "float32"  # alpha
+    assert RMSNorm(output_dtype="promote", scale=False, **mixed)(x).dtype == "bfloat16"  # none
+    assert DyT(output_dtype="promote", scale=False, bias=False, **mixed)(x).dtype == "float32"
+    assert RMSNorm(output_dtype="promote", param_dtype="bfloat16")(x).dtype == "float32"
 
 
 def test_param_dtype_holds_half_weights_for_the_param_offset():
