@@ -12,6 +12,18 @@ from normkit import reference
 from normkit.spec import NormSpec
 
 
+def central_differences(array: np.ndarray, at: Callable[[np.ndarray], float],
+                        h: float = 1e-6) -> np.ndarray:
+    """The gradient of the scalar function ``at`` at ``array``, by central differences."""
+    g = np.zeros_like(array)
+    for index in np.ndindex(array.shape):
+        plus, minus = array.copy(), array.copy()
+        plus[index] += h
+        minus[index] -= h
+        g[index] = (at(plus) - at(minus)) / (2 * h)
+    return g
+
+
 def numerical_vjp(
     x: np.ndarray, dy: np.ndarray, spec: NormSpec, scale: np.ndarray | None,
     bias: np.ndarray | None, h: float = 1e-6, **call: Any,
@@ -22,16 +34,7 @@ def numerical_vjp(
     def loss(x_: np.ndarray, s_: np.ndarray | None, b_: np.ndarray | None) -> float:
         return math.fsum((dy * reference.normalize(x_, spec, s_, b_, **call)).ravel())
 
-    def grad_of(array: np.ndarray, at: Callable[[np.ndarray], float]) -> np.ndarray:
-        g = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            plus, minus = array.copy(), array.copy()
-            plus[index] += h
-            minus[index] -= h
-            g[index] = (at(plus) - at(minus)) / (2 * h)
-        return g
-
-    dx = grad_of(x, lambda v: loss(v, scale, bias))
-    ds = grad_of(scale, lambda v: loss(x, v, bias)) if scale is not None else None
-    db = grad_of(bias, lambda v: loss(x, scale, v)) if bias is not None else None
+    dx = central_differences(x, lambda v: loss(v, scale, bias), h)
+    ds = central_differences(scale, lambda v: loss(x, v, bias), h) if scale is not None else None
+    db = central_differences(bias, lambda v: loss(x, scale, v), h) if bias is not None else None
     return dx, ds, db

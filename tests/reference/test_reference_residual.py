@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from normkit import NormSpec, dtypes, reference
+from tests.helpers.numerical import central_differences
 
 MODES = ("rounded", "float32", "float32_normalized")
 
@@ -96,19 +97,10 @@ def numerical_add_vjp(x, res, dy, dh, spec, scale, step=1e-6):
         y, h = reference.add_normalize(a, b, spec, w)
         return float(np.sum(dy * y) + np.sum(dh * h))
 
-    def grad(array, call):
-        out = np.zeros_like(array)
-        for i in np.ndindex(array.shape):
-            plus, minus = array.copy(), array.copy()
-            plus[i] += step
-            minus[i] -= step
-            out[i] = (call(plus) - call(minus)) / (2 * step)
-        return out
-
     return (
-        grad(x, lambda v: loss(v, res, scale)),
-        grad(res, lambda v: loss(x, v, scale)),
-        grad(scale, lambda v: loss(x, res, v)),
+        central_differences(x, lambda v: loss(v, res, scale), step),
+        central_differences(res, lambda v: loss(x, v, scale), step),
+        central_differences(scale, lambda v: loss(x, res, v), step),
     )
 
 
