@@ -373,6 +373,20 @@ def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float, fl
 
 
 @njit(cache=True)
+def _exact_moments(row: np.ndarray, kind: int, k: int) -> tuple[float, float]:
+    """``(mean, s)`` summed in float64 throughout (the mean 0 for the RMS kinds)."""
+    if kind != LAYER:
+        return 0.0, _exact_sum(row[:k], True) / k
+    n = row.size
+    m0 = _exact_sum(row, False) / n
+    s1, s2 = _exact_centered_sums(row, m0)
+    s = (s2 - s1 * s1 / n) / n
+    if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
+        s = 0.0
+    return m0 + s1 / n, s
+
+
+@njit(cache=True)
 def _rstd(s: float, eps: float, outside: bool) -> float:
     if outside:
         return 1.0 / (np.sqrt(s) + eps)
@@ -480,7 +494,11 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     With ``before_scale`` the normalized value is rounded to the row's dtype before the
     affine step."""
     n = x.size
-    if kind == LAYER:
+    if before_scale:
+        # y_hat is rounded once, as the reference rounds it, only from a statistic exact to
+        # float64: float32 chunk sums move y_hat across rounding midpoints of the half dtype.
+        mean, s = _exact_moments(x, kind, k)
+    elif kind == LAYER:
         mean, s, _ = _layer_moments_from(x, first)
     else:
         mean = 0.0
