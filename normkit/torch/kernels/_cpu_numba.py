@@ -355,21 +355,27 @@ def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -
 
 
 @njit(cache=True)
-def _layer_moments(row: np.ndarray) -> tuple[float, float, float]:
-    """``(mean, s, m0)``: two passes, the mean ``m0`` corrected by that of ``x - m0``."""
+def _corrected(m0: float, s1: float, s2: float, n: int) -> tuple[float, float]:
+    """``(mean, s)`` from ``s1 = sum(x - m0)`` and ``s2 = sum((x - m0)^2)``: the mean ``m0``
+    corrected by that of ``x - m0``, the variance clamped at 0 (a NaN stays NaN)."""
+    s = (s2 - s1 * s1 / n) / n
+    if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
+        s = 0.0
+    return m0 + s1 / n, s
+
+
+@njit(cache=True)
+def _layer_moments(row: np.ndarray) -> tuple[float, float]:
+    """``(mean, s)`` in two passes (`_corrected`)."""
     return _layer_moments_from(row, _row_sum(row, False))
 
 
 @njit(cache=True)
-def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float, float]:
+def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float]:
     """`_layer_moments` given the row's sum ``total`` (its first pass)."""
-    n = row.size
-    m0 = total / n
+    m0 = total / row.size
     s1, s2 = _centered_sums(row, m0)
-    s = (s2 - s1 * s1 / n) / n
-    if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
-        s = 0.0
-    return m0 + s1 / n, s, m0
+    return _corrected(m0, s1, s2, row.size)
 
 
 @njit(cache=True)
@@ -377,13 +383,9 @@ def _exact_moments(row: np.ndarray, kind: int, k: int) -> tuple[float, float]:
     """``(mean, s)`` summed in float64 throughout (the mean 0 for the RMS kinds)."""
     if kind != LAYER:
         return 0.0, _exact_sum(row[:k], True) / k
-    n = row.size
-    m0 = _exact_sum(row, False) / n
+    m0 = _exact_sum(row, False) / row.size
     s1, s2 = _exact_centered_sums(row, m0)
-    s = (s2 - s1 * s1 / n) / n
-    if s < 0.0:  # noqa: PLR1730 (a NaN must stay NaN)
-        s = 0.0
-    return m0 + s1 / n, s
+    return _corrected(m0, s1, s2, row.size)
 
 
 @njit(cache=True)
@@ -499,7 +501,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
         # float64: float32 chunk sums move y_hat across rounding midpoints of the half dtype.
         mean, s = _exact_moments(x, kind, k)
     elif kind == LAYER:
-        mean, s, _ = _layer_moments_from(x, first)
+        mean, s = _layer_moments_from(x, first)
     else:
         mean = 0.0
         s = first / k
@@ -522,7 +524,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
             if before_scale:
                 v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
-    if not following.size:
+    if before_scale or not following.size:  # before_scale takes its statistic exactly
         return r, 0.0
     return r, _first_pass(x, following, g, b, kind, k, spare, fuse)
 
@@ -541,7 +543,8 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
         start = blk * block
         end = min(rows, start + block)
         spare = np.empty(n, y.dtype)
-        first = _first_pass(x[start], x[start][:n], g, b, kind, k, spare, fuse)
+        first = 0.0 if before_scale else _first_pass(x[start], x[start][:n], g, b, kind, k,
+                                                     spare, fuse)
         for i in range(start, end):
             # the next row of the block, read while this one is written (none after the last)
             following = x[min(i + 1, end - 1)][: n if i + 1 < end else 0]
@@ -619,8 +622,10 @@ def _gradient_and_read_next(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np
     head = np.uint64(k)
     chunk = np.uint64(CHUNK)
     m_next = np.float64(_load(x_next, 0)) if layer else 0.0
-    sums = np.zeros(3)
-    dots = np.zeros(2)
+    sc = 0.0
+    sd = 0.0
+    dot_head = 0.0
+    dot_tail = 0.0
     for part in range(2):
         lo = np.uint64(0) if part == 0 else head
         hi = head if part == 0 else n
@@ -628,19 +633,21 @@ def _gradient_and_read_next(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np
         for start in range(lo, hi, chunk):
             stop = min(start + chunk, hi)
             if rms_only:
-                dots[part] += np.float64(_rms_gradient_chunk(x, dy, dx, g, dg, r, qp, x_next,
-                                                             dy_next, start, stop))
+                dot = np.float64(_rms_gradient_chunk(x, dy, dx, g, dg, r, qp, x_next, dy_next,
+                                                     start, stop))
             else:
-                sc, sd, sdc = _gradient_chunk(x, dy, dx, g, dg, db, r, qp, mean_d, m_hi, m_lo,
+                c1, c2, dot = _gradient_chunk(x, dy, dx, g, dg, db, r, qp, mean_d, m_hi, m_lo,
                                               x_next, dy_next, m_next, start, stop)
-                sums[0] += sc
-                sums[1] += sd
-                sums[2] += sdc
-                dots[part] += sdc
+                sc += c1
+                sd += c2
+            if part == 0:
+                dot_head += dot
+            else:
+                dot_tail += dot
     if layer:
-        return sums[0], sums[1], sums[2]
-    return (_checked_dot(dots[0], x_next[:k], dy_next[:k], g[:k]),
-            _checked_dot(dots[1], x_next[k:], dy_next[k:], g[k:]), 0.0)
+        return sc, sd, dot_head + dot_tail
+    return (_checked_dot(dot_head, x_next[:k], dy_next[:k], g[:k]),
+            _checked_dot(dot_tail, x_next[k:], dy_next[k:], g[k:]), 0.0)
 
 
 @njit(cache=True)
