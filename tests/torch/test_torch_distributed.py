@@ -101,19 +101,28 @@ def test_modules_sequence_parallel_fsdp2_and_training(passed_checks: list[str]) 
 
 
 def test_docs_example_runs_as_pasted(tmp_path: pathlib.Path) -> None:
-    """The tensor + sequence parallel example of docs/distributed.md, on 2 CPU ranks."""
+    """The tensor + sequence parallel example of docs/distributed.md, on 2 CPU ranks.
+
+    A run whose rank aborts at interpreter exit, after all its steps, with torch's gloo
+    finalization race (pytorch#190489; docs/distributed.md) is run again, at most twice.
+    """
     example = re.search(r"## Example.*?```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
     assert example is not None
     script = tmp_path / "tp_example.py"
     script.write_text(example.group(1))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=DEADLINE_S,
-    )
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=DEADLINE_S,
+        )
+        losses = [float(v) for v in re.findall(r"^step \d: loss ([\d.]+)$", done.stdout,
+                                                flags=re.MULTILINE)]
+        aborted_at_exit = (len(losses) == 3 and "terminated with signal SIGABRT" in done.stderr
+                           and "terminate called without an active exception" in done.stderr)
+        if not aborted_at_exit:
+            break
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.findall(r"^step \d: loss ([\d.]+)$", done.stdout, flags=re.MULTILINE)
-    losses = [float(v) for v in found]
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2], done.stdout
 
 
