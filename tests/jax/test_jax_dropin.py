@@ -122,6 +122,27 @@ def test_linen_and_nnx_match_flax(kind, dtype, param_dtype, use_fast_variance, m
         np.testing.assert_array_equal(ours_nnx(xd, mask=mask), linen_out)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=str)
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16], ids=["pf32", "pbf16"])
+def test_default_dtype_promotes_as_flax(kind, x_dtype, param_dtype) -> None:
+    """No ``dtype``: Flax returns the promoted dtype of x and the parameters, and so does
+    normkit's default ``output_dtype="promote"``, in values too."""
+    x = _x().astype(x_dtype)
+    theirs = FLAX_LINEN[kind](param_dtype=param_dtype)
+    variables = theirs.init(jax.random.key(1), x)
+    variables = jax.tree_util.tree_map(lambda p: p + 0.25 * _x(p.shape, 2).astype(p.dtype), variables)
+    expected = theirs.apply(variables, x)
+    assert expected.dtype == jnp.promote_types(x_dtype, param_dtype)
+    _same(OURS_LINEN[kind](param_dtype=param_dtype).apply(variables, x), expected, f"linen {kind}")
+
+    flax_nnx = FLAX_NNX[kind](5, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    ours_nnx = OURS_NNX[kind](5, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    nnx.update(flax_nnx, nnx.State(variables["params"]))
+    nnx.update(ours_nnx, nnx.State(variables["params"]))
+    _same(ours_nnx(x), flax_nnx(x), f"nnx {kind}")
+
+
 def test_linen_dtype_narrower_than_input_is_refused() -> None:
     """Flax linen normalizes float32 x and rounds to dtype; the spec has no such output dtype.
     The fix the message names is what Flax computes."""
