@@ -136,12 +136,7 @@ def check_params(
 
 def _check_mask(mask: npt.ArrayLike, shape: tuple[int, ...], spec: NormSpec) -> np.ndarray:
     """``mask`` as booleans of ``shape`` (nonzero values mean True, as in Flax)."""
-    if spec.kind not in ("rms", "layer"):
-        raise ValueError(
-            f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
-            f"{spec.kind!r}: partial RMS already fixes the elements its statistic reads, and "
-            "DyT has no statistic"
-        )
+    spec.check_maskable()
     arr = np.asarray(mask)
     if arr.dtype != np.bool_ and not np.issubdtype(arr.dtype, np.number):
         raise TypeError(f"mask has dtype {arr.dtype}; expected bool or numbers (nonzero: True)")

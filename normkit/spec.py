@@ -291,6 +291,16 @@ class NormSpec:
                 f"representable in {compute})"
             )
 
+    def check_maskable(self) -> None:
+        """ValueError unless a ``mask`` (Flax's) can restrict this spec's statistic: kinds
+        "rms" and "layer" only."""
+        if self.kind not in ("rms", "layer"):
+            raise ValueError(
+                f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
+                f"{self.kind!r}: partial RMS already fixes the elements its statistic reads, and "
+                "DyT has no statistic"
+            )
+
     def resolve_axes(self, ndim: int) -> tuple[int, ...]:
         """The normalized axes of an input of rank ``ndim``: non-negative, increasing."""
         resolved = []

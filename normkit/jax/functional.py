@@ -247,12 +247,7 @@ def _checked_residual(residual: jax.Array, x: jax.Array, plan: _Plan, cast: bool
 def _checked_mask(mask: jax.Array, x: jax.Array, plan: _Plan) -> jax.Array:
     """``mask`` as booleans of ``x``'s shape, for a spec whose statistic a mask can restrict
     (the checks of `normkit.reference.normalize`)."""
-    if plan.spec.kind not in ("rms", "layer"):
-        raise ValueError(
-            f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
-            f"{plan.spec.kind!r}: partial RMS already fixes the elements its statistic reads, "
-            "and DyT has no statistic"
-        )
+    plan.spec.check_maskable()
     if plan.axis_name is not None:
         raise ValueError(
             f"mask with axis_name={plan.axis_name!r} is not supported: the masked statistic is "
@@ -384,11 +379,17 @@ def _reads(x: jax.Array, plan: _Plan, n: int, mask: jax.Array | None) -> _Reads:
     return _Reads(None, n)
 
 
+def _row_sum(value: jax.Array, plan: _Plan, where: jax.Array | None = None) -> jax.Array:
+    """The sum per row (keepdims, over every shard) of ``value`` where ``where`` is True (all
+    of it for None)."""
+    if where is not None:
+        value = jnp.where(where, value, 0)
+    return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan)
+
+
 def _read_mean(value: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
     """The mean per row of ``value`` over the elements read (0 / 0 = NaN where none is)."""
-    if reads.where is not None:
-        value = jnp.where(reads.where, value, 0)
-    return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan) / reads.size
+    return _row_sum(value, plan, reads.where) / reads.size
 
 
 def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
@@ -837,24 +838,19 @@ def _input_grad(
     du = d * u
     k = reads.size
 
-    def total(value: jax.Array, where: jax.Array | None = None) -> jax.Array:
-        if where is not None:
-            value = jnp.where(where, value, 0)
-        return _psum(jnp.sum(value, axis=plan.axes, keepdims=True), plan)
-
     def on_reads(value: jax.Array) -> jax.Array:
         """``value`` on the elements read, ``d`` elsewhere."""
         return value if reads.where is None else jnp.where(reads.where, value, d)
 
     def general() -> jax.Array:
-        return on_reads(d - ((total(d) if layer else 0) + u * total(du)) / k)
+        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + u * _row_sum(du, plan)) / k)
 
     def closed() -> jax.Array:
-        mean_d = total(d, reads.where) / k if layer else 0
-        value = (d - mean_d) * rest
+        value = (d - (_read_mean(d, plan, reads) if layer else 0)) * rest
         if reads.where is not None:  # the part of the sums over the other elements
             others = ~reads.where
-            value -= ((total(d, others) if layer else 0) + u * total(du, others)) / k
+            d_others = _row_sum(d, plan, others) if layer else 0
+            value -= (d_others + u * _row_sum(du, plan, others)) / k
         return on_reads(value)
 
     degenerate = k == (2 if layer else 1)
