@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normkit import NormSpec, dtypes, reference
-from tests.helpers.numerical import numerical_vjp
+from tests.helpers.numerical import numerical_vjp, random_params
 
 
 def independent_normalize(x, spec, scale=None, bias=None):
@@ -59,19 +59,12 @@ SPECS = [
 ]
 
 
-def params(spec, shape, rng):
-    pshape = spec.param_shape(shape)
-    scale = rng.normal(size=pshape) if spec.scale else None
-    bias = rng.normal(size=pshape) if spec.bias else None
-    return scale, bias
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 @pytest.mark.parametrize("shape", [(3, 4, 8), (2, 5, 1), (1, 1, 1), (2, 3, 7)])
 def test_forward_matches_independent_formula(spec, shape):
     rng = np.random.default_rng(0)
     x = rng.normal(size=shape) * 3 + 0.5
-    scale, bias = params(spec, shape, rng)
+    scale, bias = random_params(spec, shape, rng)
     got = reference.normalize(x, spec, scale, bias)
     want = independent_normalize(x, spec, scale, bias)
     assert got.dtype == np.float64
@@ -153,7 +146,7 @@ def test_vjp_matches_finite_differences(spec, seed, n):
     shape = (2, 3, n)
     x = rng.normal(size=shape) + rng.normal()
     dy = rng.normal(size=shape)
-    scale, bias = params(spec, shape, rng)
+    scale, bias = random_params(spec, shape, rng)
     got = reference.normalize_vjp(x, dy, spec, scale, bias)
     want = numerical_vjp(x, dy, spec, scale, bias)
     for name, g, w in zip(("dx", "dscale", "dbias"), got, want):

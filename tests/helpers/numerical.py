@@ -1,4 +1,5 @@
-"""Central differences of the reference, the independent check of its analytic gradients."""
+"""Central differences of the reference, the independent check of its analytic gradients, and
+the random parameters its tests evaluate it with."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ import numpy as np
 
 from normkit import reference
 from normkit.spec import NormSpec
+
+
+def random_params(spec: NormSpec, shape: tuple[int, ...], rng: np.random.Generator
+                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Standard normal ``(scale, bias)`` of ``spec``'s parameter shape for an input of ``shape``,
+    None for a parameter the spec does not have."""
+    p_shape = spec.param_shape(shape)
+    scale = rng.normal(size=p_shape) if spec.scale else None
+    bias = rng.normal(size=p_shape) if spec.bias else None
+    return scale, bias
 
 
 def central_differences(array: np.ndarray, at: Callable[[np.ndarray], float],

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normkit import NormSpec, dtypes, reference
-from tests.helpers.numerical import numerical_vjp
+from tests.helpers.numerical import numerical_vjp, random_params
 
 
 def masked_normalize(x, mask, spec, scale=None, bias=None):
@@ -56,13 +56,6 @@ SPECS = [
 MASK_SHAPES = [(3, 4, 5), (1, 1, 5), (4, 1), (5,)]
 
 
-def _params(spec, shape, rng):
-    p_shape = spec.param_shape(shape)
-    scale = rng.normal(size=p_shape) if spec.scale else None
-    bias = rng.normal(size=p_shape) if spec.bias else None
-    return scale, bias
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
 def test_forward_matches_independent_masked_formula(spec, mask_shape):
@@ -70,7 +63,7 @@ def test_forward_matches_independent_masked_formula(spec, mask_shape):
     shape = (3, 4, 5)
     x = rng.normal(size=shape) * 2 + 1
     mask = rng.random(mask_shape) < 0.6
-    scale, bias = _params(spec, shape, rng)
+    scale, bias = random_params(spec, shape, rng)
     layout = [shape[a] if a in spec.resolve_axes(3) else 1 for a in range(3)]
     s = None if scale is None else np.broadcast_to(scale.reshape(layout), shape)
     b = None if bias is None else np.broadcast_to(bias.reshape(layout), shape)
@@ -215,7 +208,7 @@ def test_vjp_matches_finite_differences(spec, seed, n, density):
     first = np.zeros(shape, bool)
     first[tuple(0 if a in axes else slice(None) for a in range(3))] = True
     mask |= first & ~mask.any(axis=axes, keepdims=True)
-    scale, bias = _params(spec, shape, rng)
+    scale, bias = random_params(spec, shape, rng)
     got = reference.normalize_vjp(x, dy, spec, scale, bias, mask=mask)
     h = 1e-6
     want = numerical_vjp(x, dy, spec, scale, bias, h, mask=mask)
