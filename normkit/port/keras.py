@@ -13,6 +13,7 @@ from normkit import dtypes
 from normkit.port.files import save_norms
 from normkit.port.plan import plan_import
 from normkit.spec import NormSpec
+from normkit.tf.layers import WEIGHT_ATTRIBUTES
 
 __all__ = ["export_norms", "import_norms", "named_layers", "norm_layers"]
 
@@ -79,19 +80,14 @@ def import_norms(model: keras.layers.Layer, path: str | os.PathLike[str]) -> lis
     planned = plan_import(path, shapes, "keras")
     for name, params in planned.items():
         for param, value in params.items():
-            variable = getattr(norms[name], _ATTRIBUTES[param])
+            variable = getattr(norms[name], WEIGHT_ATTRIBUTES[param])
             variable.assign(dtypes.round_to(value, variable.dtype))
     return list(planned)
 
 
-_ATTRIBUTES = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
-"""The normkit.tf layer attribute holding each parameter of the files (every layer has all
-three, None where its spec has no such weight)."""
-
-
 def _weights(layer: keras.layers.Layer) -> dict[str, Any]:
     """The layer's weights by the files' parameter names."""
-    found = {name: getattr(layer, attribute) for name, attribute in _ATTRIBUTES.items()}
+    found = {name: getattr(layer, attribute) for name, attribute in WEIGHT_ATTRIBUTES.items()}
     return {name: v for name, v in found.items() if v is not None}
 
 

@@ -18,7 +18,7 @@ from normkit.backends import Bridge, device_index, device_name
 from normkit.bridges import JaxBridge, TensorFlowBridge, TorchBridge
 from normkit.conformance.targets import check_variant
 from normkit.spec import NormSpec
-from normkit.tf.layers import from_spec
+from normkit.tf.layers import WEIGHT_ATTRIBUTES, from_spec
 
 __all__ = ["POLICIES", "VARIANTS", "devices", "evaluate", "keras_backend"]
 
@@ -29,8 +29,6 @@ POLICIES = {
 }
 """The dtype policy `evaluate` picks for an input dtype: its compute dtype is the input's, so
 Keras' autocast leaves ``x`` as it is (the mixed policies keep float32 variables)."""
-_WEIGHTS = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
-"""The layer's attribute for each of `evaluate`'s parameters."""
 _BRIDGES: dict[str, Bridge] = {
     "tensorflow": TensorFlowBridge(), "jax": JaxBridge(), "torch": TorchBridge(),
 }
@@ -168,7 +166,7 @@ def evaluate(
         inputs = [framework.to_tensor(a, device) for a in given]
         layer = from_spec(spec, dtype=policy, param_dtype=param_dtype)
         layer.build(tuple(inputs[0].shape))
-        for name, attribute in _WEIGHTS.items():
+        for name, attribute in WEIGHT_ATTRIBUTES.items():
             variable, value = getattr(layer, attribute), params[name]
             if value is not None:
                 assert variable is not None  # checked above: the spec has this parameter

@@ -29,6 +29,10 @@ _HALF = ("float16", "bfloat16")
 # The defaults of the Keras layers these replace.
 LAYER_NORM_EPSILON = 1e-3  # keras.layers.LayerNormalization
 RMS_NORM_EPSILON = 1e-6  # keras.layers.RMSNormalization
+WEIGHT_ATTRIBUTES = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
+"""Every layer's attribute for each of its weights, by the name the weight is saved under (and
+normkit's files and conformance call it); the attribute is None where the spec has no such
+weight."""
 
 
 def _known(flag: Any) -> bool | None:
