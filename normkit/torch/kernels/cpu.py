@@ -232,8 +232,7 @@ def _norm_backward(
     x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     rows, n = x.shape
     dx = _output_like(x)
-    block = BLOCK_ROWS
-    blocks = math.ceil(rows / block)
+    blocks = math.ceil(rows / BLOCK_ROWS)
     dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
     db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
     dg = torch.zeros(n, dtype=torch.float32)
@@ -245,7 +244,7 @@ def _norm_backward(
         module.backward(
             _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
             _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, eps, outside, need_g,
-            need_b, block,
+            need_b, BLOCK_ROWS,
         )
     return dx, dg, db
 
