@@ -15,6 +15,9 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
   (``"cpu"``, ``"cuda:0"``, ...), the same for every backend.
 - ``pass``: ``"forward"`` or ``"forward+backward"`` (gradient of x and the parameters, given dy).
 - ``mode``: ``"eager"``, ``"torch.compile"``, ``"tf.function(jit_compile=True)"``, ``"jax.jit"``.
+- ``memory``: ``"as allocated"`` (each implementation's outputs where it puts them) or, for
+  torch on the CPU in a second worker, ``"on huge pages"`` (every output on transparent huge pages,
+  torch's own and the copy's included: equal memory for all).
 - ``shape``: ``[rows, hidden]``, normalized over hidden; ``dtype``: of x, y, dy and dx.
 - ``median_s``, ``min_s``: over ``repeats`` timed rounds.
 - ``bytes_moved``: the least traffic the pass needs: forward reads x and writes y; forward+backward
@@ -35,19 +38,22 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from normkit import backends as _backends
 from normkit import workers
-from normkit.bench.core import FIELDS, Sweep, sweep_to_dict
+from normkit.bench.core import FIELDS, HUGE_PAGE_ENV, HUGE_PAGES, Sweep, sweep_to_dict
 from normkit.progress import Progress
 
 __all__ = ["FIELDS", "Report", "Sweep", "run"]
 
 WORKER = "normkit.bench.worker"
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @dataclass
@@ -63,9 +69,14 @@ class Report:
 
 
 def _work(
-    backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None
+    backend: _backends.Backend,
+    sweep: Sweep,
+    report: Report,
+    progress: Progress | None,
+    env: Mapping[str, str] | None = None,
 ) -> None:
-    """Time ``backend`` in a worker; its rows, versions, skip reason or error go in ``report``."""
+    """Time ``backend`` in a worker (its environment plus ``env``); its rows, versions, skip
+    reason or error go in ``report``."""
 
     def on_event(event: dict[str, Any]) -> None:
         if "planned" in event:
@@ -82,9 +93,34 @@ def _work(
                 progress.advance(event["group"])
 
     job = {"backend": backend.name, "sweep": sweep_to_dict(sweep)}
-    error = workers.run(WORKER, job, backend.env, on_event)
+    error = workers.run(WORKER, job, {**backend.env, **(env or {})}, on_event)
     if error:
         report.errors[backend.name] = error
+
+
+def _huge_pages_unavailable() -> str:
+    """Why outputs cannot be put on transparent huge pages here, or "" when they can."""
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError:
+        return f"no transparent huge pages ({THP_SETTING} is missing)"
+    if "[never]" in setting:
+        return f"transparent huge pages are disabled ({THP_SETTING}: {setting.strip()})"
+    return ""
+
+
+def _huge_pages_view(
+    backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None
+) -> None:
+    """Time ``backend``'s CPU groups again with every output on huge pages (equal memory)."""
+    if sweep.devices is not None and "cpu" not in sweep.devices:
+        return
+    why = _huge_pages_unavailable()
+    if why:
+        report.skipped[f"{backend.name} [{HUGE_PAGES}]"] = why
+        return
+    view = dataclasses.replace(sweep, devices=("cpu",), memory=HUGE_PAGES)
+    _work(backend, view, report, progress, HUGE_PAGE_ENV[backend.name])
 
 
 def run(
@@ -106,6 +142,9 @@ def run(
         float16 off the CPU.
       quick: hidden 1024 and 4096 at 1M elements, 3 rounds, one torch.compile pair.
       progress: draw a progress bar on stderr.
+
+    torch's CPU groups are timed twice: as torch allocates, then in a second worker with every
+    output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`).
     """
     start = time.perf_counter()
     sweep = Sweep.make(quick, [_backends.device_name(d) for d in devices or ()] or None, dtypes)
@@ -118,6 +157,8 @@ def run(
             report.skipped[backend.name] = f"{', '.join(missing)} not installed: {backend.install}"
             continue
         _work(backend, sweep, report, bar)
+        if backend.name in HUGE_PAGE_ENV:
+            _huge_pages_view(backend, sweep, report, bar)
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - start

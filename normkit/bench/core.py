@@ -20,7 +20,7 @@ ROLES = ("normkit", "peer", "copy floor")
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 FIELDS = (
-    "implementation", "role", "backend", "device", "pass", "mode", "shape", "dtype",
+    "implementation", "role", "backend", "device", "pass", "mode", "memory", "shape", "dtype",
     "median_s", "min_s", "repeats", "bytes_moved", "gb_per_s", "fraction_of_copy_floor",
     "ratios", "peak_memory_bytes", "saved_for_backward_bytes",
 )
@@ -29,6 +29,14 @@ ELEMENTS = 32 * 2**20
 QUICK_HIDDEN = (1024, 4096)
 QUICK_ELEMENTS = 2**20
 EPS = 1e-6
+# Where every implementation's outputs live: as each allocates them, or all on transparent huge
+# pages (torch on the CPU: normkit's kernel advises its outputs onto huge pages, torch's
+# allocator does so only under THP_MEM_ALLOC_ENABLE=1, which it reads once per process).
+AS_ALLOCATED, HUGE_PAGES = "as allocated", "on huge pages"
+MEMORY_VIEWS = (AS_ALLOCATED, HUGE_PAGES)
+# The backends timed a second time on the CPU in the huge-pages view, and the environment that
+# makes their allocator put its outputs there.
+HUGE_PAGE_ENV: Mapping[str, Mapping[str, str]] = {"torch": {"THP_MEM_ALLOC_ENABLE": "1"}}
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class Sweep:
     dtypes: tuple[str, ...] | None = None
     devices: tuple[str, ...] | None = None
     quick: bool = False
+    memory: str = AS_ALLOCATED
 
     @classmethod
     def make(
@@ -80,7 +89,8 @@ class Sweep:
 
 @dataclass(frozen=True)
 class Group:
-    """Implementations timed together: one backend, device, pass, mode, shape and dtype."""
+    """Implementations timed together: one backend, device, pass, mode, shape, dtype and memory
+    view (`MEMORY_VIEWS`)."""
 
     backend: str
     device: str
@@ -88,11 +98,16 @@ class Group:
     mode: str
     shape: tuple[int, int]
     dtype: str
+    memory: str = AS_ALLOCATED
 
     @property
     def label(self) -> str:
         rows, hidden = self.shape
-        return f"{self.backend} {self.device} {self.dtype} {rows}x{hidden} {self.pass_} {self.mode}"
+        on = "" if self.memory == AS_ALLOCATED else f" [{self.memory}]"
+        return (
+            f"{self.backend} {self.device} {self.dtype} {rows}x{hidden} {self.pass_} {self.mode}"
+            + on
+        )
 
     @property
     def backward(self) -> bool:
@@ -125,7 +140,7 @@ def plan_groups(
     """Every group of a backend: device x dtype x shape x pass x each mode ``modes(device, dtype,
     pass, shape index)`` yields."""
     return [
-        Group(backend, device, pass_, mode, shape, dtype)
+        Group(backend, device, pass_, mode, shape, dtype, sweep.memory)
         for device in sweep.select(seen)
         for dtype in sweep.dtypes_on(device)
         for i, shape in enumerate(sweep.shapes())
@@ -170,6 +185,7 @@ def time_group(
                 "device": group.device,
                 "pass": group.pass_,
                 "mode": group.mode,
+                "memory": group.memory,
                 "shape": list(group.shape),
                 "dtype": group.dtype,
                 "median_s": t.median_s,

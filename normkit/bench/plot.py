@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from normkit.bench.core import AS_ALLOCATED
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -39,13 +41,15 @@ def norm_kind(implementation: str) -> str | None:
 
 @dataclass(frozen=True)
 class Comparison:
-    """One normkit layer against one peer of the same kind, in one mode, on one device."""
+    """One normkit layer against one peer of the same kind, in one mode, on one device and
+    memory view."""
 
     backend: str
     device: str
     normkit: str
     peer: str
     mode: str
+    memory: str
 
     def label(self, show_mode: bool) -> str:
         short = self.normkit.rsplit(".", 1)[-1]
@@ -64,7 +68,8 @@ def ratios(rows: Sequence[Row]) -> dict[Comparison, dict[tuple[str, str], list[f
             if peer.startswith("normkit.") or norm_kind(peer) != norm_kind(row["implementation"]):
                 continue
             key = Comparison(
-                row["backend"], row["device"], row["implementation"], peer, row["mode"]
+                row["backend"], row["device"], row["implementation"], peer, row["mode"],
+                row["memory"],
             )
             cell = found.setdefault(key, {}).setdefault((row["dtype"], row["pass"]), [])
             cell.append((row["shape"][-1], ratio))
@@ -79,6 +84,11 @@ def _matplotlib() -> None:
         raise ImportError(
             "the benchmark figures need matplotlib: pip install 'normkit[bench]'"
         ) from exc
+
+
+def _memory_note(memory: str) -> str:
+    """A panel title's note of the memory view; nothing for the default one."""
+    return "" if memory == AS_ALLOCATED else f" ({memory})"
 
 
 def _geomean(values: Sequence[float]) -> float:
@@ -96,16 +106,17 @@ def ratio_figure(rows: Sequence[Row], title: str = "") -> Figure:
     table = ratios(rows)
     if not table:
         raise ValueError("no normkit row has a peer of its kind: no ratios to plot")
-    panels = list(dict.fromkeys((c.backend, c.device) for c in table))
+    panels = list(dict.fromkeys((c.backend, c.device, c.memory) for c in table))
     cells = list(dict.fromkeys(cell for values in table.values() for cell in values))
-    heights = [sum((c.backend, c.device) == panel for c in table) for panel in panels]
+    heights = [sum((c.backend, c.device, c.memory) == panel for c in table) for panel in panels]
     fig = Figure(figsize=(9.5, 1.2 + 0.55 * sum(heights) + 0.5 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True,
                         gridspec_kw={"height_ratios": heights})[:, 0]
     every = [r for values in table.values() for v in values.values() for r in v]
     low, high = min(every + [0.8]), max(every + [1.25])
-    for ax, (backend, device) in zip(axes, panels, strict=False):
-        comparisons = [c for c in table if (c.backend, c.device) == (backend, device)]
+    for ax, (backend, device, memory) in zip(axes, panels, strict=False):
+        comparisons = [c for c in table if (c.backend, c.device, c.memory) == (
+            backend, device, memory)]
         show_mode = len({c.mode for c in comparisons}) > 1
         for i, comparison in enumerate(comparisons):
             for j, cell in enumerate(cells):
@@ -122,7 +133,7 @@ def ratio_figure(rows: Sequence[Row], title: str = "") -> Figure:
         labels = [c.label(show_mode) for c in comparisons]
         ax.set_yticks(range(len(comparisons)), labels, fontsize=8.5)
         ax.set_ylim(len(comparisons) - 0.5, -0.5)
-        ax.set_title(f"{backend} on {device}", fontsize=10, loc="left")
+        ax.set_title(f"{backend} on {device}{_memory_note(memory)}", fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)
     ax = axes[-1]
     ax.set_xscale("log", base=2)
@@ -175,13 +186,14 @@ def throughput_figure(rows: Sequence[Row], title: str = "") -> Figure:
 
     if not rows:
         raise ValueError("no rows to plot")
-    fig_rows = list(dict.fromkeys((r["backend"], r["device"]) for r in rows))
+    fig_rows = list(dict.fromkeys((r["backend"], r["device"], r["memory"]) for r in rows))
     fig_cols = list(dict.fromkeys((r["dtype"], r["pass"]) for r in rows))
     fig = Figure(figsize=(3.4 * len(fig_cols) + 4.2, 2.9 * len(fig_rows)), layout="constrained")
     axes = fig.subplots(len(fig_rows), len(fig_cols), squeeze=False)
     hidden = sorted({r["shape"][-1] for r in rows})
-    for i, (backend, device) in enumerate(fig_rows):
-        mine = [r for r in rows if (r["backend"], r["device"]) == (backend, device)]
+    for i, (backend, device, memory) in enumerate(fig_rows):
+        mine = [r for r in rows
+                if (r["backend"], r["device"], r["memory"]) == (backend, device, memory)]
         names = list(dict.fromkeys(r["implementation"] for r in mine if r["role"] != "copy floor"))
         modes = list(dict.fromkeys(r["mode"] for r in mine))
         for j, (dtype, pass_) in enumerate(fig_cols):
@@ -192,7 +204,7 @@ def throughput_figure(rows: Sequence[Row], title: str = "") -> Figure:
             ax.set_xticks(hidden, [str(h) for h in hidden])
             ax.minorticks_off()
             ax.set_ylim(bottom=0)
-            ax.set_title(f"{backend} {device}, {dtype}, {pass_}", fontsize=9)
+            ax.set_title(f"{backend} {device}{_memory_note(memory)}, {dtype}, {pass_}", fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             if i == len(fig_rows) - 1:

@@ -17,10 +17,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     head = f"  {'implementation':<40} {'median ms':>10} {'GB/s':>7} {'of copy':>7}  ratios (peer/this)"
     last: tuple[Any, ...] | None = None
     for row in rows:
-        key = (row["backend"], row["device"], row["dtype"], tuple(row["shape"]), row["pass"], row["mode"])
+        key = (row["backend"], row["device"], row["dtype"], tuple(row["shape"]), row["pass"], row["mode"], row["memory"])
         if key != last:
             shape = "x".join(map(str, row["shape"]))
-            lines += [f"{row['backend']} {row['device']} {row['dtype']} {shape} {row['pass']} ({row['mode']})", head]
+            lines += [f"{row['backend']} {row['device']} {row['dtype']} {shape} {row['pass']} ({row['mode']}; outputs {row['memory']})", head]
             last = key
         saved = row["saved_for_backward_bytes"]
         extra = [] if saved is None else [f"saved {saved / 2**20:.1f} MiB"]

@@ -54,7 +54,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["backend"], row["device"], row["pass"], row["mode"], tuple(row["shape"]), row["dtype"])
+        key = (row["backend"], row["device"], row["pass"], row["mode"], row["memory"], tuple(row["shape"]), row["dtype"])
         groups.setdefault(key, []).append(row)
     return groups
 
@@ -64,15 +64,42 @@ def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dic
     assert quick["status"] == 0 and data["errors"] == {}
     print(f"normkit bench --quick: {quick['seconds']:.0f} s")
     assert sorted(data["versions"]) == sorted(INSTALLED)
-    assert sorted(data["skipped"]) == sorted(set(PEERS) - set(INSTALLED))
+    huge = normkit.bench._huge_pages_unavailable()
+    views = {"torch [on huge pages]"} if huge and "torch" in INSTALLED else set()
+    assert sorted(data["skipped"]) == sorted(set(PEERS) - set(INSTALLED) | views)
     for backend in INSTALLED:
         rows = [r for r in data["rows"] if r["backend"] == backend]
         assert PEERS[backend] <= {r["implementation"] for r in rows}
         assert {r["mode"] for r in rows} == MODES[backend]
         assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
         assert {r["shape"][1] for r in rows} == set(Sweep.make(quick=True).hidden)
-    torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile"}
+    torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile" and r["memory"] == "as allocated"}
     assert len(torch_compiled) <= 1  # --quick: one compiled pair
+    for row in data["rows"]:
+        assert row["memory"] == "as allocated" or (row["backend"], row["device"], row["memory"]) == ("torch", "cpu", "on huge pages")
+
+
+@pytest.mark.skipif("torch" not in INSTALLED, reason="torch is not installed")
+def test_torch_on_the_cpu_is_timed_again_with_every_output_on_huge_pages(quick: dict[str, Any]) -> None:
+    """The huge-pages view times the same groups as the default view, in a worker whose torch
+    allocates on huge pages (the worker refuses to run that view without the environment)."""
+    if normkit.bench._huge_pages_unavailable():
+        pytest.skip(normkit.bench._huge_pages_unavailable())
+    groups = _groups([r for r in quick["data"]["rows"] if r["backend"] == "torch"])
+    views: dict[str, set[tuple[Any, ...]]] = {"as allocated": set(), "on huge pages": set()}
+    for key, rows in groups.items():
+        views[key[4]].add(key[:4] + key[5:])
+        assert {r["implementation"] for r in rows} >= {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "copy (clone)"}
+    assert views["on huge pages"] == views["as allocated"]
+
+
+def test_the_huge_pages_view_refuses_to_run_without_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normkit.bench import worker
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    sweep = dataclasses.replace(Sweep.make(quick=True), memory="on huge pages")
+    with pytest.raises(RuntimeError, match="THP_MEM_ALLOC_ENABLE"):
+        worker.run_job({"backend": "torch", "sweep": normkit.bench.sweep_to_dict(sweep)}, lambda event: None)
 
 
 def test_every_row_has_every_field_and_consistent_figures(quick: dict[str, Any]) -> None:

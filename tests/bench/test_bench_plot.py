@@ -17,7 +17,7 @@ def row(
 ) -> dict[str, Any]:
     base: dict[str, Any] = dict.fromkeys(FIELDS)
     base.update(implementation=implementation, role=role, backend="torch", device="cpu",
-                mode="eager", dtype="float32", shape=[4096, hidden], median_s=median_s,
+                mode="eager", memory="as allocated", dtype="float32", shape=[4096, hidden], median_s=median_s,
                 gb_per_s=1.0 / median_s, ratios={})
     base["pass"] = "forward"
     base.update(fields)
@@ -40,7 +40,8 @@ def group(hidden: int, times: dict[str, float], **fields: Any) -> list[dict[str,
 TIMES = {"normkit.torch.RMSNorm": 1.0, "torch.nn.RMSNorm": 2.0, "normkit.torch.LayerNorm": 1.0,
          "torch.nn.LayerNorm": 0.5, "copy (clone)": 0.8}
 ROWS = [*group(4096, TIMES), *group(1024, {**TIMES, "torch.nn.RMSNorm": 3.0}),
-        *group(1024, TIMES, dtype="bfloat16")]
+        *group(1024, TIMES, dtype="bfloat16"),
+        *group(1024, {**TIMES, "torch.nn.RMSNorm": 1.5}, memory="on huge pages")]
 
 
 @pytest.mark.parametrize(("name", "kind"), [
@@ -56,12 +57,16 @@ def test_kind_from_the_name(name: str, kind: str | None) -> None:
 
 def test_ratios_pair_layers_of_one_kind_in_order_of_hidden_size() -> None:
     table = plot.ratios(ROWS)
-    rms = plot.Comparison("torch", "cpu", "normkit.torch.RMSNorm", "torch.nn.RMSNorm", "eager")
-    layer = plot.Comparison(
-        "torch", "cpu", "normkit.torch.LayerNorm", "torch.nn.LayerNorm", "eager"
-    )
-    assert set(table) == {rms, layer}
+    def comparison(normkit: str, peer: str, memory: str = "as allocated") -> plot.Comparison:
+        return plot.Comparison("torch", "cpu", normkit, peer, "eager", memory)
+
+    rms = comparison("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
+    layer = comparison("normkit.torch.LayerNorm", "torch.nn.LayerNorm")
+    rms_huge = comparison("normkit.torch.RMSNorm", "torch.nn.RMSNorm", "on huge pages")
+    layer_huge = comparison("normkit.torch.LayerNorm", "torch.nn.LayerNorm", "on huge pages")
+    assert set(table) == {rms, layer, rms_huge, layer_huge}
     assert table[rms] == {("float32", "forward"): [3.0, 2.0], ("bfloat16", "forward"): [2.0]}
+    assert table[rms_huge] == {("float32", "forward"): [1.5]}  # the views are kept apart
     assert table[layer][("float32", "forward")] == [0.5, 0.5]
 
 
