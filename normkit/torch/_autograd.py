@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,8 +34,7 @@ def _in_place(x: torch.Tensor) -> bool:
     """Whether the in-place eager path applies to the rows ``x``."""
     return (
         x.dtype in (torch.float32, torch.float64)
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
+        and not _shape_only(x)
         and not torch.is_grad_enabled()
     )
 
@@ -68,6 +68,15 @@ def _rstd(s: torch.Tensor, eps: float | torch.Tensor, outside: bool) -> torch.Te
     return torch.reciprocal(torch.sqrt(s) + eps) if outside else torch.rsqrt(s + eps)
 
 
+# Below this a row's s (the mean of squares) may have lost its value to underflow: a square
+# under the dtype's normal range is rounded to a multiple of its smallest subnormal. For eps
+# outside, whose gradient divides by sqrt(s), such rows take their direction in scaled units.
+_TINY_S = {
+    dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+    for dtype in (torch.float32, torch.float64)
+}
+
+
 def _out_of_range(r: torch.Tensor) -> torch.Tensor:
     """Per row: whether ``r`` is outside the range where the plain formulas hold, or NaN (a
     LayerNorm mean can overflow on finite rows; rows that hold a NaN are left as they are)."""
@@ -78,6 +87,12 @@ def _out_of_range(r: torch.Tensor) -> torch.Tensor:
 def _traced() -> bool:
     """Whether data-dependent Python branches are unavailable (compile, vmap, grad transforms)."""
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values cannot be read: when traced (`_traced`), and for meta and fake
+    tensors (deferred initialization, shape inference), which have shapes but no data."""
+    return _traced() or t.is_meta or isinstance(t, FakeTensor)
 
 
 def _center(xf: torch.Tensor) -> torch.Tensor:
@@ -138,25 +153,77 @@ def _rescaled(x: torch.Tensor, kind: str, k: int, eps: float, outside: bool) -> 
 def _scaled_statistic(
     x: torch.Tensor, kind: str, k: int, eps: float, outside: bool, r: torch.Tensor | None = None
 ) -> _Scaled:
-    """`_statistic`, with the rows whose ``r`` is out of range recomputed by `_rescaled`.
+    """`_statistic`, with the rows that need it recomputed by `_rescaled`: those whose ``r`` is
+    out of range, and those whose s is below `_TINY_S` (squares under the normal range lose
+    their low bits, and a LayerNorm mean of such values more). Per-row scalars decide; eager
+    code recomputes those rows only, traced code every row (then picks with a where).
 
     ``r``, when given, is the true ``r`` per row (rows, 1) saved by the forward; it decides
-    which rows are scaled without recomputing ``s``.
+    which rows are out of range without recomputing ``r(s)``.
     """
     centered, s = _statistic(x, kind, k, _acc_dtype(x.dtype))
-    bad = _out_of_range(_rstd(s, eps, outside) if r is None else r)
-    if not _traced() and not bool(bad.any()):
+    bad = _out_of_range(_rstd(s, eps, outside) if r is None else r) | (s < _TINY_S[s.dtype])
+    if _shape_only(x):
+        return _picked(_rescaled(x, kind, k, eps, outside), centered, s, eps, bad)
+    if not bool(bad.any()):
         return _Scaled(centered, s, eps, None)
-    scaled = _rescaled(x, kind, k, eps, outside)
-    assert scaled.sigma is not None
-    # Rows holding an inf get sigma = 0; they keep the plain values (NaN/inf where they belong).
-    use = bad & (scaled.sigma > 0)
+    index = (bad.squeeze(-1).nonzero().squeeze(-1),)
+    part = _picked(_rescaled(x[index], kind, k, eps, outside), centered[index], s[index], eps)
+    assert part.sigma is not None
     return _Scaled(
-        torch.where(use, scaled.c, centered),
-        torch.where(use, scaled.s, s),
-        torch.where(use, scaled.eps, eps),
-        torch.where(use, scaled.sigma, 1.0),
+        centered.index_put(index, part.c),
+        s.index_put(index, part.s),
+        torch.full_like(s, eps).index_put(index, torch.as_tensor(part.eps, dtype=s.dtype)),
+        torch.ones_like(s).index_put(index, part.sigma),
     )
+
+
+def _picked(
+    scaled: _Scaled,
+    centered: torch.Tensor,
+    s: torch.Tensor,
+    eps: float,
+    use: torch.Tensor | None = None,
+) -> _Scaled:
+    """The rows of ``scaled`` (where ``use``, default all), else the plain ``centered`` and
+    ``s``. Rows holding an inf get sigma = 0: they keep the plain values (NaN/inf where they
+    belong)."""
+    assert scaled.sigma is not None
+    keep = scaled.sigma > 0 if use is None else use & (scaled.sigma > 0)
+    return _Scaled(
+        torch.where(keep, scaled.c, centered),
+        torch.where(keep, scaled.s, s),
+        torch.where(keep, scaled.eps, eps),
+        torch.where(keep, scaled.sigma, 1.0),
+    )
+
+
+def _direction(c: torch.Tensor, s: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+    """``z = c / sqrt(s)`` over the elements the statistic reads (the first k; all for layer),
+    0 where s = 0: eps outside's ``x_i r'(s) = -r**2 z_i / 2``.
+
+    z does not depend on the rows' scale (|z| <= sqrt(k)), so rows whose s is below `_TINY_S`
+    (their squares may have underflowed, even to s = 0) take it after dividing by their largest
+    read magnitude: in eager code those rows only, when traced every row (a where).
+    """
+    head = c if kind == "layer" else c[:, :k]
+    z = torch.where(s > 0, head / torch.sqrt(torch.where(s > 0, s, 1.0)), 0.0)
+    tiny = (s < _TINY_S[s.dtype]).squeeze(-1)
+    if _shape_only(c):
+        return torch.where(tiny.unsqueeze(-1), _unit_direction(head), z)
+    if not bool(tiny.any()):
+        return z
+    rows = tiny.nonzero().squeeze(-1)
+    return z.index_put((rows,), _unit_direction(head[rows]))
+
+
+def _unit_direction(head: torch.Tensor) -> torch.Tensor:
+    """``head / sqrt(mean(head**2))`` per row, each row first divided by its largest magnitude
+    (a constant to autograd), so that no square underflows; 0 for a row of zeros."""
+    largest = head.detach().abs().amax(dim=-1, keepdim=True)
+    unit = head / torch.where(largest > 0, largest, 1.0)
+    s = torch.linalg.vecdot(unit, unit).unsqueeze(-1) / head.shape[-1]
+    return torch.where(s > 0, unit / torch.sqrt(torch.where(s > 0, s, 1.0)), 0.0)
 
 
 def _fast_statistic(x: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,23 +334,25 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dg, db)`` as in `normalize_vjp`: dx in x's dtype, dg and db in the acc dtype.
 
-    In terms of ``y_hat = c r`` (bounded, unlike ``r**3``), with ``t = sqrt(s) r = 1 - eps r``
-    and ``z = y_hat / t = c / sqrt(s)`` for eps outside::
+    In terms of ``y_hat = c r`` (bounded, unlike ``r**3``)::
 
-        rms, partial_rms:  dx_i = r (d_i - [i < k] (1/k) u_i sum_j d_j u_j)
-        layer:             dx_i = r (d_i - mean(d) - (1/n) u_i sum_j d_j u_j)
+        rms, partial_rms:  dx_i = r (d_i - [i < k] (1/k) u_i sum_j d_j y_hat_j)
+        layer:             dx_i = r (d_i - mean(d) - (1/n) u_i sum_j d_j y_hat_j)
 
-    with ``u = y_hat`` (inside) or ``u = sqrt(t) z`` (outside). Where a row has one element in
-    the statistic (k = 1) or LayerNorm two, ``d_0 (1 - u_0**2)`` cancels: it is taken in the
-    closed form ``1 - u_0**2 = eps r**2`` (inside) or ``eps r`` (outside). ``r`` None (the
-    forward's r was that of ``variance="fast"``): the exact statistic is recomputed.
+    with ``u = y_hat`` (inside) or ``u = c / sqrt(s)`` (outside, `_direction`: scale-free, so
+    taken in scaled units where s underflows). Where a row has one element in the statistic
+    (k = 1) or LayerNorm two, ``d_0 (1 - u_0 y_hat_0)`` cancels: it is taken in the closed form
+    ``1 - u_0 y_hat_0 = eps r**2`` (inside) or ``eps r`` (outside). ``r`` None (the forward's r
+    was that of ``variance="fast"``): the exact statistic is recomputed.
     """
     n = x.shape[-1]
     if r is None:
         rows = _scaled_statistic(x, kind, k, eps, outside)
-    elif _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
-        return _backward_in_place(x, r, g, dy.to(x.dtype), k, outside, need_g, need_b)
     else:
+        if _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
+            grads = _backward_in_place(x, r, g, dy.to(x.dtype), k, outside, need_g, need_b)
+            if grads is not None:
+                return grads
         rows = _scaled_statistic(x, kind, k, eps, outside, r.unsqueeze(-1))
     if r is None or rows.sigma is not None or torch.is_grad_enabled():
         # Under create_graph the saved r, a constant to autograd, would drop its dependence on x.
@@ -295,8 +364,7 @@ def _backward(
     d = dyf * g if g is not None else dyf
     y_hat = rows.c * r_scaled
     if outside:
-        t = 1 - rows.eps * r_scaled
-        u = torch.where(t > 0, y_hat * torch.rsqrt(torch.where(t > 0, t, 1.0)), 0.0)
+        u = _direction(rows.c, rows.s, kind, k)
         rest = rows.eps * r_scaled
     else:
         u = y_hat
@@ -306,14 +374,14 @@ def _backward(
         if n == 2:
             inner = rest * centered_d
         else:
-            dot = torch.sum(d * u, dim=-1, keepdim=True)
+            dot = torch.sum(d * y_hat, dim=-1, keepdim=True)
             inner = centered_d - u * (dot / n)
     elif k == 1:
-        others = torch.sum(d[:, 1:] * u[:, 1:], dim=-1, keepdim=True)
+        others = torch.sum(d[:, 1:] * y_hat[:, 1:], dim=-1, keepdim=True)
         head = d[:, :1] * rest - u[:, :1] * others
         inner = torch.cat([head, d[:, 1:]], dim=-1)
     else:
-        dot = torch.sum(d * u, dim=-1, keepdim=True)
+        dot = torch.sum(d * y_hat, dim=-1, keepdim=True)
         inner = torch.cat([d[:, :k] - u[:, :k] * (dot / k), d[:, k:]], dim=-1)
     dx = r_scaled * inner
     if rows.sigma is not None:
@@ -332,22 +400,26 @@ def _backward_in_place(
     outside: bool,
     need_g: bool,
     need_b: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """`_backward` for the RMS kinds on float32/float64 rows with ``k > 1`` and ``r`` in range,
-    in one buffer.
+    in one buffer; None (eps outside) when a row's s is below `_TINY_S` (`_direction`).
 
     ``p = dy * x`` gives ``sum_j d_j x_j = p @ g`` and ``dg = p^T r`` (matrix-vector
     products); ``p`` is then overwritten with ``dx = r (dy * g) + (2/k) r'(s) (sum_j d_j x_j) x``
     (the last term on the first k columns).
     """
+    if outside:
+        # r'(s) = -r^2 / (2 sqrt(s)); sqrt(s) is recomputed: 1/r - eps would lose precision.
+        head = x[:, :k]
+        s = torch.linalg.vecdot(head, head).div_(k)
+        if bool((s < _TINY_S[s.dtype]).any()):
+            return None
+        root = s.sqrt_()
     p = torch.mul(dy, x)
     dot = torch.mv(p, g) if g is not None else p.sum(dim=-1)
     dg = torch.mv(p.t(), r) if need_g else None
     db = dy.sum(dim=0) if need_b else None
     if outside:
-        # r'(s) = -r^2 / (2 sqrt(s)); sqrt(s) is recomputed: 1/r - eps would lose precision.
-        head = x[:, :k]
-        root = torch.linalg.vecdot(head, head).div_(k).sqrt_()
         coef = torch.where(root > 0, -r * r / torch.where(root > 0, root, 1.0), 0.0) / k
     else:
         coef = r * r * r * (-1.0 / k)

@@ -12,7 +12,7 @@ For RMS with ``cast="before_scale"`` the ops are those of Hugging Face's ``Llama
 so its gradients are bit-identical to Llama's; LayerNorm centers first (``h - mean``, or the
 fast variance ``mean(h^2) - mean^2`` clamped at 0), partial RMS reads ``h[:, :k]``, eps outside
 is ``1 / (sqrt(variance) + eps)``, DyT is ``tanh(alpha * h)``. The rows are not rescaled: rows
-whose statistic overflows float32 give what the eager program gives.
+whose statistic overflows or underflows float32 give what the eager program gives.
 """
 
 import functools

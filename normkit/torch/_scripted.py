@@ -4,7 +4,7 @@ TorchScript cannot type a `NormSpec`, so `ScriptedNorm` holds the module's param
 ``Parameter`` objects, so the state_dict keys and values are the module's) and its spec as an
 `normkit.torch._eager.EagerSpec`, and runs the eager op sequence of ``backward="autograd"``
 (`normkit.torch._eager`): the spec's forward, without the rescaling of rows whose statistic
-overflows float32, and autograd's gradients, as in a traced graph.
+overflows or underflows float32, and autograd's gradients, as in a traced graph.
 """
 
 import math

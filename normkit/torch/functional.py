@@ -441,8 +441,8 @@ def _normalize_trailing(
 def _recorded() -> bool:
     """Whether the ops are being recorded into a graph of torch ops (``torch.jit.trace``, the
     ONNX exporters, ``torch.export``), which then holds the eager op sequence (`_eager`): the
-    spec's forward without the rescaling of rows whose statistic overflows float32, and
-    autograd's gradients."""
+    spec's forward without the rescaling of rows whose statistic overflows or underflows
+    float32, and autograd's gradients."""
     return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 

@@ -143,3 +143,73 @@ def test_smallest_eps_on_zero_and_tiny_rows() -> None:
     x = np.zeros((2, 6), np.float32)
     x[1] = 1e-30
     check(spec.replace(scale=True), x, np.ones_like(x), "smallest eps")
+
+
+def _tiny_rows(scale: float, kind: str) -> np.ndarray:
+    """Rows whose statistic's squares are ``scale**2``-sized: the issue's row (four read
+    elements, the first ``scale``, then ones the statistic does not read), a row of one tiny
+    element, and for LayerNorm a row whose centered values are all tiny."""
+    x = np.zeros((3, 16))
+    x[0, :4] = [scale, 0.0, -scale / 3, scale / 7]
+    x[0, 4:] = 1.0 if kind == "partial_rms" else 0.0
+    x[1, 0] = scale
+    x[2, :6] = np.array([1.0, -2.0, 0.5, 3.0, -1.5, 0.25]) * scale
+    return x
+
+
+UNDERFLOW_KINDS = [
+    pytest.param({"kind": "rms"}, id="rms"),
+    pytest.param({"kind": "partial_rms", "p": 0.25}, id="partial-k4"),
+    pytest.param({"kind": "partial_rms", "p": 1 / 16}, id="partial-k1"),
+    pytest.param({"kind": "layer"}, id="layer"),
+]
+
+
+@pytest.mark.parametrize("kernel", ["composite", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [1e-12, 1e-25, 1e-40])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("kind", UNDERFLOW_KINDS)
+def test_gradient_where_the_statistics_squares_underflow(
+    kind: dict, placement: str, scale: float, dtype: torch.dtype, kernel: str
+) -> None:
+    """eps outside: ``x_i r'(s) = -r**2 x_i / (2 sqrt(s))`` with x_i / sqrt(s) scale-free. At
+    scale 1e-25 the float32 squares flush to s = 0; the term must not be dropped (the issue's
+    partial RMS row: dx[0, 0] = -6.0e10, not 1e5). Forward and gradients against the
+    reference, with and without autograd, every kind, both placements."""
+    from normkit.torch.conformance import to_numpy
+
+    spec = NormSpec(**kind, eps=1e-5, eps_placement=placement)
+    if (spec.kind, placement, scale, kernel, dtype) == (
+        "layer", "inside", 1e-40, "composite", torch.float32
+    ):
+        pytest.skip("this takes torch's fused F.layer_norm, which centers subnormal float32 "
+                    "inputs in float32 (a forward limit of torch's kernel; no 1/sqrt(s) term)")
+    xt = torch.tensor(_tiny_rows(scale, spec.kind), dtype=torch.float32).to(dtype)
+    dy = torch.linspace(-1.0, 2.0, xt.numel()).reshape(xt.shape).to(dtype)
+    w = torch.linspace(0.5, 1.5, 16).to(dtype)
+    x_np, dy_np, w_np = to_numpy(xt), to_numpy(dy), to_numpy(w)
+    leaves = [xt.clone().requires_grad_(), w.clone().requires_grad_()]
+    y = F.normalize(leaves[0], spec, leaves[1], kernel=kernel)
+    y.backward(dy)
+    with torch.no_grad():
+        y_no_grad = F.normalize(xt, spec, w, kernel=kernel)
+    expected = reference.normalize(x_np, spec, w_np)
+    dx, dw, _ = reference.normalize_vjp(x_np, dy_np, spec, w_np)
+    what = f"{spec} {kernel} scale {scale}"
+    for got in (y, y_no_grad):
+        tolerances.assert_close(to_numpy(got.detach()), expected, what=f"{what} y")
+    assert leaves[0].grad is not None and leaves[1].grad is not None
+    tolerances.assert_close(to_numpy(leaves[0].grad), dx, quantity="grad", what=f"{what} dx")
+    tolerances.assert_close(to_numpy(leaves[1].grad), dw, quantity="grad", what=f"{what} dw")
+
+
+def test_the_issues_partial_rms_row_gets_its_large_gradient() -> None:
+    """The row of the report, composite path: dx[0, 0] is the reference's -6.0e10."""
+    spec = NormSpec("partial_rms", p=0.25, eps=1e-5, eps_placement="outside")
+    x = np.array([[1e-25, 0, 0, 0] + [1] * 12], np.float32)
+    xt = torch.tensor(x, requires_grad=True)
+    F.normalize(xt, spec, kernel="composite").backward(torch.ones_like(xt))
+    expected = reference.normalize_vjp(x, np.ones_like(x), spec)[0]
+    assert xt.grad is not None and expected[0, 0] == pytest.approx(-6.0e10, rel=1e-3)
+    tolerances.assert_close(xt.grad.numpy(), expected, quantity="grad", what="issue row")

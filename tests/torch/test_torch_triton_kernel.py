@@ -210,6 +210,33 @@ def test_partial_rms_first_element_gradient_with_k_1(placement: str) -> None:
     _check_norm(spec, x, *_params(spec, 16, torch.float32, seed=2))
 
 
+UNDERFLOW_KINDS = KINDS + [dict(kind="partial_rms", p=1 / 16)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+@pytest.mark.parametrize("scale", [1e-12, 1e-25, 1e-40])
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+@pytest.mark.parametrize("kind", UNDERFLOW_KINDS, ids=lambda k: f"{k['kind']}{k.get('p', '')}")
+def test_gradient_where_the_statistics_squares_underflow(
+    monkeypatch: pytest.MonkeyPatch, kind: dict, placement: str, scale: float, fused: bool
+) -> None:
+    """eps outside divides by sqrt(s): rows whose float32 squares flush to s = 0 (scale 1e-25,
+    and subnormal inputs at 1e-40) keep the term ``-r**2 x_i / (2 sqrt(s))`` (the issue's
+    partial RMS row: dx[0, 0] = -6.0e10, not 1e5), in both variants. float32 inputs: the
+    interpreter widens subnormal bfloat16 wrongly (a GPU does not)."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    spec = NormSpec(**kind, eps=1e-5, eps_placement=placement)
+    x = torch.zeros(3, 16, dtype=torch.float64)
+    x[0, :4] = torch.tensor([1.0, 0.0, -1 / 3, 1 / 7]) * scale
+    if spec.kind == "partial_rms":
+        x[0, 4:] = 1.0
+    x[1, 0] = scale
+    x[2, :6] = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.5, 0.25]) * scale
+    _check_norm(spec, x.float().to(DEVICE), *_params(spec, 16, torch.float32, seed=13))
+
+
 def test_a_long_row_stays_within_the_float32_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """2**14 elements in blocks of 256: per-lane sums, then a tree, not one running sum."""
     monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 256)

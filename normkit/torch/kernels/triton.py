@@ -16,11 +16,13 @@ the power of two that brings ``max|x|`` into [2, 4); ``xs = sigma x``)::
     rs = 1 / sqrt(s + eps sigma^2)   or   1 / (sqrt(s) + eps sigma)     r(s) = sigma rs
     y_hat = c rs,  y = y_hat (scale_offset + w) + b   (y_hat rounded first with "before_scale")
 
-Backward, with ``d = dy (scale_offset + w)`` and ``v = y_hat`` (inside) or ``c / sqrt(s)``
-(outside, 0 where s = 0)::
+Backward, with ``d = dy (scale_offset + w)`` and ``u = y_hat`` (inside) or ``c / sqrt(s)``
+(outside, 0 where s = 0; scale-free, so a row whose s is below ``2**-103``, where its squares
+may have underflowed, takes it from ``x`` scaled by the power of two that brings ``max|x|``
+into [2, 4), or by ``2**127`` where ``max|x|`` is subnormal)::
 
-    rms, partial_rms:  dx = sigma rs (d - [i < k] y_hat sum(d v) / k)
-    layer:             dx = sigma rs (d - mean(d) - y_hat sum(d v) / n)
+    rms, partial_rms:  dx = sigma rs (d - [i < k] u sum(d y_hat) / k)
+    layer:             dx = sigma rs (d - mean(d) - u sum(d y_hat) / n)
     k = 1, element 0:  dx_0 = sigma rs^3 (eps sigma^2 d_0 - xs_0 T)    (inside)
                        dx_0 = sigma rs^2 (eps sigma d_0 - sign(xs_0) T)  (outside)
                        with T = sum_{j >= 1} xs_j d_j, free of cancellation
@@ -65,6 +67,9 @@ _CASTS = ("after_scale", "before_scale")
 # statistic is below 2**128, so r(s) >= 2**-64 without rescaling.
 _RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
+# Below this a row's float32 s may have lost its value to underflow (`_row_factors`).
+_TINY_S: tl.constexpr = tl.constexpr(2.0**-103)
+_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
 _SOFT_RNE: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _PARTIAL_BLOCK = 32
 
@@ -275,10 +280,12 @@ def _forward_kernel(
 def _row_factors(X, RES, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexpr,
                  OUTSIDE: tl.constexpr, RESIDUAL: tl.constexpr, SINGLE: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """(sigma, m, m2, rs, eps_s, v_scale) of a row for the backward.
+    """(sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale) of a row for the backward.
 
-    ``v_scale`` turns ``sum(d c)`` into ``sum(d v)``: rs (inside) or 1/sqrt(s) (outside).
-    The saved r(s) is reused for RMS with eps inside, unless the row was rescaled.
+    eps outside's direction is ``u = ((x u_sigma - u_m) - u_m2) u_scale`` (``(x u_sigma)
+    u_scale`` for RMS), ``c / sqrt(s)`` in the units of `_statistic`, or of ``x`` scaled by
+    ``u_sigma`` where s is below `_TINY_S`. The saved r(s) is reused for RMS with eps inside,
+    unless the row was rescaled.
     """
     if LAYER or OUTSIDE:
         sigma, m, m2, s = _statistic(X, RES, row_off, x, cols, n, k, LAYER, RESIDUAL, SINGLE,
@@ -297,19 +304,39 @@ def _row_factors(X, RES, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexp
                                          BLOCK)
             eps_s = _eps_scaled(eps, sigma, OUTSIDE)
             rs = _rs(s, eps_s, OUTSIDE)
+    u_sigma, u_m, u_m2, u_s = sigma, m, m2, s
     if OUTSIDE:
-        v_scale = tl.where(s > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(s > 0, s, 1.0))), 0.0)
-    else:
-        v_scale = rs
-    return sigma, m, m2, rs, eps_s, v_scale
+        if s < _TINY_S:
+            if SINGLE:
+                amax = tl.max(tl.where(cols < k, tl.abs(x), 0.0), axis=0)
+            else:
+                amax = _absmax_looped(X, RES, row_off, k, RESIDUAL, BLOCK)
+            u_sigma = _inv_pow2(tl.maximum(amax, _MIN_NORMAL))
+            if SINGLE:
+                u_m, u_m2, u_s = _moments_block(x * u_sigma, cols, n, k, LAYER)
+            else:
+                u_m, u_m2, u_s = _moments_looped(X, RES, row_off, u_sigma, n, k, LAYER,
+                                                 RESIDUAL, BLOCK)
+    u_scale = tl.where(u_s > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(u_s > 0, u_s, 1.0))), 0.0)
+    return sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale
 
 
 @triton.jit
-def _dx_values(d, c, y_hat, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
-    if LAYER:
-        return sigma * rs * (d - mean_d - y_hat * (dot / n))
+def _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER: tl.constexpr,
+               OUTSIDE: tl.constexpr):
+    """u of the backward: y_hat (inside) or c / sqrt(s) (outside, `_row_factors`)."""
+    if OUTSIDE:
+        return _normalized(x * u_sigma, u_m, u_m2, u_scale, LAYER)
     else:
-        return sigma * rs * (d - tl.where(cols < k, y_hat * (dot / k), 0.0))
+        return y_hat
+
+
+@triton.jit
+def _dx_values(d, u, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
+    if LAYER:
+        return sigma * rs * (d - mean_d - u * (dot / n))
+    else:
+        return sigma * rs * (d - tl.where(cols < k, u * (dot / k), 0.0))
 
 
 @triton.jit
@@ -345,16 +372,17 @@ def _backward_kernel(
             row_off = tl.cast(row, tl.int64) * n
             x = _load_row(X, RES, row_off + cols, mask, RESIDUAL)
             dy = tl.load(DY + row_off + cols, mask=mask, other=0.0).to(tl.float32)
-            sigma, m, m2, rs, eps_s, v_scale = _row_factors(
+            sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale = _row_factors(
                 X, RES, R, row, row_off, x, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL, SINGLE,
                 BLOCK)
             xs = x * sigma
             c = tl.where(mask, _normalized(xs, m, m2, 1.0, LAYER), 0.0)
             y_hat = c * rs
+            u = _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER, OUTSIDE)
             d = dy * g
-            dot = tl.sum(d * c, axis=0) * v_scale
+            dot = tl.sum(d * c, axis=0) * rs
             mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
-            dx = _dx_values(d, c, y_hat, cols, sigma, rs, dot, mean_d, n, k, LAYER)
+            dx = _dx_values(d, u, cols, sigma, rs, dot, mean_d, n, k, LAYER)
             if not LAYER:
                 if k == 1:
                     d0 = tl.sum(tl.where(cols == 0, d, 0.0), axis=0)
@@ -375,7 +403,7 @@ def _backward_kernel(
         zero = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(pid, rows, programs):
             row_off = tl.cast(row, tl.int64) * n
-            sigma, m, m2, rs, eps_s, v_scale = _row_factors(
+            sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale = _row_factors(
                 X, RES, R, row, row_off, zero, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL,
                 SINGLE, BLOCK)
             acc_dot = tl.zeros([BLOCK], dtype=tl.float32)
@@ -394,21 +422,23 @@ def _backward_kernel(
                     acc_d += d
                 else:
                     acc_rest += tl.where(offs >= 1, d * c, 0.0)
-            dot = tl.sum(acc_dot, axis=0) * v_scale
+            dot = tl.sum(acc_dot, axis=0) * rs
             mean_d = tl.sum(acc_d, axis=0) / n
             rest = tl.sum(acc_rest, axis=0)
             for start in range(0, n, BLOCK):
                 offs = start + cols
                 mask = offs < n
-                xs = _load_row(X, RES, row_off + offs, mask, RESIDUAL) * sigma
+                x = _load_row(X, RES, row_off + offs, mask, RESIDUAL)
+                xs = x * sigma
                 c = tl.where(mask, _normalized(xs, m, m2, 1.0, LAYER), 0.0)
                 y_hat = c * rs
+                u = _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER, OUTSIDE)
                 dy = tl.load(DY + row_off + offs, mask=mask, other=0.0).to(tl.float32)
                 d = dy
                 if HAS_W:
                     d = dy * (tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
                               + scale_offset)
-                dx = _dx_values(d, c, y_hat, offs, sigma, rs, dot, mean_d, n, k, LAYER)
+                dx = _dx_values(d, u, offs, sigma, rs, dot, mean_d, n, k, LAYER)
                 if not LAYER:
                     if k == 1:
                         d0 = tl.sum(tl.where(offs == 0, d, 0.0), axis=0)
