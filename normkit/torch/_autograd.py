@@ -541,6 +541,25 @@ class DytFunction(torch.autograd.Function):
         return dx, dg, db, dalpha, None, None, None
 
 
+class GradInFormat(torch.autograd.Function):
+    """``x`` itself, whose gradient is returned in ``memory_format`` (x's channels-last layout:
+    torch's layers give an input's gradient the input's layout, whatever the ops between)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.memory_format = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.contiguous(memory_format=ctx.memory_format), None
+
+
 class RoundThrough(torch.autograd.Function):
     """``x`` rounded to ``dtype`` (kept in x's dtype); the gradient passes through unrounded.
 

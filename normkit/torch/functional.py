@@ -26,6 +26,7 @@ from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import _eager, kernels
 from normkit.torch._autograd import (
     DytFunction,
+    GradInFormat,
     NormFunction,
     RoundThrough,
     _acc_dtype,
@@ -307,8 +308,14 @@ def _along_axes(
     alpha: torch.Tensor | None,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_normalize_trailing` with ``spec.axis`` moved to the end and back; the outputs in x's
-    memory format."""
+    """`_normalize_trailing` with ``spec.axis`` moved to the end and back; the outputs, and the
+    gradients of x and residual, in their memory format."""
+    layout = _memory_format(x)
+    if layout is not None and x.requires_grad:
+        x = GradInFormat.apply(x, layout)
+    residual_layout = None if residual is None else _memory_format(residual)
+    if residual_layout is not None and residual is not None and residual.requires_grad:
+        residual = GradInFormat.apply(residual, residual_layout)
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes == trailing:
@@ -319,7 +326,6 @@ def _along_axes(
             x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel
         )
         y, h = y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
-    layout = _memory_format(x)
     if layout is None:
         return y, h
     return y.contiguous(memory_format=layout), None if h is None else h.contiguous(
