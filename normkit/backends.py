@@ -1,100 +1,33 @@
-"""The backends normkit supports: one registry, one device naming scheme, one interop seam.
+"""The backends normkit supports: one registry over the seam that `normkit.bridges` defines.
 
 - `BACKENDS`: per backend its subpackage, pip extra, packages and worker environment, found
   without importing any framework. Install hints (`install_hint`) derive from it, as do
   conformance's targets and peers and the benchmark's workers.
-- Device names are the same for every backend: ``cpu``, ``cuda:N`` (the N-th GPU; ``gpu:N`` is
-  an accepted alias), ``tpu:N`` and ``mps``. `device_name` turns any accepted spelling into it.
-- `Bridge`: what each framework gives the harness, numpy <-> tensor (bfloat16 included), its
-  devices, and the forward pass and VJP of a framework function. `bridge` returns the
-  framework's class from `normkit.bridges`, importing the framework on first use only.
+- `bridge` returns a backend's `Bridge` (what each framework gives the harness: numpy <->
+  tensor, its devices, forward and VJP), importing the framework on first use only. The
+  protocol and the device names (`device_name`: ``cpu``, ``cuda:N`` with ``gpu:N`` accepted,
+  ``tpu:N``, ``mps``) live in `normkit.bridges` and are re-exported here; the import goes one
+  way, from here to there.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
 import json
-import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-import numpy as np
+from normkit import bridges
+from normkit.bridges import Bridge, FrameworkFn, Outputs, device_name
 
 __all__ = [
     "BACKENDS", "Alternative", "Backend", "Bridge", "Outputs", "FrameworkFn", "bridge",
     "device_name", "get", "install_hint",
 ]
-
-Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
-"""``(y, dx, dscale, dbias)`` as numpy arrays; None for a parameter that is absent."""
-FrameworkFn = Callable[[Any, Any, Any], Any]
-"""``fn(x, scale, bias) -> y`` on a framework's tensors (``scale``/``bias`` None when absent)."""
-
-DEVICE_KINDS = ("cpu", "cuda", "tpu", "mps")
-_DEVICE = re.compile(r"(cpu|cuda|gpu|tpu|mps)(?::(\d+))?")
-
-
-def device_name(name: str) -> str:
-    """The normkit name of a device: ``cpu``, ``cuda:N``, ``tpu:N`` or ``mps``.
-
-    ``gpu:N`` is read as ``cuda:N``, a bare ``cuda``/``gpu``/``tpu`` as index 0, ``cpu:0`` as
-    ``cpu``; anything else raises ValueError.
-    """
-    found = _DEVICE.fullmatch(name.strip().lower())
-    if found is None:
-        raise ValueError(
-            f"{name!r} is not a device name: expected cpu, cuda:N (alias gpu:N), tpu:N or mps"
-        )
-    kind, index = found.groups()
-    if kind in ("cpu", "mps"):
-        if index not in (None, "0"):
-            raise ValueError(f"{name!r} is not a device name: {kind} has no index")
-        return kind
-    return f"{'cuda' if kind == 'gpu' else kind}:{int(index or 0)}"
-
-
-def device_index(name: str) -> tuple[str, int]:
-    """``(kind, index)`` of a device name, e.g. ``("cuda", 1)`` for ``gpu:1``."""
-    kind, _, index = device_name(name).partition(":")
-    return kind, int(index or 0)
-
-
-class Bridge(Protocol):
-    """What a framework gives the harness; one small class per framework in `normkit.bridges`."""
-
-    name: str
-
-    def devices(self) -> list[str]:
-        """The devices the framework sees, in normkit's names, ``cpu`` first."""
-        ...
-
-    def to_tensor(self, a: np.ndarray, device: str = "cpu") -> Any:
-        """A numpy array (ml_dtypes' bfloat16 included) as a tensor of its dtype on ``device``."""
-        ...
-
-    def to_numpy(self, t: Any) -> np.ndarray:
-        """A tensor as a numpy array of its dtype (bfloat16 as ml_dtypes'), on the host."""
-        ...
-
-    def forward(
-        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
-    ) -> np.ndarray:
-        """``fn(x, scale, bias)`` on ``device``, as numpy."""
-        ...
-
-    def vjp(
-        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
-    ) -> Outputs:
-        """``y = fn(x, scale, bias)`` and the gradients of ``<y, dy>`` by x, scale and bias."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -201,6 +134,5 @@ def bridge(name: str) -> Bridge:
     missing = backend.missing()
     if missing:
         raise ImportError(f"{', '.join(missing)} not installed: {backend.install}")
-    bridges = importlib.import_module("normkit.bridges")
     found: Bridge = getattr(bridges, backend.bridge)()
     return found

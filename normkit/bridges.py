@@ -1,4 +1,5 @@
-"""One `normkit.backends.Bridge` per framework: numpy <-> tensors, devices, forward and VJP.
+"""The seam between the harness and a framework: the `Bridge` protocol, normkit's device names,
+and one bridge per framework (numpy <-> tensors, devices, forward and VJP).
 
 Each class imports its framework inside its methods, so this module imports none; use
 `normkit.backends.bridge` to get one. Devices take normkit's names (``cpu``, ``cuda:N`` with
@@ -7,14 +8,84 @@ Each class imports its framework inside its methods, so this module imports none
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from normkit import dtypes
-from normkit.backends import FrameworkFn, Outputs, device_index, device_name
 
-__all__ = ["JaxBridge", "TensorFlowBridge", "TorchBridge"]
+__all__ = [
+    "Bridge", "FrameworkFn", "JaxBridge", "Outputs", "TensorFlowBridge", "TorchBridge",
+    "device_index", "device_name",
+]
+
+Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+"""``(y, dx, dscale, dbias)`` as numpy arrays; None for a parameter that is absent."""
+FrameworkFn = Callable[[Any, Any, Any], Any]
+"""``fn(x, scale, bias) -> y`` on a framework's tensors (``scale``/``bias`` None when absent)."""
+
+DEVICE_KINDS = ("cpu", "cuda", "tpu", "mps")
+_DEVICE = re.compile(r"(cpu|cuda|gpu|tpu|mps)(?::(\d+))?")
+
+
+def device_name(name: str) -> str:
+    """The normkit name of a device: ``cpu``, ``cuda:N``, ``tpu:N`` or ``mps``.
+
+    ``gpu:N`` is read as ``cuda:N``, a bare ``cuda``/``gpu``/``tpu`` as index 0, ``cpu:0`` as
+    ``cpu``; anything else raises ValueError.
+    """
+    found = _DEVICE.fullmatch(name.strip().lower())
+    if found is None:
+        raise ValueError(
+            f"{name!r} is not a device name: expected cpu, cuda:N (alias gpu:N), tpu:N or mps"
+        )
+    kind, index = found.groups()
+    if kind in ("cpu", "mps"):
+        if index not in (None, "0"):
+            raise ValueError(f"{name!r} is not a device name: {kind} has no index")
+        return kind
+    return f"{'cuda' if kind == 'gpu' else kind}:{int(index or 0)}"
+
+
+def device_index(name: str) -> tuple[str, int]:
+    """``(kind, index)`` of a device name, e.g. ``("cuda", 1)`` for ``gpu:1``."""
+    kind, _, index = device_name(name).partition(":")
+    return kind, int(index or 0)
+
+
+class Bridge(Protocol):
+    """What a framework gives the harness; one small class per framework below."""
+
+    name: str
+
+    def devices(self) -> list[str]:
+        """The devices the framework sees, in normkit's names, ``cpu`` first."""
+        ...
+
+    def to_tensor(self, a: np.ndarray, device: str = "cpu") -> Any:
+        """A numpy array (ml_dtypes' bfloat16 included) as a tensor of its dtype on ``device``."""
+        ...
+
+    def to_numpy(self, t: Any) -> np.ndarray:
+        """A tensor as a numpy array of its dtype (bfloat16 as ml_dtypes'), on the host."""
+        ...
+
+    def forward(
+        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
+        bias: np.ndarray | None, device: str,
+    ) -> np.ndarray:
+        """``fn(x, scale, bias)`` on ``device``, as numpy."""
+        ...
+
+    def vjp(
+        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
+        bias: np.ndarray | None, device: str,
+    ) -> Outputs:
+        """``y = fn(x, scale, bias)`` and the gradients of ``<y, dy>`` by x, scale and bias."""
+        ...
+
 
 
 def _checked(bridge: Any, device: str) -> str:

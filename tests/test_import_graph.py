@@ -2,10 +2,13 @@
 
 Every ``import`` counts, also one inside a function (a lazy import is still a dependency). An
 import of ``normkit.a.b`` is an edge to ``normkit.a.b``; ``from normkit.a import x`` is an edge
-to ``normkit.a.x`` when that is a module, else to ``normkit.a``.
+to ``normkit.a.x`` when that is a module, else to ``normkit.a``. So do the imports the code makes
+by name: ``importlib.import_module("normkit.a")`` (an f-string name is an edge to every module it
+can spell) and code in a string that a subprocess runs (``"from normkit import a"``).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import normkit
@@ -21,11 +24,46 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+def _named_module(call: ast.Call, known: dict[str, Path]) -> set[str]:
+    """The modules an ``import_module(name)`` call can import: a constant name, or every known
+    module an f-string name can spell."""
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if called != "import_module" or not call.args:
+        return set()
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return {arg.value}
+    if isinstance(arg, ast.JoinedStr):
+        pattern = "".join(
+            re.escape(part.value) if isinstance(part, ast.Constant) else r"[\w.]+"
+            for part in arg.values
+        )
+        return {m for m in known if re.fullmatch(pattern, m)}
+    return set()
+
+
+def _code_in(text: str) -> ast.Module | None:
+    """``text`` parsed as Python when it is code that imports something, else None."""
+    if "import " not in text:
+        return None
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None
+
+
+def imports(name: str, path: Path, known: dict[str, Path], tree: ast.AST | None = None) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            found |= _named_module(node, known)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            code = _code_in(node.value)
+            if code is not None:
+                found |= imports(name, path, known, code)
+        elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -63,6 +101,18 @@ def cycle(graph: dict[str, set[str]]) -> list[str]:
 def test_the_detector_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_by_name_and_in_code_strings_are_edges():
+    known = modules()
+    assert "normkit.bridges" in imports("normkit.backends", known["normkit.backends"], known)
+    assert "normkit.backends" not in imports("normkit.bridges", known["normkit.bridges"], known)
+    worker = imports("normkit.bench.worker", known["normkit.bench.worker"], known)
+    assert {"normkit.torch.bench", "normkit.tf.bench", "normkit.jax.bench"} <= worker
+    code = ast.parse('subprocess.run(["python", "-c", "from normkit import backends"])')
+    assert imports("normkit.x", ROOT / "x.py", known, code) == {"normkit.backends"}
+    named = ast.parse('importlib.import_module("normkit.port.plan")')
+    assert imports("normkit.x", ROOT / "x.py", known, named) == {"normkit.port.plan"}
 
 
 def test_no_import_cycle_in_normkit():

@@ -14,8 +14,14 @@ import keras
 import numpy as np
 
 from normkit import reference
-from normkit.backends import Bridge, device_index, device_name
-from normkit.bridges import JaxBridge, TensorFlowBridge, TorchBridge
+from normkit.bridges import (
+    Bridge,
+    JaxBridge,
+    TensorFlowBridge,
+    TorchBridge,
+    device_index,
+    device_name,
+)
 from normkit.conformance.targets import check_variant
 from normkit.spec import NormSpec
 from normkit.tf.layers import WEIGHT_ATTRIBUTES, from_spec
