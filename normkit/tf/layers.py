@@ -60,9 +60,10 @@ def _known(flag: Any) -> bool | None:
 class _Rows:
     """The spec's arithmetic on the rows of one input, in the ``work`` dtype.
 
-    Rows whose ``r(s)`` falls outside ``[1/bound, bound]`` (or is NaN on a finite row) are
-    recomputed in scaled units (`rescaled`), where neither ``s`` nor the derivatives autodiff
-    forms (``r**3``) leave the dtype's range; ordinary rows skip that branch.
+    Rows whose ``r(s)`` falls outside ``[1/bound, bound]`` (or is NaN on a finite row), and
+    with eps outside rows whose ``s`` lies below `small`, are recomputed in scaled units
+    (`rescaled`), where neither ``s`` nor the derivatives autodiff forms (``r**3``, and
+    ``x_i / sqrt(s)`` outside) leave the dtype's range; ordinary rows skip that branch.
     """
 
     def __init__(
@@ -83,6 +84,10 @@ class _Rows:
         self.bound = 2.0**exponent
         self.big = 2.0 ** (2 * exponent)
         self.tiny = float(np.finfo(work).tiny)
+        # Below this s may have lost digits to squares below `tiny` (flushed, or subnormal):
+        # their total error is at most tiny, a quarter ulp of s here. With eps outside,
+        # r'(s) x_i = -r**2 x_i / (2 sqrt(s)) needs s to full precision however small it is.
+        self.small = self.tiny * 2.0 ** (np.finfo(work).nmant + 3)
         # The largest r the plain path forms (larger only on rows that `rescaled` replaces):
         # r**3 stays finite, so its gradient does (see `_bounded`).
         self.clip_r = 2.0 ** (1.25 * exponent)
@@ -121,9 +126,18 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
-    def r(self, s: Any, eps: Any) -> Any:
-        """``r(s)``; for eps outside, sqrt's infinite derivative at s = 0 is taken as 0 (as in
-        the reference), and a NaN statistic stays NaN."""
+    def needs_rescaling(self, s: Any, r: Any) -> Any:
+        """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
+        or NaN, or with eps outside ``s`` below `small` (zero rows included: their squares may
+        have underflowed)."""
+        bad = ops.logical_not(ops.logical_and(r >= 1 / self.bound, r <= self.bound))
+        return ops.logical_or(bad, s < self.small) if self.outside else bad
+
+    def r(self, s: Any, eps: Any, unit: Any = 1.0) -> Any:
+        """``r(unit**2 s)``: ``s`` given in units of ``unit**2`` (eps outside only; ``unit``
+        a constant, so ``sqrt(s)``'s gradient is scale-free). For eps outside, sqrt's infinite
+        derivative at s = 0 is taken as 0 (as in the reference), and a NaN statistic stays
+        NaN."""
         if not self.outside:
             total = s + eps
             return ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
@@ -131,7 +145,7 @@ class _Rows:
         root = ops.where(
             positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), ops.stop_gradient(s)
         )
-        total = root + eps
+        total = unit * root + eps
         return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total)
 
     def rescaled(self, x: Any, c: Any, r: Any, bad: Any) -> tuple[Any, Any, Any]:
@@ -140,7 +154,10 @@ class _Rows:
 
         LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
         The factors are constants to autodiff (``y_hat`` does not depend on them); ``pre``, 1
-        or a power of two, keeps them normal numbers (subnormals may be flushed to zero).
+        or a power of two, keeps them normal numbers (subnormals may be flushed to zero). With
+        eps outside, a row smaller than eps has its statistic taken once more in units of its
+        largest magnitude ``m``, ``sqrt(s) = m sqrt(mean((c/m)**2))``, so that no square
+        underflows (`r`'s ``unit``).
         """
         eps = self.spec.eps
         floor = eps if self.outside else float(np.sqrt(eps))
@@ -164,7 +181,14 @@ class _Rows:
             scaled, scaled_floor = scaled * second, scaled_floor * second
         scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
         scaled_eps = ops.maximum(scaled_eps, self.tiny)
-        scaled_r = self.r(self.statistic(scaled), scaled_eps)
+        if self.outside:
+            head = scaled if self.head is None else ops.where(self.head, scaled, 0.0)
+            unit = ops.stop_gradient(
+                ops.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
+            )
+            scaled_r = self.r(self.statistic(scaled / unit), scaled_eps, unit)
+        else:
+            scaled_r = self.r(self.statistic(scaled), scaled_eps)
         return (
             ops.where(use, scaled, c),
             ops.where(use, scaled_r, r),
@@ -456,8 +480,9 @@ class _Norm(keras.layers.Layer):
         head = None if k == n else (np.arange(n) < k).reshape(target)
         rows = _Rows(spec, axes, target, n, k, head, work)
         c = rows.center(x)
-        r = rows.r(rows.statistic(c), spec.eps)
-        bad = ops.logical_not(ops.logical_and(r >= 1 / rows.bound, r <= rows.bound))
+        s = rows.statistic(c)
+        r = rows.r(s, spec.eps)
+        bad = rows.needs_rescaling(s, r)
         any_bad = ops.any(bad)
         known = _known(any_bad)
         eps: Any = spec.eps

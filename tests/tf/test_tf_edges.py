@@ -149,3 +149,53 @@ def test_eps_out_of_range_for_the_dtype_is_refused(layer, dtype: str) -> None:
         layer()(np.zeros((2, 4), dtype))
     with pytest.raises(ValueError, match=f"out of range for a {dtype} input"):
         layer()(keras.Input((4,), dtype=dtype))
+
+
+def test_tiny_statistic_under_eps_outside_keeps_its_gradient_term() -> None:
+    """The issue's row: the statistic reads [1e-12, 0, 0, 0]; x_0 r'(s) sum(dy x) =
+    -6 r**2 = -6e10 does not shrink with x_0, also where x_0**2 underflows float32 (1e-25)."""
+    spec = NormSpec("partial_rms", p=0.25, eps=1e-5, eps_placement="outside")
+    for value in (1e-12, 1e-25):
+        x = np.array([[value, 0, 0, 0] + [1] * 12], np.float32)
+        expected = reference.normalize_vjp(x, np.ones_like(x), spec)[0]
+        assert expected[0, 0] < -5.9e10
+        for jit in (False, True):
+            check(spec, x, np.ones_like(x), f"x0 = {value}, jit={jit}", jit)
+
+
+def _underflowing_rows(tiny: list[float]) -> np.ndarray:
+    """Rows tiny in their first half only (where partial RMS's statistic reads; the ordinary
+    second half makes r'(s) x_i sum(dy x) large), rows tiny throughout, a zero row and an
+    ordinary one."""
+    head = np.array(tiny * 2 + [0.0, 1.0])[:, None]
+    tail = np.array([1.0] * len(tiny) + tiny + [0.0, 1.0])[:, None]
+    x = np.random.default_rng(7).standard_normal((len(head), 16))
+    return x * np.concatenate([np.repeat(head, 8, axis=1), np.repeat(tail, 8, axis=1)], axis=1)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_whose_squares_underflow_under_eps_outside(kind: dict, jit: bool) -> None:
+    """Float32 rows of normal numbers whose squares underflow (or lose digits as subnormals)
+    are taken in units of their largest magnitude: forward and dx as the reference's."""
+    spec = NormSpec(**kind, eps=1e-5, eps_placement="outside")
+    x = _underflowing_rows([1e-12, 1e-20, 1e-25, 1e-30]).astype(np.float32)
+    dy = np.random.default_rng(8).standard_normal(x.shape).astype(np.float32)
+    check(spec, x, dy, f"{spec}", jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_float64_rows_whose_squares_underflow_under_eps_outside(kind: dict, jit: bool) -> None:
+    """The same in float64, where the reference's own float64 squares underflow too: it is
+    evaluated on the rows scaled by 2**266 (with eps), as y(x; eps) = y(t x; t eps) and
+    dx(x; eps) = t dx(t x; t eps)."""
+    spec = NormSpec(**kind, eps=1e-5, eps_placement="outside")
+    t = 2.0**266
+    x = _underflowing_rows([1e-160, 1e-170, 1e-200, 1e-230])
+    dy = np.random.default_rng(8).standard_normal(x.shape)
+    y, dx, _, _ = evaluate(spec, x, dy, jit=jit)
+    scaled = spec.replace(eps=spec.eps * t)
+    tolerances.assert_close(y, reference.normalize(x * t, scaled), what="y")
+    expected = t * reference.normalize_vjp(x * t, dy, scaled)[0]
+    tolerances.assert_close(dx, expected, quantity="grad", what="dx")
