@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import keras
@@ -645,6 +646,51 @@ def _float_dtype(dtype: Any) -> str:
     return name
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# The type each NormSpec field takes from a layer's constructor (None where the spec resolves a
+# default), and its description; a value of the right type is checked by NormSpec.
+_FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "axis": (
+        lambda v: _is_int(v) or (isinstance(v, (list, tuple)) and all(map(_is_int, v))),
+        "an int or a list/tuple of ints",
+    ),
+    "eps": (lambda v: v is None or _is_real(v), "a float"),
+    "p": (_is_real, "a float"),
+    "scale_offset": (_is_real, "a float"),
+    "alpha_init": (_is_real, "a float"),
+    "scale": (lambda v: isinstance(v, bool), "True or False"),
+    "bias": (lambda v: v is None or isinstance(v, bool), "True or False"),
+    "residual": (lambda v: v is None or isinstance(v, str), "None or a string"),
+    **{
+        name: (lambda v: isinstance(v, str), "a string")
+        for name in ("eps_placement", "cast", "variance", "offset_dtype", "output_dtype",
+                     "backward")
+    },
+}
+
+
+def _layer_spec(layer: str, **fields: Any) -> NormSpec:
+    """``NormSpec(**fields)`` for the constructor of ``layer``: TypeError naming the argument
+    whose value has the wrong type, as Keras' layers raise (``epsilon`` for ``eps``, and
+    ``center`` for LayerNorm's ``bias``); NormSpec's ValueError for a wrong value."""
+    arguments = {"eps": "epsilon", "bias": "center" if fields["kind"] == "layer" else "bias"}
+    for field, value in fields.items():
+        if field in _FIELD_TYPES and not _FIELD_TYPES[field][0](value):
+            raise TypeError(
+                f"{layer}: expected {_FIELD_TYPES[field][1]} for the argument "
+                f"'{arguments.get(field, field)}', but received {value!r} of type "
+                f"{type(value).__name__}"
+            )
+    return NormSpec(**fields)
+
+
 def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     """The constructor arguments (JSON-compatible) of the layer that computes ``spec``."""
     kwargs: dict[str, Any] = {"axis": spec.axis[0] if len(spec.axis) == 1 else list(spec.axis)}
@@ -750,7 +796,8 @@ class RMSNorm(_ScaleBias):
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
-        spec = NormSpec(
+        spec = _layer_spec(
+            type(self).__name__,
             kind="rms", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
             scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
             offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
@@ -814,7 +861,8 @@ class PartialRMSNorm(_ScaleBias):
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
-        spec = NormSpec(
+        spec = _layer_spec(
+            type(self).__name__,
             kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
             scale=scale, scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
             offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
@@ -912,7 +960,8 @@ class LayerNorm(_Norm):
                 "square of x, so it is neither LayerNorm nor RMSNorm (Keras 3.15 deprecates "
                 "it); use normkit.tf.RMSNorm, which is keras.layers.RMSNormalization's drop-in"
             )
-        spec = NormSpec(
+        spec = _layer_spec(
+            type(self).__name__,
             kind="layer", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
             scale_offset=scale_offset, bias=center, cast=cast, variance=variance,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
@@ -1038,7 +1087,8 @@ class DyT(_ScaleBias):
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
-        spec = NormSpec(
+        spec = _layer_spec(
+            type(self).__name__,
             kind="dyt", alpha_init=alpha_init, axis=axis, scale=scale, scale_offset=scale_offset,
             bias=bias, cast=cast, residual=residual, offset_dtype=offset_dtype,
             output_dtype=output_dtype, backward=backward,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from normkit import NormSpec, reference, tolerances
-from normkit.tf import DyT, LayerNorm, RMSNorm, from_spec
+from normkit.tf import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
 # Keras' TensorFlow backend converts tensors with np.array(x), which numpy 2 flags; harmless.
 pytestmark = pytest.mark.filterwarnings(
@@ -206,8 +206,43 @@ def test_refusals_name_the_reason():
         r"at one\)$",
     ):
         LayerNorm(gamma_initializer="zeros", scale_offset=1.0)
-    with pytest.raises(ValueError, match=r"NormSpec.axis=\{'axis': -1\} is invalid: expected ints"):
-        LayerNorm(axis={"axis": -1})
+    with pytest.raises(ValueError, match=r"NormSpec.axis=\[\] is invalid: expected at least one"):
+        LayerNorm(axis=[])
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [("axis", {"axis": -1}), ("axis", "-1"), ("axis", 1.5), ("axis", None), ("axis", ["a"])],
+)
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(LayerNorm, keras.layers.LayerNormalization), (RMSNorm, keras.layers.RMSNormalization)],
+    ids=["LayerNorm", "RMSNorm"],
+)
+def test_wrong_types_raise_type_error_as_keras_layers(ours, theirs, argument, value):
+    """Keras' own layers raise TypeError for these (LayerNormalization at construction,
+    RMSNormalization at the first call); normkit's at construction, naming the argument."""
+    with pytest.raises(TypeError):
+        theirs(**{argument: value})(np.ones((2, 4), "float32"))
+    with pytest.raises(TypeError, match=f"^{ours.__name__}: expected .* for the argument "
+                       f"'{argument}', but received"):
+        ours(**{argument: value})
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [(lambda: LayerNorm(epsilon="1e-3"), "epsilon"), (lambda: RMSNorm(epsilon=1j), "epsilon"),
+     (lambda: LayerNorm(center="yes"), "center"), (lambda: LayerNorm(scale=1), "scale"),
+     (lambda: RMSNorm(bias="no"), "bias"), (lambda: RMSNorm(scale_offset="1"), "scale_offset"),
+     (lambda: RMSNorm(eps_placement=0), "eps_placement"), (lambda: RMSNorm(cast=None), "cast"),
+     (lambda: RMSNorm(residual=1), "residual"), (lambda: LayerNorm(variance=2), "variance"),
+     (lambda: RMSNorm(offset_dtype=b"x"), "offset_dtype"), (lambda: RMSNorm(backward=0), "backward"),
+     (lambda: RMSNorm(output_dtype=0), "output_dtype"), (lambda: DyT(alpha_init="1"), "alpha_init"),
+     (lambda: PartialRMSNorm("0.5"), "p")],
+)
+def test_every_option_of_the_wrong_type_raises_type_error(make, argument):
+    with pytest.raises(TypeError, match=f"for the argument '{argument}', but received"):
+        make()
 
 
 def test_ones_with_an_offset_starts_the_effective_scale_at_one():
