@@ -89,10 +89,15 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+def _without_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a meta or fake tensor (deferred initialization, shape inference): a
+    shape, a dtype and a device, but no values."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def _shape_only(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values cannot be read: when traced (`_traced`), and for meta and fake
-    tensors (deferred initialization, shape inference), which have shapes but no data."""
-    return _traced() or t.is_meta or isinstance(t, FakeTensor)
+    """Whether ``t``'s values cannot be read: when traced (`_traced`), or `_without_data`."""
+    return _traced() or _without_data(t)
 
 
 def _center(xf: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from normkit.torch._autograd import (
     RoundThrough,
     _acc_dtype,
     _out_of_range,
-    _traced,
+    _shape_only,
 )
 from normkit.torch.kernels import Kernel
 
@@ -237,12 +237,13 @@ def _autocasts_to_float32(x: torch.Tensor, spec: NormSpec) -> bool:
     """Whether torch's own op for ``spec`` (``layer_norm``, ``rms_norm`` for the RMS kinds)
     would run in float32 here: autocast is on for x's device and registers a (float32) kernel
     for it there, as on CUDA; not on the CPU, nor for DyT, which torch lacks."""
-    device = x.device.type
-    if spec.kind == "dyt" or x.dtype not in _HALF or not torch.is_autocast_enabled(device):
+    key = _AUTOCAST_KEYS.get(x.device.type)  # none for meta tensors, which have no autocast
+    if key is None or spec.kind == "dyt" or x.dtype not in _HALF:
         return False
-    key = _AUTOCAST_KEYS.get(device)
+    if not torch.is_autocast_enabled(x.device.type):
+        return False
     op = "aten::layer_norm" if spec.kind == "layer" else "aten::rms_norm"
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
 
 def add_norm(
@@ -467,7 +468,7 @@ def _fused(
     form. F.layer_norm does not correct its mean (float32 rows of mean 1e6 and spread 1 were off
     by 1e-2) nor rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s)
     is out of range, the batch is recomputed by `NormFunction` (in eager code; traced code
-    always is).
+    always is, and so are meta and fake tensors, whose rows cannot be checked).
     """
     if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
         return None
@@ -475,7 +476,7 @@ def _fused(
     g_shaped = None if g is None else g.reshape(shape)
     b_shaped = None if b is None else b.reshape(shape)
     n = math.prod(shape)
-    if spec.kind == "layer" and spec.variance == "two_pass" and n > 2 and not _traced():
+    if spec.kind == "layer" and spec.variance == "two_pass" and n > 2 and not _shape_only(x):
         y, mean, rstd = torch.native_layer_norm(x, shape, g_shaped, b_shaped, spec.eps)
         if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
             return y

@@ -10,7 +10,9 @@
 
 float64 inputs, parameters in a dtype other than float32 or the input's, a residual in another
 dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm)
-always take the composite path, which computes them exactly. Each kernel module exports
+always take the composite path, which computes them exactly. So do meta and fake tensors
+outside ``torch.compile`` (a meta tensor passes for any device): that path reads no values,
+and gives the outputs' shapes, dtypes and strides. Each kernel module exports
 ``norm_rows(x, weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of
 shape (rows, n); the Triton module also ``add_norm_rows`` (`SUPPORTED` lists the spec fields
 each computes). A spec with a field a kernel lacks takes the composite path under ``"auto"``
@@ -29,6 +31,7 @@ from typing import Literal, TypeAlias, cast
 import torch
 
 from normkit.spec import EXTENDED_DEFAULTS, NormSpec
+from normkit.torch._autograd import _without_data
 from normkit.torch.kernels import cpu
 
 __all__ = ["KERNELS", "SUPPORTED", "Kernel", "check_kernel", "module", "resolve", "unsupported"]
@@ -91,14 +94,14 @@ def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
                 "'composite'"
             )
     if kernel == "cpu":
-        if device != "cpu":
+        if device not in ("cpu", "meta"):
             raise RuntimeError(f"kernel='cpu' runs on CPU tensors; x is on {x.device}")
         if not _NUMBA:
             raise RuntimeError(
                 "kernel='cpu' needs numba, which is not installed: pip install 'normkit[torch]'"
             )
     elif kernel == "triton":
-        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 f"kernel='triton' runs on CUDA tensors (or anywhere under TRITON_INTERPRET=1); "
                 f"x is on {x.device}"
@@ -121,7 +124,7 @@ def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
         return "composite"
     else:
         kernel = "cpu"
-    if x.dtype not in KERNEL_DTYPES or _degenerate(spec.kind, n):
+    if x.dtype not in KERNEL_DTYPES or _degenerate(spec.kind, n) or _without_data(x):
         return "composite"
     return kernel
 

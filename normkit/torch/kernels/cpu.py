@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from normkit.torch._autograd import NormFunction
+from normkit.torch._autograd import NormFunction, _shape_only
 
 __all__ = ["CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
@@ -170,14 +170,15 @@ def _output_like(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _eager() -> bool:
-    """Whether to call the kernels directly rather than through their custom ops.
+def _eager(x: torch.Tensor) -> bool:
+    """Whether to call the kernels directly on ``x`` rather than through their custom ops.
 
     In plain eager mode the ops add nothing, and a custom op's first call imports torch._dynamo,
     hence triton, which aborts a process that has loaded TensorFlow or JAX (their LLVM options
-    clash with triton's).
+    clash with triton's). Traced code, and meta and fake tensors (which have no data for numba to
+    read), go through the ops, whose fake implementations give the outputs' shapes.
     """
-    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+    return not _shape_only(x)
 
 
 def _norm(
@@ -277,7 +278,7 @@ class CpuNormFunction(torch.autograd.Function):
         x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
         outside: bool, cast: str, strict: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        op = _norm if _eager() else cpu_norm
+        op = _norm if _eager(x) else cpu_norm
         y, r = op(x, g, b, kind, k, eps, outside, cast, strict)
         return y, r
 
@@ -300,7 +301,7 @@ class CpuNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
         else:
-            op = _norm_backward if _eager() else cpu_norm_backward
+            op = _norm_backward if _eager(x) else cpu_norm_backward
             dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, need_g, need_b, strict)
         return (
             dx if need_x else None, dg if need_g else None, db if need_b else None,
