@@ -11,6 +11,9 @@ try:
 except ImportError as exc:
     raise ImportError("normkit.torch needs PyTorch: pip install 'normkit[torch]'") from exc
 
+import sys as _sys
+import types as _types
+
 from normkit.torch import functional
 from normkit.torch.modules import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
@@ -20,8 +23,21 @@ __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functi
 def __getattr__(name: str) -> object:
     # The adapter does not import the porting tools built on it; it names where they are.
     if name == "swap_norms":
-        raise AttributeError(
+        message = (
             "normkit.torch.swap_norms is normkit.port.huggingface.swap_norms: "
             "from normkit.port.huggingface import swap_norms"
         )
+        if _importing_from(_sys._getframe(1)):
+            raise ImportError(message, name=__name__)
+        raise AttributeError(message)
     raise AttributeError(f"module 'normkit.torch' has no attribute {name!r}")
+
+
+def _importing_from(frame: _types.FrameType) -> bool:
+    """Whether ``frame`` is running ``from normkit.torch import name``: Python replaces an
+    AttributeError raised there by a generic ImportError ("cannot import name"), so the message
+    naming the right module must come as an ImportError; ``hasattr`` and ``getattr`` still see
+    an AttributeError."""
+    import dis
+
+    return frame.f_code.co_code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
