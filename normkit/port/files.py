@@ -23,21 +23,30 @@ digest detects corruption and edits, not forgery: whoever can edit the file can 
 is refused, nothing is unpickled), the sizes it declares are checked against the zip headers,
 and a member is inflated only up to its declared size, which may exceed 1 MiB only within 32
 times its compressed size (a zip bomb is refused before inflating).
+
+Norms files, and the reports of the ``normkit`` commands, are read through `open_regular` and
+written through `write_atomically`: a path that is not a regular file (a named pipe, a device, a
+directory, a symlink to one) is refused without waiting on it, and a file is written to a
+temporary file beside it, flushed to disk and renamed over the destination, so an interrupted
+write (a crash, a kill, a full disk) leaves the previous file intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import secrets
+import stat
 import struct
 import warnings
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -56,7 +65,10 @@ _MAX_RATIO = 32  # beyond that, to at most this many times its compressed size
 
 Layers = dict[str, tuple[dict[str, np.ndarray], NormSpec]]
 
-__all__ = ["DIGEST_KEY", "FORMAT_VERSION", "load", "load_norms", "save", "save_norms"]
+__all__ = [
+    "DIGEST_KEY", "FORMAT_VERSION", "irregular_kind", "load", "load_norms", "open_regular", "save",
+    "save_norms", "write_atomically",
+]
 
 
 def save(
@@ -131,15 +143,16 @@ def save_norms(
     use_npz = path.suffix == ".npz"
     if not use_npz:
         try:
-            from safetensors.numpy import save_file
+            from safetensors.numpy import save as safetensors_bytes
         except ImportError:
             path = path.with_suffix(".npz")
             warnings.warn(f"safetensors is not installed: writing {path} instead", stacklevel=2)
             use_npz = True
     if use_npz:
-        _save_npz(path, tensors, metadata)
+        write_atomically(path, lambda f: _write_npz(f, tensors, metadata))
     else:
-        save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(metadata)})
+        data = safetensors_bytes(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
+        write_atomically(path, lambda f: f.write(data))
     return path
 
 
@@ -151,18 +164,21 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
     if to not in NAMES:
         raise ValueError(f"to={to!r} is not one of {CONVENTIONS}")
     path = Path(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(9)
-    if head[:4] == b"PK\x03\x04":
-        tensors, raw = _read_npz(path)
-    elif _is_safetensors(path, head):
-        tensors, raw = _read_safetensors(path)
-    elif len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:  # PROTO opcode, protocol 2-5
-        raise ValueError(
-            f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)"
-        )
-    else:
-        raise ValueError(f"{path}: is neither a safetensors nor an .npz file (unrecognized header)")
+        size = os.fstat(f.fileno()).st_size
+        if head[:4] == b"PK\x03\x04":
+            tensors, raw = _read_npz(path, f, size)
+        elif _is_safetensors(head, size):
+            tensors, raw = _read_safetensors(path)
+        elif len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:  # PROTO, protocol 2-5
+            raise ValueError(
+                f"{path}: is a Python pickle; normkit never unpickles (nothing was loaded)"
+            )
+        else:
+            raise ValueError(
+                f"{path}: is neither a safetensors nor an .npz file (unrecognized header)"
+            )
     meta = _parse_metadata(path, raw, tensors)
     convention = meta["convention"]
     layers: Layers = {}
@@ -191,6 +207,98 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
     return layers
 
 
+def irregular_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is (after symlinks) when it exists and is not a regular file, e.g.
+    ``"a named pipe (FIFO)"``; None for a regular file or a path where nothing exists."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return None if stat.S_ISREG(mode) else _kind(mode)
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file (after symlinks).
+
+    It is opened without blocking and checked before a byte is read, so a named pipe, a device,
+    a socket or a directory (or a symlink to one) raises ValueError naming it instead of
+    waiting for a writer or reading forever. A missing or unreadable file raises OSError.
+    """
+    if kind := irregular_kind(path):
+        raise _not_regular(path, kind, "nothing was read")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # replaced since the check above
+        os.close(fd)
+        raise _not_regular(path, _kind(mode), "nothing was read")
+    return os.fdopen(fd, "rb")
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """Write a file with ``write(file)``: into a new file beside ``path``, flushed and fsynced,
+    then renamed over ``path`` (after symlinks, so a link keeps pointing to the new file).
+
+    ``path`` therefore holds its old contents or the new ones, never part of either: if
+    ``write`` raises (a full disk, an interrupt), the new file is removed and the old one is
+    untouched; a process killed mid-write leaves the new file as ``.NAME.<hex>.tmp``. The file gets the mode of the file it replaces, else the umask's. A destination
+    that exists and is not a regular file is refused (ValueError) rather than replaced.
+    Returns the path written.
+    """
+    target = Path(os.path.realpath(path))
+    if kind := irregular_kind(target):
+        raise _not_regular(path, kind, "nothing was written")
+    try:
+        keep_mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        keep_mode = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(temporary, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if keep_mode is not None:
+                os.chmod(temporary, keep_mode)
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _sync_folder(target.parent)
+    return Path(path)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the rename) to disk where the platform allows it."""
+    with contextlib.suppress(OSError):  # Windows opens no folder; some file systems sync none
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _not_regular(path: str | os.PathLike[str], kind: str, outcome: str) -> ValueError:
+    resolved = os.path.realpath(path)
+    via = f" (a symlink to {resolved})" if resolved != os.path.abspath(path) else ""
+    return ValueError(f"{path}: is {kind}{via}, not a regular file ({outcome})")
+
+
 def _key(name: str, param: str) -> str:
     return f"{name}.{param}" if name else param
 
@@ -199,7 +307,7 @@ def _preview(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
 
 
-def _save_npz(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
+def _write_npz(f: BinaryIO, tensors: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
     arrays = {}
     bf16 = []
     for key, value in tensors.items():
@@ -208,13 +316,13 @@ def _save_npz(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, An
             value = value.view(np.uint16)
         arrays[key] = value
     metadata = {**metadata, "bfloat16": bf16}
-    with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
-        np.savez(f, **arrays, **{NPZ_METADATA: np.array(json.dumps(metadata))})  # type: ignore[arg-type]
+    np.savez(f, **arrays, **{NPZ_METADATA: np.array(json.dumps(metadata))})  # type: ignore[arg-type]
 
 
-def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+def _read_npz(path: Path, f: BinaryIO, size: int) -> tuple[dict[str, np.ndarray], str | None]:
+    """The arrays and raw metadata of the .npz open as ``f`` (``size`` bytes), named ``path``."""
     try:
-        archive = zipfile.ZipFile(path)
+        archive = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
         raise ValueError(
             f"{path}: is not a readable .npz (zip) archive: {err} (truncated or corrupt?)"
@@ -232,7 +340,6 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
         repeated = sorted({m for m in members if members.count(m) > 1})
         if repeated:
             raise ValueError(f"{path}: the archive holds {_preview(repeated)} more than once")
-        size = path.stat().st_size
         for info in infos:
             _check_member_sizes(path, info, size)
         arrays = {
@@ -321,11 +428,12 @@ def _read_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) ->
     return array.astype(dtype.newbyteorder("="), order="C", copy=False)
 
 
-def _is_safetensors(path: Path, head: bytes) -> bool:
-    """An 8-byte little-endian header size that fits the file, then the JSON header's ``{``."""
+def _is_safetensors(head: bytes, size: int) -> bool:
+    """An 8-byte little-endian header size that fits the file of ``size`` bytes, then the JSON
+    header's ``{``."""
     return (
         len(head) == 9
-        and 2 <= struct.unpack("<Q", head[:8])[0] <= path.stat().st_size - 8
+        and 2 <= struct.unpack("<Q", head[:8])[0] <= size - 8
         and head[8:9] == b"{"
     )
 

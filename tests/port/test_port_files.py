@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
+import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -332,3 +338,159 @@ def test_importing_normkit_port_imports_no_framework_and_no_safetensors():
             "'flax', 'safetensors') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# --- what is not a regular file, and interrupted writes -----------------------------------
+
+
+def finishes_within(seconds, call, *, release=None):
+    """What ``call()`` raised (None if it returned); fails the test if it has not returned within
+    ``seconds``, after ``release()`` (opening a pipe's other end) lets the blocked call go."""
+    outcome = {}
+
+    def target():
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if release is not None:
+            release()
+        thread.join(5)
+        pytest.fail(f"blocked for more than {seconds} s")
+    return outcome.get("error")
+
+
+def open_other_end(fifo, flags):
+    def release():
+        fd = os.open(fifo, flags | os.O_NONBLOCK)
+        time.sleep(0.5)
+        os.close(fd)
+
+    return release
+
+
+def not_regular_paths(tmp_path):
+    """(path, what the error says it is, the FIFO behind it or None)."""
+    fifo = tmp_path / "norms.safetensors"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(fifo)
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    found = [
+        (fifo, "is a named pipe (FIFO), not a regular file", fifo),
+        (link, f"is a named pipe (FIFO) (a symlink to {fifo}), not a regular file", fifo),
+        (folder, "is a directory, not a regular file", None),
+    ]
+    if os.path.exists("/dev/zero"):
+        found.append((Path("/dev/zero"), "is a character device, not a regular file", None))
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+def test_load_refuses_what_is_not_a_regular_file_without_waiting(tmp_path):
+    for path, what, fifo in not_regular_paths(tmp_path):
+        release = open_other_end(fifo, os.O_WRONLY) if fifo else None
+        err = finishes_within(10, lambda p=path: port.load(p), release=release)
+        assert isinstance(err, ValueError), (path, err)
+        assert str(err) == f"{path}: {what} (nothing was read)"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+def test_save_refuses_to_replace_what_is_not_a_regular_file(tmp_path):
+    for path, what, fifo in not_regular_paths(tmp_path):
+        if str(path).startswith("/dev/"):
+            continue  # never written, even to test a refusal
+        release = open_other_end(fifo, os.O_RDONLY) if fifo else None
+        err = finishes_within(10, lambda p=path: port.save(p, layer_params(), LAYER), release=release)
+        assert isinstance(err, ValueError), (path, err)
+        assert str(err) == f"{path}: {what} (nothing was written)"
+    assert stat.S_ISFIFO(os.stat(tmp_path / "norms.safetensors").st_mode)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+def test_the_port_command_refuses_a_named_pipe_as_a_usage_error(tmp_path, capsys):
+    fifo = tmp_path / "p.safetensors"
+    os.mkfifo(fifo)
+    out = tmp_path / "o.safetensors"
+    for argv in ([str(fifo), str(out)], [str(port.save(out, layer_params(), LAYER)), str(fifo)]):
+        with pytest.raises(SystemExit) as exited:
+            parse([*argv, "--to", "torch"])
+        assert exited.value.code == 2
+        assert f"{fifo} is a named pipe (FIFO), not a regular file" in capsys.readouterr().err
+
+
+# The child writes under a 4 KiB file-size limit: its write of a 4 MiB file fails part-way, as
+# on a full disk (EFBIG), or, with SIGXFSZ's default action restored (Python ignores it), the
+# kernel kills it in the middle of the write.
+INTERRUPTED_WRITE = """
+import resource, signal, sys
+import numpy as np
+import safetensors.numpy
+from normkit import NormSpec, cli, port
+
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if sys.argv[1] == "killed":
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+big = {"scale": np.ones(1 << 20, np.float32)}
+if sys.argv[2] == "save":
+    port.save(sys.argv[3], big, NormSpec("rms"))
+else:
+    sys.exit(cli.main(["port", *sys.argv[3:], "--to", "flax"]))
+"""
+
+
+def interrupted_write(how, *argv):
+    return subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WRITE, how, *argv],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file-size limits")
+@pytest.mark.parametrize("how", ["killed", "full"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_an_interrupted_save_leaves_the_old_file_intact(tmp_path, how, suffix):
+    old = {"scale": rand(2048), "bias": rand(2048)}  # 16 KiB: beyond the child's limit
+    path = port.save(tmp_path / f"norms{suffix}", old, LAYER)
+    before = path.read_bytes()
+    done = interrupted_write(how, "save", str(path))
+    if how == "killed":
+        assert done.returncode == -signal.SIGXFSZ, done.stderr
+    else:
+        assert done.returncode == 1 and "File too large" in done.stderr, done.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing left behind
+    assert path.read_bytes() == before
+    loaded, spec = port.load(path)
+    assert spec == LAYER and all(np.array_equal(loaded[k], old[k]) for k in old)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file-size limits")
+def test_an_interrupted_port_command_leaves_the_old_destination_intact(tmp_path):
+    src = port.save_norms(tmp_path / "src.safetensors",
+                          {f"layers.{i}.norm": ({"scale": rand(4096)}, RMS) for i in range(4)})
+    dst = port.save(tmp_path / "dst.npz", {"scale": rand(2048), "bias": rand(2048)}, LAYER)
+    before = dst.read_bytes()
+    done = interrupted_write("full", "port", str(src), str(dst))
+    assert done.returncode == 2 and "File too large" in done.stderr, done.stderr
+    assert dst.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.npz", "src.safetensors"]
+
+
+def test_a_save_keeps_the_replaced_file_s_mode_and_symlink(tmp_path):
+    path = port.save(tmp_path / "norms.safetensors", layer_params(), LAYER)
+    path.chmod(0o640)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path.name)
+    params = layer_params()
+    assert port.save(link, params, LAYER) == link
+    assert link.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o640
+    loaded, _ = port.load(path)
+    assert all(np.array_equal(loaded[k], params[k]) for k in params)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.safetensors", "norms.safetensors"]
