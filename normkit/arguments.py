@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from normkit.backends import device_name
+from normkit.port.files import irregular_kind, write_atomically
 
 
 def positive_int(text: str) -> int:
@@ -45,12 +46,14 @@ def device(text: str) -> str:
 
 
 def devices(text: str) -> list[str]:
-    """Comma-separated device names."""
-    return [device(d) for d in text.split(",") if d]
+    """Comma-separated device names, at least one."""
+    return [device(d) for d in names(text)]
 
 
 def names(text: str) -> list[str]:
-    """Comma-separated names; commas inside brackets belong to the name (``tf[jax,jit]``)."""
+    """Comma-separated names, at least one and none empty; commas inside brackets belong to the
+    name (``tf[jax,jit]``). A filter that names nothing would select nothing, so it is refused
+    rather than read as "no filter"."""
     found, depth, start = [], 0, 0
     for i, char in enumerate(text):
         depth += {"[": 1, "]": -1}.get(char, 0)
@@ -58,16 +61,24 @@ def names(text: str) -> list[str]:
             found.append(text[start:i])
             start = i + 1
     found.append(text[start:])
-    return [n.strip() for n in found if n.strip()]
+    stripped = [n.strip() for n in found]
+    if not any(stripped):
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing: give at least one name")
+    if not all(stripped):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name between its commas")
+    return stripped
 
 
 def output_path(text: str) -> str:
-    """A file that can be written: ``-`` (stdout), or a path in an existing, writable folder."""
+    """A file that can be written: ``-`` (stdout), or a path in an existing, writable folder
+    where nothing but a regular file exists (it is replaced whole, see `write_text`)."""
     if text == "-":
         return text
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if kind := irregular_kind(path):
+        raise argparse.ArgumentTypeError(f"{text} is {kind}, not a regular file")
     folder = path.parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} does not exist")
@@ -84,18 +95,21 @@ def output_file(text: str) -> str:
 
 
 def input_file(text: str) -> str:
-    """A file that exists and is not a folder."""
+    """A regular file that exists (not a folder, a named pipe or a device)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if kind := irregular_kind(path):
+        raise argparse.ArgumentTypeError(f"{text} is {kind}, not a regular file")
     return text
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path``, or to stdout for ``-``."""
+    """Write ``text`` (UTF-8) to ``path``, replacing it whole (`write_atomically`), or to stdout
+    for ``-``."""
     if path == "-":
         print(text)
     else:
-        Path(path).write_text(text)
+        write_atomically(path, lambda f: f.write(text.encode()))

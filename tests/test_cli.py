@@ -3,6 +3,7 @@ when a check failed or none ran, 2 for a usage error; every error one line, neve
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -205,3 +206,85 @@ def test_rich_is_imported_only_to_draw_progress():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["conformance", "--backend", ""], "argument --backend: '' names nothing"),
+        (["conformance", "--backend", " , "], "argument --backend: ' , ' names nothing"),
+        (["conformance", "--kind", ""], "argument --kind: '' names nothing"),
+        (["conformance", "--dtype", ""], "argument --dtype: '' names nothing"),
+        (["conformance", "--device", ""], "argument --device: '' names nothing"),
+        (["conformance", "--backend", "torch,"],
+         "argument --backend: 'torch,' has an empty name between its commas"),
+        (["conformance", "--kind", "rms,,layer"],
+         "argument --kind: 'rms,,layer' has an empty name between its commas"),
+        (["bench", "--device", ""], "argument --device: '' is not a device name"),
+        (["bench", "--backend", ""], "argument --backend: invalid choice: ''"),
+        (["bench", "--dtype", ""], "argument --dtype: invalid choice: ''"),
+    ],
+)
+def test_a_filter_that_names_nothing_is_a_usage_error(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("a case ran"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert one_error(capsys, argv[0]).startswith(message)
+
+
+def test_an_empty_selection_selects_nothing_in_the_library_too(monkeypatch):
+    from normkit import conformance
+
+    monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("a case ran"))
+    with pytest.raises(ValueError, match="an empty list of backends selects no target"):
+        select([])
+    for empty in ({"backends": []}, {"backends": [], "peers": True}, {"kinds": ()},
+                  {"dtypes": []}, {"devices": []}):
+        with pytest.raises(ValueError, match="selects no|selects nothing"):
+            conformance.run(**empty)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.parametrize("option", [["conformance", "--json"], ["conformance", "--markdown"],
+                                    ["bench", "--json"], ["bench", "--plot"]])
+def test_a_report_is_never_written_into_a_named_pipe_or_a_device(
+    option, tmp_path, monkeypatch, capsys
+):
+    import normkit.bench
+
+    monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("a case ran"))
+    monkeypatch.setattr(normkit.bench, "run", lambda *a, **k: pytest.fail("a benchmark ran"))
+    fifo = tmp_path / "report"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to("/dev/zero")
+    for path, kind in ((fifo, "a named pipe (FIFO)"), (link, "a character device")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main([*option, str(path)])
+        assert exited.value.code == 2
+        assert one_error(capsys, option[0]) == (
+            f"argument {option[1]}: {path} is {kind}, not a regular file"
+        )
+
+
+# A report written under a 64-byte file-size limit fails part-way, as on a full disk.
+INTERRUPTED_REPORT = """
+import resource, sys
+from normkit import arguments
+
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+arguments.write_text(sys.argv[1], "x" * 4096)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file-size limits")
+def test_an_interrupted_report_leaves_the_old_report_intact(tmp_path):
+    report = tmp_path / "conformance.json"
+    old = json.dumps({"cases": [{"status": "PASS"}] * 8})
+    report.write_text(old)
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_REPORT, str(report)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "File too large" in done.stderr, done.stderr
+    assert report.read_text() == old
+    assert [p.name for p in tmp_path.iterdir()] == [report.name]

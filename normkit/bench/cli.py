@@ -54,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(result.rows)} rows in {result.seconds:.0f} s", file=shown)
     meta = {"normkit": normkit.__version__, "quick": args.quick, "versions": result.versions,
             "skipped": result.skipped, "errors": result.errors, "seconds": result.seconds}
-    if args.json == "-":
-        print(json.dumps({**meta, "rows": result.rows}, indent=1))
-    elif args.json:
-        out.write_json(args.json, result.rows, **meta)
+    if args.json:
+        arguments.write_text(args.json, json.dumps({**meta, "rows": result.rows}, indent=1))
     if not result.rows:
         print(
             "normkit bench: error: no row was measured"

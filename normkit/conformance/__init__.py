@@ -35,6 +35,9 @@ def run(
 ) -> Report:
     """Run the conformance matrix and return its report.
 
+    An empty ``backends``, ``kinds``, ``dtypes`` or ``devices`` would select nothing: it raises
+    ValueError (leave the argument out for all).
+
     Args:
       backends: target names or prefixes (``"torch"``, ``"tf"``, ``"tf[jax,jit]"``, ``"jax.nnx"``);
         all when None. A target whose framework is not installed is skipped with the reason.
@@ -51,11 +54,14 @@ def run(
     """
     from normkit.conformance import runner
 
+    for name, given in (("kinds", kinds), ("dtypes", dtypes), ("devices", devices)):
+        if given is not None and not given:
+            raise ValueError(f"{name}=[] selects nothing: name at least one, or leave it out")
     wanted = [device_name(d) for d in devices] if devices else None
     if peers:
         from normkit.conformance import peers as peer_targets
 
-        chosen = select(list(backends) if backends else None, peer_targets.PEERS)
+        chosen = select(None if backends is None else list(backends), peer_targets.PEERS)
         return runner.run(
             chosen,
             lambda t: peer_targets.cases(t, quick=quick, case_dtypes=dtypes or CASE_DTYPES),
@@ -65,7 +71,7 @@ def run(
             progress=progress,
         )
     cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=tuple(dtypes or MATRIX_DTYPES))
-    chosen = select(list(backends) if backends else None)
+    chosen = select(None if backends is None else list(backends))
     return runner.run(
         chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise, progress=progress
     )

@@ -185,9 +185,12 @@ def _selects(name: str, target: Target) -> bool:
 
 
 def select(names: Sequence[str] | None, registry: Sequence[Target] = TARGETS) -> list[Target]:
-    """The targets ``names`` select (all when None); ValueError naming any that selects none."""
-    if not names:
+    """The targets ``names`` select (all when None); ValueError naming any that selects none,
+    and for an empty ``names``, which selects nothing."""
+    if names is None:
         return list(registry)
+    if not names:
+        raise ValueError("no backend named: an empty list of backends selects no target")
     unknown = [n for n in names if not any(_selects(n, t) for t in registry)]
     if unknown:
         raise ValueError(
