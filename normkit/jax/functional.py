@@ -170,7 +170,7 @@ def _prepare(
     axis_name: str | None,
 ) -> tuple[jax.Array, _Plan]:
     """``x`` cast to ``dtype`` and the plan, after checking every argument."""
-    x = jnp.asarray(x)
+    x = as_array("x", x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"x has dtype {x.dtype}; normkit norms need a floating-point input "
@@ -218,14 +218,27 @@ def _prepare(
     return x, _Plan(spec, axes, axis_name, in_dtype, jnp.dtype(out))
 
 
+def as_array(name: str, value: object) -> jax.Array:
+    """``value`` as a JAX array; a TypeError naming the argument ``name`` if it is not an array
+    of numbers or bools (a string, an arbitrary object), which JAX itself reports without it."""
+    try:
+        return jnp.asarray(value)
+    except TypeError as error:
+        raise TypeError(
+            f"{name} must be an array of numbers or bools, got {type(value).__name__} "
+            f"{value!r:.60}"
+        ) from error
+
+
 def _check_float(name: str, value: jax.Array) -> None:
-    if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
-        raise TypeError(f"{name} has dtype {jnp.result_type(value)}; expected a float dtype")
+    dtype = as_array(name, value).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} has dtype {dtype}; expected a float dtype")
 
 
 def _checked_residual(residual: jax.Array, x: jax.Array, plan: _Plan, cast: bool) -> jax.Array:
     """The residual, of x's shape and an allowed dtype (cast to x's with ``dtype=``)."""
-    residual = jnp.asarray(residual)
+    residual = as_array("residual", residual)
     compute = _stat_dtype(plan.dtype)
     mode = plan.spec.residual
     if cast and not (mode == "float32" and residual.dtype == compute):
@@ -253,7 +266,7 @@ def _checked_mask(mask: jax.Array, x: jax.Array, plan: _Plan) -> jax.Array:
             f"mask with axis_name={plan.axis_name!r} is not supported: the masked statistic is "
             "computed per shard only"
         )
-    mask = jnp.asarray(mask)
+    mask = as_array("mask", mask)
     if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.number):
         raise TypeError(f"mask has dtype {mask.dtype}; expected bool or numbers (nonzero: True)")
     try:
@@ -431,13 +444,24 @@ def _r(s: jax.Array, eps: float | jax.Array, spec: NormSpec) -> jax.Array:
 
 
 # Rows whose r(s) falls outside [2**-e, 2**e] (or is NaN on a finite row) are recomputed in
-# scaled units: there s, or the sums behind it, may have overflowed or underflowed.
+# scaled units: there s, or the sums behind it, may have overflowed or underflowed. For the
+# gradient with eps outside, so are rows with s below 2**-2e (`_needs_scaling`).
 _SAFE_EXPONENT = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.float64): 256}
 
 
-def _out_of_range(r: jax.Array) -> jax.Array:
-    bound = 2.0 ** _SAFE_EXPONENT[jnp.dtype(r.dtype)]
-    return ~((r >= 1 / bound) & (r <= bound))
+def _needs_scaling(s: jax.Array, plan: _Plan, gradient: bool) -> jax.Array:
+    """Per row, whether the plain statistic ``s`` cannot be used as it is: ``r(s)`` is out of
+    ``[2**-e, 2**e]`` or NaN, or (``gradient``, eps outside) ``s < 2**-2e``. The gradient's
+    term ``x_i r'(s) = -r**2 x_i / (2 sqrt(s))`` reads ``x_i / sqrt(s)``, which is scale-free
+    but exact only while the squares behind ``s`` are normal numbers (XLA flushes subnormals to
+    zero: s underflows to 0 long before r notices, r being near ``1 / eps``)."""
+    assert plan.spec.eps is not None  # a normalization kind
+    bound = 2.0 ** _SAFE_EXPONENT[jnp.dtype(s.dtype)]
+    r = _r(s, plan.spec.eps, plan.spec)
+    bad = ~((r >= 1 / bound) & (r <= bound))
+    if gradient and plan.spec.eps_placement == "outside":
+        bad |= s < 1 / (bound * bound)
+    return bad
 
 
 def _row_max(value: jax.Array, plan: _Plan) -> jax.Array:
@@ -459,19 +483,23 @@ class _Scaled(NamedTuple):
 
 
 def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
-    """Every row divided by its largest magnitude (at least eps's), so that s lies in [1/k, 1].
+    """Every row divided by its largest magnitude (at least a floor), so that s lies in
+    [1/k, 1].
 
-    ``sigma = 1 / max(max|x|, floor)``, ``floor = sqrt(eps)`` (inside) or ``eps`` (outside), over
-    the elements the statistic reads; LayerNorm rows are scaled, centered, then scaled again by
+    ``sigma = 1 / max(max|x|, floor)`` over the elements the statistic reads, ``floor =
+    sqrt(eps)`` (inside: the scaled eps stays at most 1) or ``eps 2**-2e`` (outside: the scaled
+    eps stays at most ``2**2e``, and rows far below eps still reach unit scale, where the
+    gradient reads ``x / sqrt(s)``); LayerNorm rows are scaled, centered, then scaled again by
     their largest centered value read. The scaling is a constant to autodiff: ``y_hat`` does
     not depend on it.
     """
     spec = plan.spec
     assert spec.eps is not None  # a normalization kind
     outside = spec.eps_placement == "outside"
-    floor = spec.eps if outside else float(np.sqrt(spec.eps))
+    exponent = _SAFE_EXPONENT[jnp.dtype(xf.dtype)]
+    floor = spec.eps * 2.0 ** (-2 * exponent) if outside else float(np.sqrt(spec.eps))
     tiny = float(jnp.finfo(xf.dtype).tiny)
-    big = 2.0 ** (2 * _SAFE_EXPONENT[jnp.dtype(xf.dtype)])
+    big = 2.0 ** (2 * exponent)
     def largest_read(values: jax.Array) -> jax.Array:
         magnitude = jnp.abs(values)
         if reads.where is not None:
@@ -489,18 +517,29 @@ def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
         second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
         c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
     s = _statistic(c, plan, reads)
-    eps = jnp.maximum(scaled_floor if outside else scaled_floor * scaled_floor, tiny)
+    if outside:
+        eps = jnp.maximum(spec.eps * pre * sigma, tiny)
+    else:
+        eps = jnp.maximum(scaled_floor * scaled_floor, tiny)
     return _Scaled(c, s, eps, sigma, pre)
 
 
-def _rows(xf: jax.Array, plan: _Plan, reads: _Reads, r: jax.Array | None = None) -> _Scaled:
-    """The rows in scaled units: as they are, except those whose ``r`` (the saved true ``r``,
-    or else computed here) is out of range, which `_rescaled` recomputes. The rescaling runs
-    only when some row needs it."""
+def _rows(
+    xf: jax.Array,
+    plan: _Plan,
+    reads: _Reads,
+    s: jax.Array | None = None,
+    gradient: bool = False,
+) -> tuple[_Scaled, jax.Array]:
+    """``(rows, s)``: the rows in scaled units, and the plain statistic ``s`` (the saved one, or
+    else computed here). Rows are as they are, except those `_needs_scaling` flags (for the
+    ``gradient`` or the forward pass), which `_rescaled` recomputes. The rescaling runs only when
+    some row needs it."""
     assert plan.spec.eps is not None  # a normalization kind
     c = _centered(xf, plan, reads)
-    s = _statistic(c, plan, reads) if r is None else jnp.zeros_like(r)
-    bad = _out_of_range(_r(s, plan.spec.eps, plan.spec) if r is None else r)
+    if s is None:
+        s = _statistic(c, plan, reads)
+    bad = _needs_scaling(s, plan, gradient)
     eps = jnp.full_like(s, plan.spec.eps)
     one = jnp.ones_like(s)
 
@@ -521,10 +560,10 @@ def _rows(xf: jax.Array, plan: _Plan, reads: _Reads, r: jax.Array | None = None)
 
     any_bad = jnp.any(bad)
     if isinstance(any_bad, jax.core.Tracer):  # traced (jit, grad, vmap): both branches staged
-        return lax.cond(any_bad, rescale, plain)
+        return lax.cond(any_bad, rescale, plain), s
     # Eager: decide in Python, so the common case runs no cond (whose branches, fresh closures
     # here, eager JAX would compile on every call).
-    return rescale() if bool(any_bad) else plain()
+    return (rescale() if bool(any_bad) else plain()), s
 
 
 
@@ -602,8 +641,9 @@ def _fast_moments_jvp(
 def _normalized(
     plan: _Plan, v: jax.Array, alpha: jax.Array | None, mask: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``(y_hat, r)``: ``y_hat`` and the true ``r(s)`` per row (None for DyT and the fast
-    variance, whose backward recomputes the two-pass statistic); ``mask`` the call's."""
+    """``(y_hat, s)``: ``y_hat`` and the plain statistic ``s`` per row, which the backward
+    pass judges rows by (None for DyT and the fast variance, whose backward recomputes the
+    two-pass statistic); ``mask`` the call's."""
     spec = plan.spec
     if alpha is not None:  # dyt
         return jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), None
@@ -612,9 +652,8 @@ def _normalized(
     if spec.variance == "fast":
         m1, variance = _fast_moments(plan, v, reads)
         return (v - m1) * _r(variance, spec.eps, spec), None
-    rows = _rows(v, plan, reads)
-    r = _r(rows.s, rows.eps, spec)
-    return rows.c * r, r * rows.sigma * rows.pre
+    rows, s = _rows(v, plan, reads)
+    return rows.c * _r(rows.s, rows.eps, spec), s
 
 
 def _affine(
@@ -700,11 +739,12 @@ def _forward(
     mask: jax.Array | None,
     eager: bool,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array | None]:
-    """The output (``y``, or ``(y, h)`` with a residual) and the true ``r`` per row."""
+    """The output (``y``, or ``(y, h)`` with a residual) and the plain statistic ``s`` per
+    row (`_normalized`)."""
     v, h = _added(plan, x, residual)
-    y_hat, r = _normalized(plan, v, alpha, mask)
+    y_hat, s = _normalized(plan, v, alpha, mask)
     y = _affine(plan, y_hat, scale, bias, eager)
-    return (y if h is None else (y, h)), r
+    return (y if h is None else (y, h)), s
 
 
 def _run(
@@ -755,7 +795,7 @@ def _norm_fwd(
     alpha: jax.Array | None,
     mask: jax.Array | None,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, r = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
+    out, s = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
@@ -764,7 +804,7 @@ def _norm_fwd(
         normalized = out[1]
     else:
         normalized = _added(plan, x, residual)[0]
-    return out, (normalized, r, scale, bias, alpha, mask)
+    return out, (normalized, s, scale, bias, alpha, mask)
 
 
 def _norm_bwd(
@@ -773,7 +813,7 @@ def _norm_bwd(
     """`normkit.reference.add_normalize_vjp` / `normalize_vjp`: the norm's input gradient
     (`_input_grad`), plus ``dh`` with a residual, rounded once to x's and the residual's dtypes;
     the parameters' gradients summed in the compute dtype; none for the mask."""
-    normalized, r_saved, scale, bias, alpha, mask = saved
+    normalized, s_saved, scale, bias, alpha, mask = saved
     dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
     compute = _stat_dtype(plan.dtype)
     v = normalized.astype(compute)
@@ -788,7 +828,7 @@ def _norm_bwd(
         dv = a * slope * d
         dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
     else:
-        dv, y_hat = _input_grad(plan, v, r_saved, d, mask)
+        dv, y_hat = _input_grad(plan, v, s_saved, d, mask)
     batch = tuple(a for a in range(v.ndim) if a not in plan.axes)
     dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
     dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
@@ -800,42 +840,38 @@ def _norm_bwd(
 
 
 def _input_grad(
-    plan: _Plan, v: jax.Array, r_saved: jax.Array | None, d: jax.Array, mask: jax.Array | None
+    plan: _Plan, v: jax.Array, s_saved: jax.Array | None, d: jax.Array, mask: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
     ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` (two-pass; the fast variance has
     its gradient, recomputed here).
 
-    With ``t = sqrt(s) r = 1 - eps r``, ``u = y_hat`` (inside) or ``y_hat / sqrt(t)`` (outside,
-    0 where s = 0), R the K elements the statistic reads (the mask's, partial RMS's first k, or
-    all n) and the sums over the whole row::
+    With ``z = y_hat`` (inside) or ``c / sqrt(s)`` (outside, 0 where s = 0; scale-free, taken
+    in scaled units), R the K elements the statistic reads (the mask's, partial RMS's first k,
+    or all n) and the sums over the whole row::
 
-        dx_i = r (d_i - [i in R] ([layer] sum_j d_j + u_i sum_j d_j u_j) / K)
+        dx_i = r (d_i - [i in R] ([layer] sum_j d_j + z_i sum_j d_j y_hat_j) / K)
 
     No intermediate leaves the dtype's range (``r**3`` would). Where R holds one element (RMS
     kinds) or two (LayerNorm), the part of the sums over R cancels, to ``rest (d_i - [layer]
-    mean_R(d))`` with ``rest = 1 - u_i**2 = eps r**2`` (inside) or ``eps r`` (outside), taken in
-    that closed form; the part over the other elements is added as it is.
+    mean_R(d))`` with ``rest = 1 - z_i y_hat_i = eps r**2`` (inside) or ``eps r`` (outside),
+    taken in that closed form; the part over the other elements is added as it is.
     """
     spec = plan.spec
     n = _row_size(v, plan)
     reads = _reads(v, plan, n, mask)
-    rows = _rows(v, plan, reads, r_saved)
+    rows, _ = _rows(v, plan, reads, s_saved, gradient=True)
     r = _r(rows.s, rows.eps, spec)
-    if r_saved is not None:
-        # Plain rows keep the saved r; rescaled rows (s recomputed, non-zero) take r in scaled
-        # units.
-        r = jnp.where((rows.sigma == 1) & (rows.pre == 1), r_saved, r)
     y_hat = rows.c * r
     if spec.eps_placement == "outside":
-        t = 1 - rows.eps * r
-        u = jnp.where(t > 0, y_hat * lax.rsqrt(jnp.where(t > 0, t, 1)), 0)
+        positive = rows.s > 0
+        z = rows.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, rows.s, 1)), 0)
         rest = rows.eps * r
     else:
-        u = y_hat
+        z = y_hat
         rest = rows.eps * r * r
     layer = spec.kind == "layer"
-    du = d * u
+    dy_hat = d * y_hat
     k = reads.size
 
     def on_reads(value: jax.Array) -> jax.Array:
@@ -843,14 +879,14 @@ def _input_grad(
         return value if reads.where is None else jnp.where(reads.where, value, d)
 
     def general() -> jax.Array:
-        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + u * _row_sum(du, plan)) / k)
+        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + z * _row_sum(dy_hat, plan)) / k)
 
     def closed() -> jax.Array:
         value = (d - (_read_mean(d, plan, reads) if layer else 0)) * rest
         if reads.where is not None:  # the part of the sums over the other elements
             others = ~reads.where
             d_others = _row_sum(d, plan, others) if layer else 0
-            value -= (d_others + u * _row_sum(du, plan, others)) / k
+            value -= (d_others + z * _row_sum(dy_hat, plan, others)) / k
         return on_reads(value)
 
     degenerate = k == (2 if layer else 1)

@@ -155,7 +155,7 @@ class _Layer(nn.Module):
         when set, else ``result_type(x, params)`` (``output_dtype`` overrides)."""
         spec = self.spec
         check_residual(type(self).__name__, spec, residual)
-        x = jnp.asarray(x)
+        x = functional.as_array("x", x)
         self._check_flax_dtype(x)
         scale, bias, alpha = self._params(spec, x)
         axis_name = getattr(self, "axis_name", None)

@@ -127,7 +127,7 @@ class _Norm(nnx.Module):
         parameters are cast to it first (Flax's ``promote_dtype``) and ``y`` has it; without,
         ``y`` has ``result_type(x, params)`` (``output_dtype`` overrides)."""
         check_residual(type(self).__name__, self.spec, residual)
-        x = jnp.asarray(x)
+        x = functional.as_array("x", x)
         features = feature_positions(self.spec, as_axes(self.feature_axes), x.ndim)
         scale, bias, alpha = (
             None if p is None else p[...] for p in (self.scale, self.bias, self.alpha)

@@ -170,3 +170,39 @@ def test_numeric_masks_mean_nonzero_as_in_flax() -> None:
                                 np.asarray(flax_ln.apply(params, x, mask=jnp.asarray(numbers))),
                                 what="float mask against flax.linen.LayerNorm")
 
+
+
+NOT_ARRAYS = [pytest.param("abc", id="str"), pytest.param(object(), id="object"),
+              pytest.param(b"x", id="bytes")]
+
+
+@pytest.mark.parametrize("mask", NOT_ARRAYS)
+@pytest.mark.parametrize("api", ["functional", "jit", "linen", "nnx"])
+def test_a_mask_that_is_no_array_is_a_type_error_naming_the_mask(api: str, mask: object) -> None:
+    """The documented TypeError naming the mask, not JAX's own about an unnamed 'Value'."""
+    x = jnp.ones((2, 4))
+    calls = {
+        "functional": lambda: F.normalize(x, NormSpec(), mask=mask),
+        "jit": lambda: jax.jit(lambda x: F.normalize(x, NormSpec(), mask=mask))(x),
+        "linen": lambda: nkjax.RMSNorm().init(jax.random.key(0), x, mask=mask),
+        "nnx": lambda: nkjax.nnx.RMSNorm(4)(x, mask=mask),
+    }
+    with pytest.raises(TypeError, match="^mask must be an array of numbers or bools"):
+        calls[api]()
+
+
+@pytest.mark.parametrize("name", ["x", "scale", "bias", "alpha", "residual"])
+def test_other_arguments_that_are_no_arrays_name_themselves(name: str) -> None:
+    x, ones = jnp.ones((2, 4)), jnp.ones(4)
+    calls = {
+        "x": lambda: F.normalize("abc", NormSpec()),  # type: ignore[arg-type]
+        "scale": lambda: F.normalize(x, NormSpec(), "abc"),  # type: ignore[arg-type]
+        "bias": lambda: F.normalize(x, NormSpec(bias=True), ones, "abc"),  # type: ignore[arg-type]
+        "alpha": lambda: F.normalize(x, NormSpec("dyt"), alpha="abc"),  # type: ignore[arg-type]
+        "residual": lambda: F.add_norm(x, "abc", NormSpec(residual="rounded")),  # type: ignore[arg-type]
+    }
+    with pytest.raises(TypeError, match=f"^{name} must be an array of numbers or bools"):
+        calls[name]()
+    for module in (nkjax.RMSNorm(), nkjax.nnx.RMSNorm(4)):
+        with pytest.raises(TypeError, match="^x must be an array of numbers or bools"):
+            module.init(jax.random.key(0), "abc") if isinstance(module, nn.Module) else module("abc")
