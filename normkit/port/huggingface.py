@@ -16,9 +16,12 @@ only. How a layer is recognised (see `swap_norms`):
    ``eps``), else the measured value, whichever comes first that agrees with the measurement
    within `EPS_AGREEMENT` and reproduces the module's float32 outputs within normkit's float32
    bound (`normkit.tolerances`) at rows around the eps transition.
-5. The module becomes ``normkit.torch.from_spec(spec, shape)`` with its parameters copied, when
-   the spec is a norm's (not DyT's) and every field of it is pinned; otherwise it stays, and the
-   report says why.
+5. The module becomes ``normkit.torch.from_spec(spec, shape, kernel="composite")`` with its
+   parameters copied, when the spec is a norm's (not DyT's) and every field of it is pinned;
+   otherwise it stays, and the report says why. The composite path runs the op sequence of
+   Hugging Face's RMS norms (float32 statistic, ``y_hat`` rounded from float32), so their
+   half-precision outputs are bit-identical; the CPU kernel, which rounds ``y_hat`` from an
+   exact statistic, is within normkit's tolerances but not bit-identical (``kernel=``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from normkit import reference, tolerances
 from normkit.backends import bridge
 from normkit.identify import Identification, identify
 from normkit.spec import NormSpec
+from normkit.torch.kernels import Kernel, check_kernel
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
 __all__ = [
@@ -127,7 +131,9 @@ class _Recognised:
     eps_from: str
 
 
-def swap_norms(module: nn.Module, *, config: object | None = None) -> tuple[nn.Module, SwapReport]:
+def swap_norms(
+    module: nn.Module, *, config: object | None = None, kernel: Kernel = "composite"
+) -> tuple[nn.Module, SwapReport]:
     """Replace the norm layers of ``module`` by normkit modules computing the same function.
 
     Each candidate (see the module docstring) is probed once per class and configuration; when
@@ -139,11 +145,17 @@ def swap_norms(module: nn.Module, *, config: object | None = None) -> tuple[nn.M
       module: the model (a ``module`` that is itself a norm is returned replaced).
       config: read for eps values (every key containing ``eps``, nested configs included).
         Default: ``module.config`` if there is one (a Hugging Face ``PreTrainedModel``).
+      kernel: the replacements' ``kernel``. Default ``"composite"``: Hugging Face's RMS norms
+        (Llama, Qwen, Mistral, Gemma, T5, ...) bit for bit in bfloat16 and float16, as they
+        round ``y_hat`` from a float32 statistic. ``"auto"`` (on the CPU, normkit's CPU kernel:
+        faster, and closer to the exact reference) is within normkit's tolerances, not
+        bit-identical: about one half-precision row in a few thousand rounds the other way.
 
     Returns ``(module, report)``.
     """
     if config is None:
         config = getattr(module, "config", None)
+    check_kernel(kernel)
     config_eps = dict(_config_eps(config))
     outcomes: dict[Hashable, _Recognised | str] = {}
     replaced: dict[int, nn.Module] = {}
@@ -162,7 +174,7 @@ def swap_norms(module: nn.Module, *, config: object | None = None) -> tuple[nn.M
             left_alone.append(LeftAlone(path, name, outcome))
             continue
         if id(child) not in replaced:
-            replaced[id(child)] = _replacement(child, outcome.spec, outcome.shape)
+            replaced[id(child)] = _replacement(child, outcome.spec, outcome.shape, kernel)
         new = replaced[id(child)]
         if path:
             parent, _, attribute = path.rpartition(".")
@@ -390,12 +402,15 @@ def _confirm(
     return tolerances.measure(y, expected, "float32")
 
 
-def _replacement(old: nn.Module, spec: NormSpec, shape: tuple[int, ...]) -> nn.Module:
-    """``from_spec(spec, shape)`` with ``old``'s parameters (values, dtype, device, grad flag)."""
+def _replacement(
+    old: nn.Module, spec: NormSpec, shape: tuple[int, ...], kernel: Kernel
+) -> nn.Module:
+    """``from_spec(spec, shape, kernel=kernel)`` with ``old``'s parameters (values, dtype,
+    device, grad flag)."""
     sources = {name: getattr(old, name, None) for name in _PARAMETERS}
     like = next((p for p in sources.values() if isinstance(p, torch.Tensor)), None)
     factory: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
-    new = from_spec(spec, shape, **factory)
+    new = from_spec(spec, shape, kernel=kernel, **factory)
     with torch.no_grad():
         for name, source in sources.items():
             if isinstance(source, torch.Tensor):

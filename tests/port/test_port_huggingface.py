@@ -431,3 +431,54 @@ def test_the_report_lists_each_class_once_with_its_count():
     assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec(kind='layer', eps=1e-05")
     assert lines[1].startswith("BatchNorm1d: 1 left alone: identify: ")
     assert lines[2] == "GatedRMSNorm: 1 left alone: its forward(x, gate=None) takes more than the input"
+
+
+HF_RMS_CLASSES = ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm", "T5LayerNorm"]
+
+
+@pytest.mark.parametrize("name", HF_RMS_CLASSES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_hf_rms_norms_are_bit_exact_on_millions_of_elements(name, dtype):
+    """Enough rows to meet rounding ties (the CPU kernel flipped about one float16 row in
+    2,000-4,000 at n = 4: LlamaRMSNorm(4) on [-0.8916015625, 1.5205078125, -3.962890625,
+    -0.3095703125] gave -1.822265625 where swapped gave -1.8232421875), initial and random weights,
+    2**20 rows of 4 and 256 rows of 4096."""
+    family = name.removesuffix("RMSNorm").removesuffix("LayerNorm").lower()
+    module = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    generator = torch.Generator().manual_seed(4)
+    issue_row = torch.tensor([-0.8916015625, 1.5205078125, -3.962890625, -0.3095703125])
+    for rows, n, random_weight in ((2**20, 4, False), (256, 4096, True)):
+        original = module(n, eps=1e-6).to(dtype)
+        if random_weight:
+            with torch.no_grad():
+                original.weight.add_((0.5 * torch.randn(n, generator=generator)).to(dtype))
+        x = (3 * torch.randn(rows, n, generator=generator)).to(dtype)
+        if n == 4:
+            x[0] = issue_row.to(dtype)
+        swapped, report = swap_norms(copy.deepcopy(original))
+        assert isinstance(swapped, RMSNorm) and swapped.kernel == "composite", report.describe()
+        with torch.no_grad():
+            want, got = original(x), swapped(x)
+        different = int((want != got).any(-1).sum())
+        assert different == 0, f"{name} {dtype} {rows}x{n}: {different} rows differ"
+
+
+def test_swap_norms_kernel_argument_builds_that_kernel():
+    """kernel="auto" (normkit's CPU kernel on the CPU) is faster but only within the policy:
+    on the issue's float16 row it rounds y_hat from the exact statistic."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from normkit.torch.conformance import to_numpy
+
+    original = LlamaRMSNorm(4, eps=1e-6).to(torch.float16)
+    swapped, _ = swap_norms(copy.deepcopy(original), kernel="auto")
+    assert swapped.kernel == "auto"
+    x = torch.tensor([[-0.8916015625, 1.5205078125, -3.962890625, -0.3095703125]],
+                     dtype=torch.float16)
+    with torch.no_grad():
+        got = swapped(x)
+    expected = reference.normalize(to_numpy(x), swapped.spec, to_numpy(swapped.weight.detach()))
+    tolerances.assert_close(to_numpy(got), expected, cast="before_scale",
+                            magnitude=reference.scaled_magnitude(to_numpy(x), swapped.spec))
+    with pytest.raises(ValueError, match="kernel='fast' is invalid"):
+        swap_norms(copy.deepcopy(original), kernel="fast")
