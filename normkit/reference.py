@@ -167,14 +167,14 @@ def _mean(values: np.ndarray, reads: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class _Statistic:
     """Per row: the values the statistic centers (x, or x - mean(x)), the elements it reads and
-    their count K, s, r(s) and dr/ds (all but ``centered`` and ``reads`` of shape (rows, 1))."""
+    their count K, s and r(s) (of shape (rows, 1)), and per element ``c_i r'(s)``."""
 
     centered: np.ndarray
     reads: np.ndarray
     count: np.ndarray
     s: np.ndarray
     r: np.ndarray
-    dr_ds: np.ndarray
+    slope: np.ndarray
 
 
 def _statistic(
@@ -194,14 +194,28 @@ def _statistic(
     with np.errstate(divide="ignore", invalid="ignore"):
         if spec.eps_placement == "inside":
             r = 1.0 / np.sqrt(s + spec.eps)
-            dr_ds = -0.5 * r**3
+            slope = -0.5 * r**3 * centered
         else:
-            root = np.sqrt(s)
-            r = 1.0 / (root + spec.eps)
-            # sqrt is not differentiable at s = 0; there every x_i in the statistic is 0 and
-            # the term's limit along any path is bounded, so the reference takes 0.
-            dr_ds = np.where(s > 0, -0.5 * r**2 / np.where(s > 0, root, 1.0), 0.0)
-    return _Statistic(centered, reads, reads.sum(axis=1, keepdims=True), s, r, dr_ds)
+            r = 1.0 / (np.sqrt(s) + spec.eps)
+            slope = -0.5 * r**2 * _over_root(centered, reads, s)
+    return _Statistic(centered, reads, reads.sum(axis=1, keepdims=True), s, r, slope)
+
+
+def _over_root(centered: np.ndarray, reads: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``c_i / sqrt(s)``, the factor of eps outside's ``c_i r'(s) = -r^2 c_i / (2 sqrt(s))``.
+
+    It is scale-free (at most sqrt(K) on the elements read), so a row whose ``s`` is too small
+    for float64 (its squares underflow, even to 0) takes it from the row divided by its largest
+    magnitude over those elements. sqrt is not differentiable at s = 0; there every c_i read is
+    0 and the term's limit along any path is bounded, so the reference takes 0.
+    """
+    tiny = s < np.finfo(np.float64).tiny / np.finfo(np.float64).eps
+    largest = np.max(np.abs(centered), axis=1, keepdims=True, where=reads, initial=0.0)
+    unit = np.where(tiny & (largest > 0), largest, 1.0)
+    scaled = np.where(reads, centered, 0.0) / unit
+    s_scaled = np.where(tiny, _mean(scaled**2, reads), s)
+    positive = s_scaled > 0
+    return np.where(positive, scaled / np.sqrt(np.where(positive, s_scaled, 1.0)), 0.0)
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -512,16 +526,16 @@ def _input_grad(stat: _Statistic, d: np.ndarray, spec: NormSpec) -> np.ndarray:
     elements is added as it is.
     """
     assert spec.eps is not None
-    c, reads, k, r, dr_ds = stat.centered, stat.reads, stat.count, stat.r, stat.dr_ds
+    c, reads, k, r, slope = stat.centered, stat.reads, stat.count, stat.r, stat.slope
     layer = spec.kind == "layer"
 
     def total(values: np.ndarray, where: np.ndarray | bool = True) -> np.ndarray:
         return np.sum(values, axis=1, keepdims=True, where=where)
 
     with np.errstate(divide="ignore", invalid="ignore"):
-        general = 2.0 * c / k * dr_ds * total(d * c) - (r / k * total(d) if layer else 0.0)
+        general = 2.0 / k * slope * total(d * c) - (r / k * total(d) if layer else 0.0)
         own = spec.eps * r * r * (r if spec.eps_placement == "inside" else 1.0)
-        others = 2.0 * c / k * dr_ds * total(d * c, ~reads)
+        others = 2.0 / k * slope * total(d * c, ~reads)
         if layer:
             others -= r / k * total(d, ~reads)
         closed = own * (d - (total(d, reads) / k if layer else 0.0)) + others
