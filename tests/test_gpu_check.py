@@ -1,0 +1,84 @@
+"""scripts/gpu-check without a GPU: one line, exit 0 when it finds normkit's pieces; and its
+steps timeboxed, recorded in summary.json, where a fake nvidia-smi stands in for a GPU."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import normkit
+from normkit.conformance.targets import select
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu-check"
+GPU_TARGETS = ["torch", "jax", "tf[jax,jit]", "tf[torch]"]
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX script")
+
+
+def gpu_check(*args, path, cwd=ROOT, timeout=180):
+    """Run the script with ``PATH=path`` (no nvidia-smi there unless put there)."""
+    env = {**os.environ, "PATH": str(path)}
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, str(cwd / "scripts" / "gpu-check"), *args],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path):
+    done = gpu_check(path=tmp_path)  # a PATH without nvidia-smi: no GPU, whatever the machine
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    [line] = done.stdout.splitlines()
+    targets = ", ".join(t.name for t in select(GPU_TARGETS))
+    assert line.startswith(
+        f"gpu-check: no GPU (nvidia-smi lists none): nothing run; found normkit "
+        f"{normkit.__version__} in {ROOT} (command, conformance targets {targets}, bench, "
+        "kernel tests)"
+    ), line
+    assert "missing:" not in line
+
+
+def test_check_alone_runs_nothing_even_with_a_gpu(tmp_path):
+    fake_gpu(tmp_path)
+    done = gpu_check("--check", "--out", str(tmp_path / "out"), path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("gpu-check: --check: nothing run; found normkit")
+    assert len(done.stdout.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_tree_without_normkit_is_an_error_naming_what_is_missing(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu-check")
+    done = gpu_check(path=tmp_path, cwd=tmp_path)
+    assert done.returncode == 1
+    [line] = done.stdout.splitlines()
+    assert "missing: test files ['tests/torch/test_torch_triton_kernel.py'" in line
+    assert f"normkit in {tmp_path}" in line
+
+
+def fake_gpu(folder):
+    smi = folder / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'Fake GPU, 80 GiB, 1.0'\n")
+    smi.chmod(0o755)
+
+
+def test_a_step_past_its_time_is_stopped_recorded_and_the_fallback_runs(tmp_path):
+    fake_gpu(tmp_path)
+    out = tmp_path / "results"
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    done = gpu_check("--only", "bench", "--budget", "25", "--out", str(out), path=path)
+    assert done.returncode == 1, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gpu"] == "Fake GPU, 80 GiB, 1.0" and summary["device"] == "cuda:0"
+    [bench] = summary["steps"]
+    assert bench["step"] == "bench" and bench["status"] == "timeout"
+    assert bench["fallback"]["step"] == "bench (quick)" and bench["log"] == "bench.log"
+    assert bench["seconds"] + bench["fallback"]["seconds"] < 25 + 2 * 10  # and the kill grace
+    log = (out / "bench.log").read_text()
+    assert "normkit bench --backend torch --backend jax --backend tf --device cuda:0" in log
+    assert "stopped at its limit" in log
+    assert sorted(p.name for p in out.iterdir()) == ["bench.log", "summary.json"]
