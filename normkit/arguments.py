@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from normkit.backends import device_name
-from normkit.port.files import irregular_kind, write_atomically
+from normkit.files import irregular_kind, write_atomically
 
 
 def positive_int(text: str) -> int:
