@@ -144,8 +144,13 @@ def run(
       progress: draw a progress bar on stderr.
 
     torch's CPU groups are timed twice: as torch allocates, then in a second worker with every
-    output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`).
+    output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). An empty
+    ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
+    argument out for all).
     """
+    for name, given in (("backends", backends), ("devices", devices), ("dtypes", dtypes)):
+        if given is not None and not given:
+            raise ValueError(f"{name}=[] selects nothing: name at least one, or leave it out")
     start = time.perf_counter()
     sweep = Sweep.make(quick, [_backends.device_name(d) for d in devices or ()] or None, dtypes)
     chosen = [_backends.get(name) for name in backends] if backends else list(_backends.BACKENDS)

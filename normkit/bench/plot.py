@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from normkit.bench.core import AS_ALLOCATED
+from normkit.files import write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -230,15 +231,22 @@ def detail_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}-gbps{path.suffix}")
 
 
+def _save(figure: Figure, path: str | Path, dpi: int) -> None:
+    """``figure`` written to ``path`` whole (`normkit.files.write_atomically`), in the format of
+    its suffix."""
+    suffix = Path(path).suffix.lstrip(".") or "png"
+    write_atomically(path, lambda f: figure.savefig(f, dpi=dpi, format=suffix))
+
+
 def plot(path: str | Path, rows: Sequence[Row], title: str = "") -> list[Path]:
     """Write the ratio figure to ``path`` and the GB/s detail to `detail_path` (PNG, or the
     format of the suffix); the ratio figure is left out when no normkit row has a peer. Returns
     the paths written."""
     written = []
     if ratios(rows):
-        ratio_figure(rows, title).savefig(path, dpi=110)
+        _save(ratio_figure(rows, title), path, dpi=110)
         written.append(Path(path))
         path = detail_path(path)
-    throughput_figure(rows, title).savefig(path, dpi=100)
+    _save(throughput_figure(rows, title), path, dpi=100)
     written.append(Path(path))
     return written

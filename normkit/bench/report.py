@@ -1,10 +1,8 @@
-"""The benchmark's outputs: a terminal table and a JSON file (the figures: `normkit.bench.plot`)."""
+"""The benchmark's terminal table (the JSON file: `normkit.bench.cli`; the figures: `normkit.bench.plot`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 def _ratios(row: dict[str, Any]) -> str:
@@ -32,9 +30,3 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"{row['fraction_of_copy_floor']:6.0%}  {'; '.join([ratios, *extra]) if extra else ratios}"
         )
     return "\n".join(lines)
-
-
-def write_json(path: str | Path, rows: Sequence[dict[str, Any]], **meta: Any) -> None:
-    """Write ``{**meta, "rows": rows}`` to ``path``."""
-    Path(path).write_text(json.dumps({**meta, "rows": list(rows)}, indent=1) + "\n")
-

@@ -168,6 +168,12 @@ def test_sweep_defaults_and_dtype_errors() -> None:
         Sweep.make(dtypes=["int8"])
 
 
+@pytest.mark.parametrize("empty", ["backends", "devices", "dtypes"])
+def test_an_empty_selection_is_refused_not_read_as_all(empty: str) -> None:
+    with pytest.raises(ValueError, match=rf"{empty}=\[\] selects nothing"):
+        normkit.bench.run(**{empty: []}, progress=False)
+
+
 def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "TorchBridge")
     monkeypatch.setattr(backends, "BACKENDS", (absent,))
