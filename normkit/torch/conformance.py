@@ -71,7 +71,7 @@ def evaluate(
 
     Returns numpy arrays in the dtypes torch produced; None for a parameter the spec lacks.
     Raises NotImplementedError (a SKIP) for a named kernel that does not compute one of the
-    spec's fields.
+    spec's fields, and for the CPU kernel on another device.
     """
     device = device_name(device)
     check_variant(variant, VARIANTS)
@@ -82,6 +82,8 @@ def evaluate(
             f"kernel={kernel!r} does not compute NormSpec.{lacking} (kernel='auto' computes it "
             "with the composite path)"
         )
+    if kernel == "cpu" and device != "cpu":
+        raise NotImplementedError(f"kernel='cpu' runs on CPU tensors, not on {device}")
     if kernel == "triton" and not device.startswith("cuda"):
         # Off a GPU the Triton kernels run in Triton's interpreter, read when triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -215,3 +215,10 @@ def test_gpu_agrees_with_cpu(kind: dict) -> None:
         for got, want, quantity in zip(conformance.evaluate(spec, x, dy, device=device), on_cpu, ("forward", "grad", "grad", "grad")):
             if want is not None:
                 tolerances.assert_close(got, want, quantity=quantity)  # type: ignore[arg-type]
+
+
+def test_the_cpu_kernel_target_skips_a_gpu_case() -> None:
+    """On a GPU machine torch[cpu-kernel] meets cuda:0 cases: a SKIP naming why, not a FAIL."""
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="kernel='cpu' runs on CPU tensors, not on cuda:0"):
+        conformance.evaluate(NormSpec("rms"), x, x, device="gpu:0", kernel="cpu")
