@@ -143,14 +143,17 @@ def _torch(
 
 
 def _keras(keras_backend: str, **variant: object) -> Target:
+    """normkit.tf on one Keras backend: on JAX or torch it needs Keras and that framework, not
+    TensorFlow."""
     jit = ",jit" if variant.get("jit") else ""
-    other = {"tensorflow": (), "jax": ("jax",), "torch": ("torch",)}[keras_backend]
+    needs = {"tensorflow": ("tf",), "jax": ("jax",), "torch": ("torch",)}[keras_backend]
     return Target(
         f"tf[{keras_backend}{jit}]",
-        ("tf", *other),
+        needs,
         KERAS_HOOK,
         variant,
         {"KERAS_BACKEND": keras_backend},
+        () if keras_backend == "tensorflow" else ("keras",),
         note=f"normkit.tf on the {keras_backend} Keras backend" + (" under jit" if jit else ""),
     )
 
