@@ -9,6 +9,7 @@ rows on CUDA carry ``peak_memory_bytes``.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,8 @@ __all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
 EAGER, COMPILED = "eager", "torch.compile"
 devices = TorchBridge().devices
 QUICK_COMPILED = ("normkit.torch.RMSNorm", "torch.nn.RMSNorm")
-NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)",)
+LIGER = "Liger RMSNorm (Triton)"
+NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)", LIGER)
 # On the CPU "auto" runs normkit's numba kernel; these rows time the torch-ops path beside it.
 COMPOSITE = (
     "normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')"
@@ -57,9 +59,20 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+def _liger(n: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
+    """Liger-Kernel's Triton RMSNorm (Llama casting) on CUDA, where it is installed; ``in_place``
+    off, since the bench's ``dy`` is shared by every implementation of a group."""
+    if not device.startswith("cuda") or importlib.util.find_spec("liger_kernel") is None:
+        return {}
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    return {LIGER: LigerRMSNorm(n, eps=EPS, in_place=False).to(device, dtype)}
+
+
 def _modules(n: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
     kw: dict[str, Any] = {"dtype": dtype, "device": device}
     return {
+        **_liger(n, dtype, device),
         "normkit.torch.RMSNorm": RMSNorm(n, EPS, **kw),
         "torch.nn.RMSNorm": nn.RMSNorm(n, EPS, **kw),
         "Llama RMSNorm (torch ops)": LlamaRMSNorm(n, EPS, **kw),
