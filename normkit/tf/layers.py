@@ -127,6 +127,42 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
+    def plain_is_safe(self) -> bool:
+        """Whether `plain` may stand beside `_guarded` in a traced ``cond``: the branch not
+        taken still receives a zero cotangent, and LayerNorm's ``x - mean`` can overflow on
+        finite rows, where ``0 * inf`` in the square's derivative would be NaN. Eager calls
+        branch in Python (`_known`), so nothing flows through the plain ops there."""
+        return self.spec.kind != "layer" or _known(ops.convert_to_tensor(True)) is not None
+
+    def plain(self, x: Any) -> tuple[Any, Any]:
+        """``(y_hat, bad)``: ``y_hat = c r(s)`` with ``c = x`` or ``x - mean(x)``, one pass
+        and no guard op, and per row whether it must be recomputed (`needs_rescaling`, or a
+        LayerNorm mean above ``1/r``, whose rounding the correction pass in `center` recovers).
+        The rows marked ``bad`` are computed with ``r = 1``: their values are replaced, and the
+        zero cotangent they then receive stays finite."""
+        assert self.spec.eps is not None
+        c, mean = x, None
+        if self.spec.kind == "layer":
+            mean = ops.mean(x, axis=self.axes, keepdims=True)
+            c = x - mean
+        if self.head is None:
+            s = ops.mean(ops.square(c), axis=self.axes, keepdims=True)
+        elif self.axes == (len(self.target) - 1,):
+            s = ops.mean(ops.square(c[..., : self.k]), axis=self.axes, keepdims=True)
+        else:
+            head = ops.where(self.head, c, ops.zeros_like(c))
+            s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
+        # Per-row clamps that change only rows marked bad: sqrt's and rsqrt's derivatives stay
+        # finite there (a branch not taken still receives a zero cotangent; 0 * inf is NaN).
+        if self.outside:
+            r = 1.0 / (ops.sqrt(ops.maximum(s, self.small)) + self.spec.eps)
+        else:
+            r = ops.rsqrt(ops.maximum(s + self.spec.eps, 1 / self.clip_r**2))
+        bad = self.needs_rescaling(s, r)
+        if mean is not None:
+            bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
+        return c * ops.where(bad, ops.ones_like(r), r), bad
+
     def needs_rescaling(self, s: Any, r: Any) -> Any:
         """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
         or NaN, or with eps outside ``s`` below `small` (zero rows included: their squares may
@@ -472,14 +508,34 @@ class _Norm(keras.layers.Layer):
         return ops.cast(y, self._output_dtype(dtype))
 
     def _normalized(self, x: Any, axes: tuple[int, ...], target: list[int], work: str) -> Any:
-        """``y_hat`` of a normalization kind with the two-pass statistic and exact gradients."""
+        """``y_hat`` of a normalization kind with the two-pass statistic and exact gradients.
+
+        The plain result (`_Rows.plain`) stands unless a row's own ``s`` or ``r`` shows it
+        inaccurate; then `_guarded` recomputes the input, in a branch the common case skips.
+        Rows whose statistic reads one element (or LayerNorm's two) always take `_guarded`.
+        """
         spec = self._spec
-        assert spec.eps is not None
         n = int(np.prod(self._param_shape))
         k = spec.stat_size(n)
         # The first k of the n normalized elements in row-major order, as a boolean mask.
         head = None if k == n else (np.arange(n) < k).reshape(target)
         rows = _Rows(spec, axes, target, n, k, head, work)
+        if k == 1 or (spec.kind == "layer" and n == 2) or not rows.plain_is_safe():
+            return self._guarded(x, rows)
+        y, bad = rows.plain(x)
+        any_bad = ops.any(bad)
+        known = _known(any_bad)
+        if known is None:
+            return ops.cond(any_bad, lambda: self._guarded(x, rows), lambda: y)
+        return self._guarded(x, rows) if known else y
+
+    def _guarded(self, x: Any, rows: _Rows) -> Any:
+        """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose
+        squares overflow, rows far from unit scale rescaled, the closed-form gradients of rows
+        whose statistic reads one element (LayerNorm: two)."""
+        spec = self._spec
+        assert spec.eps is not None
+        n, k, head = rows.n, rows.k, rows.head
         c = rows.center(x)
         s = rows.statistic(c)
         r = rows.r(s, spec.eps)

@@ -1,0 +1,70 @@
+"""A structural guard on normkit.tf's eager cost, which times nothing: the number of TensorFlow
+ops one eager call executes, forward and forward+backward, is at most that of Keras' own layer
+plus a stated constant. The guards that keep rows far from unit scale exact must cost per row
+(a few ops on row-sized tensors and one branch), not whole-tensor passes on every call."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from normkit.tf import LayerNorm, RMSNorm
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
+)
+
+# The most ops normkit's call may execute beyond Keras' own layer's: the per-row checks (a
+# range test of r, any, the where that keeps a skipped row's cotangent finite) and their
+# derivatives.
+FORWARD_EXTRA = 10
+FORWARD_BACKWARD_EXTRA = 25
+
+
+def _executed_ops(run) -> int:
+    """The number of ops `run` executes eagerly (after one call that builds the layer)."""
+    run()
+    executed = []
+
+    def count(op_type, *args, **kwargs):
+        executed.append(op_type)
+
+    op_callbacks.add_op_callback(count)
+    try:
+        run()
+    finally:
+        op_callbacks.remove_op_callback(count)
+    return len(executed)
+
+
+def _forward(layer, x):
+    return lambda: layer(x)
+
+
+def _forward_backward(layer, x):
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return tape.gradient(y, [x, *layer.trainable_variables], output_gradients=tf.ones_like(y))
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(lambda: RMSNorm(), keras.layers.RMSNormalization),
+     (lambda: LayerNorm(), keras.layers.LayerNormalization)],
+    ids=["RMSNorm", "LayerNorm"],
+)
+@pytest.mark.parametrize(
+    "task, extra",
+    [(_forward, FORWARD_EXTRA), (_forward_backward, FORWARD_BACKWARD_EXTRA)],
+    ids=["forward", "forward+backward"],
+)
+def test_eager_call_executes_at_most_a_constant_more_ops_than_keras(ours, theirs, task, extra):
+    x = tf.random.normal((8, 64))
+    mine, keras_own = _executed_ops(task(ours(), x)), _executed_ops(task(theirs(), x))
+    assert mine <= keras_own + extra, f"{mine} ops, Keras' layer {keras_own} (+{extra} allowed)"
