@@ -134,12 +134,12 @@ class _Rows:
         branch in Python (`_known`), so nothing flows through the plain ops there."""
         return self.spec.kind != "layer" or _known(ops.convert_to_tensor(True)) is not None
 
-    def plain(self, x: Any) -> tuple[Any, Any]:
-        """``(y_hat, bad)``: ``y_hat = c r(s)`` with ``c = x`` or ``x - mean(x)``, one pass
-        and no guard op, and per row whether it must be recomputed (`needs_rescaling`, or a
-        LayerNorm mean above ``1/r``, whose rounding the correction pass in `center` recovers).
-        The rows marked ``bad`` are computed with ``r = 1``: their values are replaced, and the
-        zero cotangent they then receive stays finite."""
+    def plain(self, x: Any) -> tuple[Any, Any, Any]:
+        """``(c, r, bad)`` for ``y_hat = c r(s)``, ``c = x`` or ``x - mean(x)``, with no guard
+        op, and per row whether it must be recomputed (`needs_rescaling`, or a LayerNorm mean
+        above ``1/r``, whose rounding the correction pass in `center` recovers). The rows
+        marked ``bad`` have ``r = 1``: their values are replaced, and the zero cotangent they
+        then receive stays finite."""
         assert self.spec.eps is not None
         c, mean = x, None
         if self.spec.kind == "layer":
@@ -161,7 +161,7 @@ class _Rows:
         bad = self.needs_rescaling(s, r)
         if mean is not None:
             bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
-        return c * ops.where(bad, ops.ones_like(r), r), bad
+        return c, ops.where(bad, ops.ones_like(r), r), bad
 
     def needs_rescaling(self, s: Any, r: Any) -> Any:
         """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
@@ -522,12 +522,13 @@ class _Norm(keras.layers.Layer):
         rows = _Rows(spec, axes, target, n, k, head, work)
         if k == 1 or (spec.kind == "layer" and n == 2) or not rows.plain_is_safe():
             return self._guarded(x, rows)
-        y, bad = rows.plain(x)
+        c, r, bad = rows.plain(x)
         any_bad = ops.any(bad)
         known = _known(any_bad)
         if known is None:
-            return ops.cond(any_bad, lambda: self._guarded(x, rows), lambda: y)
-        return self._guarded(x, rows) if known else y
+            # The product inside the branch: XLA then writes y once, in the fused pass.
+            return ops.cond(any_bad, lambda: self._guarded(x, rows), lambda: c * r)
+        return self._guarded(x, rows) if known else c * r
 
     def _guarded(self, x: Any, rows: _Rows) -> Any:
         """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose
