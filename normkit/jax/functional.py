@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 __all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm"]
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -524,47 +526,89 @@ def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
     return _Scaled(c, s, eps, sigma, pre)
 
 
-def _rows(
-    xf: jax.Array,
-    plan: _Plan,
-    reads: _Reads,
-    s: jax.Array | None = None,
-    gradient: bool = False,
-) -> tuple[_Scaled, jax.Array]:
-    """``(rows, s)``: the rows in scaled units, and the plain statistic ``s`` (the saved one, or
-    else computed here). Rows are as they are, except those `_needs_scaling` flags (for the
+def _rows(xf: jax.Array, plan: _Plan, reads: _Reads, gradient: bool = False) -> _Scaled:
+    """The rows in scaled units: as they are, except those `_needs_scaling` flags (for the
     ``gradient`` or the forward pass), which `_rescaled` recomputes. The rescaling runs only when
     some row needs it."""
     assert plan.spec.eps is not None  # a normalization kind
     c = _centered(xf, plan, reads)
-    if s is None:
-        s = _statistic(c, plan, reads)
+    s = _statistic(c, plan, reads)
     bad = _needs_scaling(s, plan, gradient)
     eps = jnp.full_like(s, plan.spec.eps)
-    one = jnp.ones_like(s)
 
-    def rescale() -> _Scaled:
+    def rescale(rows: _Scaled) -> _Scaled:
         scaled = _rescaled(xf, plan, reads)
         # Rows holding an inf or a NaN get sigma = 0 or NaN and keep their plain values.
         use = bad & (scaled.sigma > 0)
-        return _Scaled(
-            jnp.where(use, scaled.c, c),
-            jnp.where(use, scaled.s, s),
-            jnp.where(use, scaled.eps, eps),
-            jnp.where(use, scaled.sigma, 1),
-            jnp.where(use, scaled.pre, 1),
-        )
+        return _Scaled(*(jnp.where(use, new, old) for new, old in zip(scaled, rows, strict=True)))
 
-    def plain() -> _Scaled:
-        return _Scaled(c, s, eps, one, one)
+    one = jnp.ones_like(s)
+    return _patched(bad, _Scaled(c, s, eps, one, one), rescale)
 
+
+def _patched(bad: jax.Array, value: _T, fix: Callable[[_T], _T]) -> _T:
+    """``fix(value)`` if any row is ``bad``, else ``value`` untouched: under tracing a
+    ``lax.cond`` whose common branch passes ``value`` through, so that nothing is computed twice
+    and the common case runs none of ``fix``; eagerly decided in Python (a cond's branches,
+    fresh closures here, would be compiled on every call)."""
     any_bad = jnp.any(bad)
-    if isinstance(any_bad, jax.core.Tracer):  # traced (jit, grad, vmap): both branches staged
-        return lax.cond(any_bad, rescale, plain), s
-    # Eager: decide in Python, so the common case runs no cond (whose branches, fresh closures
-    # here, eager JAX would compile on every call).
-    return (rescale() if bool(any_bad) else plain()), s
+    if isinstance(any_bad, jax.core.Tracer):
+        return lax.cond(any_bad, fix, lambda unchanged: unchanged, value)
+    return fix(value) if bool(any_bad) else value
 
+
+class _Plain(NamedTuple):
+    """Per row (keepdims), the statistics of the common program (s is the backward pass's residual):
+    ``mean`` (LayerNorm: ``c = x - mean``; None for the RMS kinds), the statistic ``s``, and
+    ``careful``: whether the row takes the careful program (`_careful_y_hat`) instead."""
+
+    mean: jax.Array | None
+    s: jax.Array
+    careful: jax.Array
+
+
+def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None) -> _Plain:
+    """The common program's statistics, in as few passes over ``v`` as the spec allows (one
+    fused reduction; LayerNorm's two-pass variance two), and which rows they cannot serve:
+
+    - ``r(s)`` out of range (`_needs_scaling`: rows to rescale);
+    - LayerNorm, ``mean^2 > s``: a large mean, whose rounding (relative to ``|mean|``) the
+      careful program's correction pass recovers, and where with ``variance="fast"`` the
+      rounding of each step of ``mean(x^2) - mean^2``, exact only there, decides the result.
+      Elsewhere the plain means are within a few ulps of ``sqrt(s)`` and ``s``.
+
+    With ``s`` given (the saved one, in the backward pass) only the mean is computed again.
+    """
+    spec = plan.spec
+    mean = None
+    if spec.kind != "layer":
+        if s is None:
+            s = _read_mean(v * v, plan, reads)
+        careful = jnp.zeros(s.shape, bool)
+    else:
+        mean = _read_mean(v, plan, reads)
+        if s is None and spec.variance == "fast":
+            s = jnp.maximum(_read_mean(v * v, plan, reads) - mean * mean, 0)
+        elif s is None:
+            s = _read_mean(jnp.square(v - mean), plan, reads)
+        careful = ~(mean * mean <= s)
+    return _Plain(mean, s, careful | _needs_scaling(s, plan, gradient=False))
+
+
+def _plain_centered(v: jax.Array, plain: _Plain) -> jax.Array:
+    """``c`` of the common program."""
+    return v if plain.mean is None else v - plain.mean
+
+
+def _careful_only(plan: _Plan, reads: _Reads) -> bool:
+    """LayerNorm rows of two (no mask, unsharded): centered as ``(x - x_other) / 2``
+    (`_centered`), in the careful program only."""
+    return (
+        plan.spec.kind == "layer"
+        and isinstance(reads.size, int)
+        and reads.size == 2
+        and plan.axis_name is None
+    )
 
 
 def _broadcast_param(
@@ -638,23 +682,16 @@ def _fast_moments_jvp(
     return (m1, variance), (dm1, jnp.where(variance > 0, dvariance, 0))
 
 
-def _normalized(
-    plan: _Plan, v: jax.Array, alpha: jax.Array | None, mask: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    """``(y_hat, s)``: ``y_hat`` and the plain statistic ``s`` per row, which the backward
-    pass judges rows by (None for DyT and the fast variance, whose backward recomputes the
-    two-pass statistic); ``mask`` the call's."""
+def _careful_y_hat(plan: _Plan, v: jax.Array, reads: _Reads) -> jax.Array:
+    """``y_hat`` of the careful program: the two-pass statistic with its correction pass, rows
+    rescaled where they need it (`_rows`), or the exactly rounded fast moments."""
     spec = plan.spec
-    if alpha is not None:  # dyt
-        return jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), None
     assert spec.eps is not None
-    reads = _reads(v, plan, _row_size(v, plan), mask)
     if spec.variance == "fast":
         m1, variance = _fast_moments(plan, v, reads)
-        return (v - m1) * _r(variance, spec.eps, spec), None
-    rows, s = _rows(v, plan, reads)
-    return rows.c * _r(rows.s, rows.eps, spec), s
-
+        return (v - m1) * _r(variance, spec.eps, spec)
+    rows = _rows(v, plan, reads)
+    return rows.c * _r(rows.s, rows.eps, spec)
 
 def _affine(
     plan: _Plan,
@@ -738,14 +775,35 @@ def _forward(
     alpha: jax.Array | None,
     mask: jax.Array | None,
     eager: bool,
-) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array | None]:
-    """The output (``y``, or ``(y, h)`` with a residual) and the plain statistic ``s`` per
-    row (`_normalized`)."""
-    v, h = _added(plan, x, residual)
-    y_hat, s = _normalized(plan, v, alpha, mask)
-    y = _affine(plan, y_hat, scale, bias, eager)
-    return (y if h is None else (y, h)), s
+) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Plain | None]:
+    """The output (``y``, or ``(y, h)`` with a residual) and the common program's statistics
+    (`_plain`; None for DyT, and with ``eager``, which runs the careful program throughout).
 
+    ``y`` is computed plainly, in one pass after the statistics; rows the statistics flag are
+    recomputed by the careful program, inside a branch the common case skips (`_patched`)."""
+    v, h = _added(plan, x, residual)
+    spec = plan.spec
+    plain = None
+    if alpha is not None:  # dyt
+        y = _affine(plan, jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
+    else:
+        assert spec.eps is not None
+        reads = _reads(v, plan, _row_size(v, plan), mask)
+        if eager or _careful_only(plan, reads):
+            y = _affine(plan, _careful_y_hat(plan, v, reads), scale, bias, eager)
+        else:
+            plain = _plain(v, plan, reads)
+            y_hat = _plain_centered(v, plain) * _r(plain.s, spec.eps, spec)
+            careful = plain.careful
+
+            def fix(y: jax.Array) -> jax.Array:
+                # From the inputs again: a value the branch captured would be materialized.
+                again = _added(plan, x, residual)[0]
+                y_hat = _careful_y_hat(plan, again, _reads(again, plan, _row_size(v, plan), mask))
+                return jnp.where(careful, _affine(plan, y_hat, scale, bias, eager), y)
+
+            y = _patched(careful, _affine(plan, y_hat, scale, bias, eager), fix)
+    return (y if h is None else (y, h)), plain
 
 def _run(
     plan: _Plan,
@@ -795,7 +853,7 @@ def _norm_fwd(
     alpha: jax.Array | None,
     mask: jax.Array | None,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, s = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
+    out, plain = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
@@ -804,7 +862,7 @@ def _norm_fwd(
         normalized = out[1]
     else:
         normalized = _added(plan, x, residual)[0]
-    return out, (normalized, s, scale, bias, alpha, mask)
+    return out, (normalized, None if plain is None else plain.s, scale, bias, alpha, mask)
 
 
 def _norm_bwd(
@@ -816,10 +874,19 @@ def _norm_bwd(
     normalized, s_saved, scale, bias, alpha, mask = saved
     dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
     compute = _stat_dtype(plan.dtype)
-    v = normalized.astype(compute)
-    dyf = dy.astype(compute)  # type: ignore[union-attr]
-    g = _gain(v, scale, plan, compute)
-    d = dyf if g is None else dyf * g
+    batch = tuple(a for a in range(normalized.ndim) if a not in plan.axes)
+
+    def prepared() -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(v, dy, d)`` in the compute dtype, from the residuals and the cotangent."""
+        v = normalized.astype(compute)
+        dyf = dy.astype(compute)  # type: ignore[union-attr]
+        g = _gain(v, scale, plan, compute)
+        return v, dyf, (dyf if g is None else dyf * g)
+
+    def scale_grad(dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
+        return None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
+
+    v, dyf, d = prepared()
     dalpha = None
     if alpha is not None:  # dyt: y_hat = tanh(alpha v)
         a = alpha.astype(compute).reshape(())
@@ -827,10 +894,31 @@ def _norm_bwd(
         slope = 1 - y_hat * y_hat
         dv = a * slope * d
         dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
+        dscale = scale_grad(dyf, y_hat)
+    elif s_saved is None:  # rows of two: the careful program only
+        reads = _reads(v, plan, _row_size(v, plan), mask)
+        dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
+        dscale = scale_grad(dyf, y_hat)
     else:
-        dv, y_hat = _input_grad(plan, v, s_saved, d, mask)
-    batch = tuple(a for a in range(v.ndim) if a not in plan.axes)
-    dscale = None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
+        eps = plan.spec.eps
+        assert eps is not None
+        reads = _reads(v, plan, _row_size(v, plan), mask)
+        plain = _plain(v, plan, reads, s_saved)  # LayerNorm's mean computed again
+        dv, y_hat = _input_grad(plan, _plain_rows(v, plain, eps), d, reads)
+        # Rows the statistics cannot serve: those the forward flagged, and with eps outside
+        # those whose s is too small for the gradient.
+        careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
+
+        def fix(grads: tuple[jax.Array, jax.Array | None]) -> tuple[jax.Array, jax.Array | None]:
+            # From the residuals again: a value the branch captured would be materialized.
+            v, dyf, d = prepared()
+            reads = _reads(v, plan, _row_size(v, plan), mask)
+            dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
+            y_hat_plain = _plain_rows(v, plain, eps).c * _r(plain.s, eps, plan.spec)
+            dscale = scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
+            return jnp.where(careful, dv, grads[0]), dscale
+
+        dv, dscale = _patched(careful, (dv, scale_grad(dyf, y_hat)), fix)
     dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
     if plan.residual_dtype is None:
         return dv.astype(plan.dtype), None, dscale, dbias, dalpha, None
@@ -839,12 +927,17 @@ def _norm_bwd(
     return dx, dresidual, dscale, dbias, dalpha, None
 
 
+def _plain_rows(v: jax.Array, plain: _Plain, eps: float) -> _Scaled:
+    """The rows of the common program, as `_input_grad` takes them (unscaled)."""
+    one = jnp.ones((), v.dtype)
+    return _Scaled(_plain_centered(v, plain), plain.s, jnp.full_like(plain.s, eps), one, one)
+
 def _input_grad(
-    plan: _Plan, v: jax.Array, s_saved: jax.Array | None, d: jax.Array, mask: jax.Array | None
+    plan: _Plan, rows: _Scaled, d: jax.Array, reads: _Reads
 ) -> tuple[jax.Array, jax.Array]:
     """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
-    ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` (two-pass; the fast variance has
-    its gradient, recomputed here).
+    ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` of ``rows`` (the two-pass
+    statistic; the fast variance has its gradient).
 
     With ``z = y_hat`` (inside) or ``c / sqrt(s)`` (outside, 0 where s = 0; scale-free, taken
     in scaled units), R the K elements the statistic reads (the mask's, partial RMS's first k,
@@ -858,9 +951,6 @@ def _input_grad(
     taken in that closed form; the part over the other elements is added as it is.
     """
     spec = plan.spec
-    n = _row_size(v, plan)
-    reads = _reads(v, plan, n, mask)
-    rows, _ = _rows(v, plan, reads, s_saved, gradient=True)
     r = _r(rows.s, rows.eps, spec)
     y_hat = rows.c * r
     if spec.eps_placement == "outside":
