@@ -558,9 +558,10 @@ def _patched(bad: jax.Array, value: _T, fix: Callable[[_T], _T]) -> _T:
 
 
 class _Plain(NamedTuple):
-    """Per row (keepdims), the statistics of the common program (s is the backward pass's residual):
-    ``mean`` (LayerNorm: ``c = x - mean``; None for the RMS kinds), the statistic ``s``, and
-    ``careful``: whether the row takes the careful program (`_careful_y_hat`) instead."""
+    """Per row (keepdims), the statistics of the common program (``s`` is the backward pass's
+    residual): ``mean`` (LayerNorm: ``c = x - mean``; None for the RMS kinds), the statistic
+    ``s``, and ``careful``: whether the row takes the careful program (`_careful_y_hat`)
+    instead."""
 
     mean: jax.Array | None
     s: jax.Array
