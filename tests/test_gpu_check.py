@@ -20,10 +20,13 @@ GPU_TARGETS = ["torch", "jax", "tf[jax,jit]", "tf[torch]"]
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX script")
 
 
-def gpu_check(*args, path, cwd=ROOT, timeout=180):
-    """Run the script with ``PATH=path`` (no nvidia-smi there unless put there)."""
+def gpu_check(*args, path, cwd=ROOT, timeout=180, pythonpath=None):
+    """Run the script with ``PATH=path`` (no nvidia-smi there unless put there) and, if given,
+    ``pythonpath`` on the steps' Python path."""
     env = {**os.environ, "PATH": str(path)}
     env.pop("OUT", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run([sys.executable, str(cwd / "scripts" / "gpu-check"), *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
@@ -70,7 +73,13 @@ def test_a_step_past_its_time_is_stopped_recorded_and_the_fallback_runs(tmp_path
     fake_gpu(tmp_path)
     out = tmp_path / "results"
     path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    done = gpu_check("--only", "bench", "--budget", "25", "--out", str(out), path=path)
+    # Every `python -m normkit bench` the steps start (its argv when sitecustomize runs:
+    # ["-m", "bench", ...]) sleeps past its limit, however fast the machine
+    # (a bench on a fake GPU would otherwise fail at once, or not, by how fast it starts).
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text('import sys, time\nif sys.argv[:2] == ["-m", "bench"]: time.sleep(300)\n')
+    done = gpu_check("--only", "bench", "--budget", "25", "--out", str(out), path=path, pythonpath=slow)
     assert done.returncode == 1, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu"] == "Fake GPU, 80 GiB, 1.0" and summary["device"] == "cuda:0"
