@@ -12,6 +12,7 @@ import pytest
 
 from normkit import NormSpec, arguments, cli, port
 from normkit.conformance import runner
+from normkit.conformance.cases import matrix
 from normkit.conformance.targets import TARGETS, select
 
 
@@ -65,6 +66,22 @@ def test_a_bracketed_target_with_a_comma_is_one_name():
     assert [t.name for t in select(["tf"])] == [t.name for t in TARGETS if t.name.startswith("tf[")]
 
 
+@pytest.mark.parametrize(("flags", "cases"), [([], 80), (["--full"], 968)])
+def test_conformance_runs_the_default_matrix_unless_full(monkeypatch, capsys, flags, cases):
+    """The main job answers in minutes: the default matrix touches every kind, option and dtype
+    (80 cases a target); --full runs all 968."""
+    counts = []
+
+    def run(targets, cases_for, **kwargs):
+        counts.extend(len(cases_for(t)) for t in targets)
+        return runner.Report([], {}, {})
+
+    monkeypatch.setattr(runner, "run", run)
+    assert cli.main(["conformance", "--backend", "torch[composite]", *flags]) == 1
+    assert counts == [cases]
+    assert len(matrix(quick=not flags)) == cases
+
+
 def test_conformance_accepts_every_target_the_help_lists(monkeypatch, capsys):
     chosen = []
 
@@ -83,7 +100,7 @@ def test_nothing_installed_is_not_a_pass(monkeypatch, capsys):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "torch" else found(name, *a)
     )
-    assert cli.main(["conformance", "--backend", "torch[composite]", "--quick"]) == 1
+    assert cli.main(["conformance", "--backend", "torch[composite]"]) == 1
     assert one_error(capsys, "conformance") == (
         "no case ran: torch[composite]: torch not installed (pip install 'normkit[torch]')"
     )
@@ -99,7 +116,6 @@ def test_a_device_no_backend_sees_is_not_a_pass(capsys):
         "torch",
         "--device",
         "cuda:0",
-        "--quick",
         "--kind",
         "rms",
         "--dtype",
@@ -113,7 +129,6 @@ def test_a_device_no_backend_sees_is_not_a_pass(capsys):
 
 
 def test_json_to_stdout_leaves_stdout_to_the_json(monkeypatch, capsys, tmp_path):
-    from normkit.conformance.cases import matrix
     from normkit.conformance.result import Result
 
     case = matrix(quick=True)[0]

@@ -236,7 +236,6 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
             "-m",
             "normkit",
             "conformance",
-            "--quick",
             "--json",
             str(out),
             "--markdown",
