@@ -379,10 +379,13 @@ def _row_size(x: jax.Array, plan: _Plan) -> int:
 
 class _Reads(NamedTuple):
     """The elements of a row the statistic reads: ``where`` (broadcastable to the input; None
-    for all of them) and their number per row, ``size`` (an int, or per row with a mask)."""
+    for all of them), their number per row, ``size`` (an int, or per row with a mask), and
+    ``prefix``: the axis they are the first ``size`` elements of (partial RMS over one
+    unsharded axis; None otherwise), where a mean reads that slice alone."""
 
     where: jax.Array | None
     size: int | jax.Array
+    prefix: int | None = None
 
 
 def _reads(x: jax.Array, plan: _Plan, n: int, mask: jax.Array | None) -> _Reads:
@@ -390,7 +393,8 @@ def _reads(x: jax.Array, plan: _Plan, n: int, mask: jax.Array | None) -> _Reads:
     if mask is not None:
         return _Reads(mask, jnp.sum(mask, axis=plan.axes, keepdims=True, dtype=x.dtype))
     if plan.spec.kind == "partial_rms":
-        return _Reads(*_partial_mask(x, plan, n))
+        single = len(plan.axes) == 1 and plan.axis_name is None
+        return _Reads(*_partial_mask(x, plan, n), prefix=plan.axes[0] if single else None)
     return _Reads(None, n)
 
 
@@ -404,6 +408,10 @@ def _row_sum(value: jax.Array, plan: _Plan, where: jax.Array | None = None) -> j
 
 def _read_mean(value: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
     """The mean per row of ``value`` over the elements read (0 / 0 = NaN where none is)."""
+    if reads.prefix is not None:  # XLA then reads the k elements, not a masked copy of all n
+        assert isinstance(reads.size, int)
+        first = lax.slice_in_dim(value, 0, reads.size, axis=reads.prefix)
+        return _row_sum(first, plan) / reads.size
     return _row_sum(value, plan, reads.where) / reads.size
 
 
@@ -887,44 +895,65 @@ def _norm_bwd(
     def scale_grad(dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
         return None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
 
+    def rounded(dv: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """``(dx, dresidual)`` in their dtypes: the norm's gradient ``dv``, plus ``dh`` with a
+        residual, rounded once (elementwise, so a branch may round before it picks rows)."""
+        if plan.residual_dtype is None:
+            return dv.astype(plan.dtype), None
+        total = dv + dh.astype(compute)  # type: ignore[union-attr]
+        return total.astype(plan.dtype), total.astype(plan.residual_dtype)
+
     v, dyf, d = prepared()
     dalpha = None
     if alpha is not None:  # dyt: y_hat = tanh(alpha v)
         a = alpha.astype(compute).reshape(())
         y_hat = jnp.tanh(a * v)
         slope = 1 - y_hat * y_hat
-        dv = a * slope * d
+        dx, dresidual = rounded(a * slope * d)
         dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
         dscale = scale_grad(dyf, y_hat)
     elif s_saved is None:  # rows of two: the careful program only
         reads = _reads(v, plan, _row_size(v, plan), mask)
         dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
+        dx, dresidual = rounded(dv)
         dscale = scale_grad(dyf, y_hat)
     else:
         eps = plan.spec.eps
         assert eps is not None
         reads = _reads(v, plan, _row_size(v, plan), mask)
         plain = _plain(v, plan, reads, s_saved)  # LayerNorm's mean computed again
-        dv, y_hat = _input_grad(plan, _plain_rows(v, plain, eps), d, reads)
-        # Rows the statistics cannot serve: those the forward flagged, and with eps outside
-        # those whose s is too small for the gradient.
-        careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
+        rows = _plain_rows(v, plain, eps)
+        # sum_j d_j y_hat_j as r sum_j d_j c_j: the row sum then reads no y_hat, which XLA
+        # would otherwise materialize for it and the scale's gradient (a pass more than Flax).
+        projection = _r(plain.s, eps, plan.spec) * _row_sum(d * rows.c, plan)
+        dv, y_hat = _input_grad(plan, rows, d, reads, projection)
+        # Rows the statistics cannot serve: those the forward flagged, with eps outside those
+        # whose s is too small for the gradient, and those whose sum of d c overflowed (large
+        # c and d; the careful program sums d y_hat).
+        careful = (
+            plain.careful
+            | _needs_scaling(plain.s, plan, gradient=True)
+            | ~jnp.isfinite(projection)
+        )
 
-        def fix(grads: tuple[jax.Array, jax.Array | None]) -> tuple[jax.Array, jax.Array | None]:
+        def fix(
+            grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
+        ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
             # From the residuals again: a value the branch captured would be materialized.
             v, dyf, d = prepared()
             reads = _reads(v, plan, _row_size(v, plan), mask)
             dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
             y_hat_plain = _plain_rows(v, plain, eps).c * _r(plain.s, eps, plan.spec)
             dscale = scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
-            return jnp.where(careful, dv, grads[0]), dscale
+            dx, dresidual = rounded(dv)
+            plain_dx, plain_dresidual = grads[:2]
+            if dresidual is not None and plain_dresidual is not None:
+                dresidual = jnp.where(careful, dresidual, plain_dresidual)
+            return jnp.where(careful, dx, plain_dx), dresidual, dscale
 
-        dv, dscale = _patched(careful, (dv, scale_grad(dyf, y_hat)), fix)
+        # The gradients pass the branch in their own dtypes: rounding after it is a pass more.
+        dx, dresidual, dscale = _patched(careful, (*rounded(dv), scale_grad(dyf, y_hat)), fix)
     dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
-    if plan.residual_dtype is None:
-        return dv.astype(plan.dtype), None, dscale, dbias, dalpha, None
-    total = dv + dh.astype(compute)  # type: ignore[union-attr]
-    dx, dresidual = total.astype(plan.dtype), total.astype(plan.residual_dtype)
     return dx, dresidual, dscale, dbias, dalpha, None
 
 
@@ -934,7 +963,11 @@ def _plain_rows(v: jax.Array, plain: _Plain, eps: float) -> _Scaled:
     return _Scaled(_plain_centered(v, plain), plain.s, jnp.full_like(plain.s, eps), one, one)
 
 def _input_grad(
-    plan: _Plan, rows: _Scaled, d: jax.Array, reads: _Reads
+    plan: _Plan,
+    rows: _Scaled,
+    d: jax.Array,
+    reads: _Reads,
+    projection: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
     ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` of ``rows`` (the two-pass
@@ -950,6 +983,7 @@ def _input_grad(
     kinds) or two (LayerNorm), the part of the sums over R cancels, to ``rest (d_i - [layer]
     mean_R(d))`` with ``rest = 1 - z_i y_hat_i = eps r**2`` (inside) or ``eps r`` (outside),
     taken in that closed form; the part over the other elements is added as it is.
+    ``projection`` is ``sum_j d_j y_hat_j`` per row where the caller has formed it.
     """
     spec = plan.spec
     r = _r(rows.s, rows.eps, spec)
@@ -963,6 +997,8 @@ def _input_grad(
         rest = rows.eps * r * r
     layer = spec.kind == "layer"
     dy_hat = d * y_hat
+    if projection is None:
+        projection = _row_sum(dy_hat, plan)
     k = reads.size
 
     def on_reads(value: jax.Array) -> jax.Array:
@@ -970,7 +1006,7 @@ def _input_grad(
         return value if reads.where is None else jnp.where(reads.where, value, d)
 
     def general() -> jax.Array:
-        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + z * _row_sum(dy_hat, plan)) / k)
+        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + z * projection) / k)
 
     def closed() -> jax.Array:
         value = (d - (_read_mean(d, plan, reads) if layer else 0)) * rest

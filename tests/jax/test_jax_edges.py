@@ -98,3 +98,15 @@ def test_modules_on_overflowing_rows_match_the_reference() -> None:
     module = linen.RMSNorm()
     y = module.apply(module.init(jax.random.key(0), x), x)
     tolerances.assert_close(np.asarray(y), expected, what="linen.RMSNorm")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_cotangents_on_large_rows(kind: dict, placement: str) -> None:
+    """Rows of |x| ~ 1e9 (r ~ 2**-30, still the common program's) with dy ~ 1e29: the sum of
+    d x overflows float32 where the sum of d y_hat does not, and the gradient is finite."""
+    rng = np.random.default_rng(5)
+    spec = NormSpec(**kind, eps_placement=placement)
+    x = rng.standard_normal((3, 16)) * np.array([1e9, 1.0, 1e9])[:, None]
+    dy = rng.standard_normal(x.shape) * np.array([1e29, 1.0, 1.0])[:, None]
+    check(spec, x.astype(np.float32), dy.astype(np.float32), "|x| 1e9, |dy| 1e29")
