@@ -923,18 +923,18 @@ def _norm_bwd(
         reads = _reads(v, plan, _row_size(v, plan), mask)
         plain = _plain(v, plan, reads, s_saved)  # LayerNorm's mean computed again
         rows = _plain_rows(v, plain, eps)
-        # sum_j d_j y_hat_j as r sum_j d_j c_j: the row sum then reads no y_hat, which XLA
-        # would otherwise materialize for it and the scale's gradient (a pass more than Flax).
-        projection = _r(plain.s, eps, plan.spec) * _row_sum(d * rows.c, plan)
+        # Rows the statistics cannot serve: those the forward flagged, and with eps outside
+        # those whose s is too small for the gradient.
+        careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
+        projection = None
+        if plain.mean is None:
+            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j, a row sum that reads no y_hat,
+            # which XLA would otherwise store for it and the scale's gradient (a pass more than
+            # Flax). Rows where it overflows (|x| and dy both large) go to the careful program,
+            # which sums d y_hat.
+            projection = _r(plain.s, eps, plan.spec) * _row_sum(d * rows.c, plan)
+            careful |= ~jnp.isfinite(projection)
         dv, y_hat = _input_grad(plan, rows, d, reads, projection)
-        # Rows the statistics cannot serve: those the forward flagged, with eps outside those
-        # whose s is too small for the gradient, and those whose sum of d c overflowed (large
-        # c and d; the careful program sums d y_hat).
-        careful = (
-            plain.careful
-            | _needs_scaling(plain.s, plan, gradient=True)
-            | ~jnp.isfinite(projection)
-        )
 
         def fix(
             grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
