@@ -127,20 +127,19 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
-    def plain_is_safe(self) -> bool:
-        """Whether `plain` may stand beside `_guarded` in a traced ``cond``: the branch not
-        taken still receives a zero cotangent, and LayerNorm's ``x - mean`` can overflow on
-        finite rows, where ``0 * inf`` in the square's derivative would be NaN. Eager calls
-        branch in Python (`_known`), so nothing flows through the plain ops there."""
-        return self.spec.kind != "layer" or _known(ops.convert_to_tensor(True)) is not None
-
-    def plain(self, x: Any) -> tuple[Any, Any, Any]:
-        """``(c, r, bad)`` for ``y_hat = c r(s)``, ``c = x`` or ``x - mean(x)``, with no guard
-        op, and per row whether it must be recomputed (`needs_rescaling`, or a LayerNorm mean
+    def plain(self, x: Any) -> tuple[Any, Any, Any, Any]:
+        """``(mean, r, ratio, bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or ``x - mean``
+        (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) / (-r**3 / 2)``
+        (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward, and whether the
+        row must be recomputed by the guarded program (`needs_rescaling`, or a LayerNorm mean
         above ``1/r``, whose rounding the correction pass in `center` recovers). The rows
-        marked ``bad`` have ``r = 1``: their values are replaced, and the zero cotangent they
-        then receive stays finite."""
+        marked ``bad`` have ``r = 1``: their values are replaced. `plain_output` differentiates
+        through the statistics analytically, so they are constants to autodiff (a custom
+        gradient may not close over differentiated values on JAX), except for RMSNorm with eps
+        inside, differentiated as Keras' layer is."""
         assert self.spec.eps is not None
+        if self.spec.kind != "rms" or self.outside:
+            x = ops.stop_gradient(x)
         c, mean = x, None
         if self.spec.kind == "layer":
             mean = ops.mean(x, axis=self.axes, keepdims=True)
@@ -152,16 +151,94 @@ class _Rows:
         else:
             head = ops.where(self.head, c, ops.zeros_like(c))
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
-        # Per-row clamps that change only rows marked bad: sqrt's and rsqrt's derivatives stay
-        # finite there (a branch not taken still receives a zero cotangent; 0 * inf is NaN).
+        # Per-row clamps that change only rows marked bad, so that their values stay finite.
         if self.outside:
-            r = 1.0 / (ops.sqrt(ops.maximum(s, self.small)) + self.spec.eps)
+            root = ops.sqrt(ops.maximum(s, self.small))
+            r = 1.0 / (root + self.spec.eps)
+            ratio = 1.0 + self.spec.eps / root
         else:
             r = ops.rsqrt(ops.maximum(s + self.spec.eps, 1 / self.clip_r**2))
+            ratio = None
         bad = self.needs_rescaling(s, r)
         if mean is not None:
             bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
-        return c, ops.where(bad, ops.ones_like(r), r), bad
+        return mean, ops.where(bad, 1.0, r), ratio, bad
+
+    def plain_output(
+        self,
+        x: Any,
+        stats: tuple[Any, Any, Any, Any],
+        traced: bool,
+        scale: Any = None,
+        bias: Any = None,
+    ) -> Any:
+        """``y = c r (* scale) (+ bias)`` from `plain`'s ``stats``, with the analytic backward of
+        `normkit.reference.normalize_vjp`: for ``d = dy * scale``, ``A = ratio sum(d y_hat)``,
+        ``dx = r (d - [i < k] y_hat A / k)`` (RMS kinds) or ``r (d - mean(d) - y_hat A / n)``
+        (LayerNorm); ``dscale = sum(dy y_hat)``, ``dbias = sum(dy)`` over the other axes.
+
+        When ``traced``, the branch may run beside the guarded one (a ``cond`` turned into a
+        select), so the rows marked ``bad`` get a zero gradient, finite whatever their values.
+
+        RMSNorm over all elements with eps inside is ``keras.layers.RMSNormalization``'s
+        function: its gradient is autodiff through Keras' operations in Keras' order (the same
+        formula, rounded as Keras rounds it), so that training matches Keras' to the bit.
+        """
+        mean, r, ratio, bad = stats
+        if self.spec.kind == "rms" and not self.outside:
+            present = tuple(p for p in (scale, bias) if p is not None)
+            return _affine_step(x * r, (scale, bias), present)
+        others = tuple(a for a in range(len(self.target)) if a not in self.axes)
+        count = self.k if self.spec.kind != "layer" else self.n
+
+        def y_hat_of(x: Any, mean: Any, r: Any) -> Any:
+            return (x if mean is None else x - mean) * r
+
+        def summed(u: Any, param: Any) -> Any:
+            """``u`` summed over the axes ``param`` broadcasts along, in ``param``'s shape."""
+            total = ops.sum(u, axis=others) if others else u
+            return total if total.shape == param.shape else ops.reshape(total, param.shape)
+
+        # The statistics are arguments, not closed over: JAX's custom gradient may not close
+        # over values of an enclosing trace. Their own gradients are None (dx holds them).
+        row_stats = [u for u in (mean, r, ratio, bad) if u is not None]
+
+        @ops.custom_gradient
+        def output(x: Any, *args: Any) -> Any:
+            given = iter(args)
+            mean, r, ratio, bad = (None if u is None else next(given) for u in stats)
+            params = tuple(given)
+            y = y_hat_of(x, mean, r)
+            if scale is not None:
+                y = y * params[0]
+            if bias is not None:
+                y = y + params[-1]
+
+            def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
+                dy = args[0] if upstream is None else upstream
+                y_hat = y_hat_of(x, mean, r)
+                if traced:
+                    y_hat = ops.where(bad, ops.zeros_like(y_hat), y_hat)
+                d = dy if scale is None else dy * params[0]
+                total = ops.sum(d * y_hat, axis=self.axes, keepdims=True)
+                factor = total * (1 / count) if ratio is None else total * ratio * (1 / count)
+                if self.head is not None:
+                    y_hat_head = ops.where(self.head, y_hat, ops.zeros_like(y_hat))
+                    dx = r * (d - y_hat_head * factor)
+                elif mean is None:
+                    dx = r * (d - y_hat * factor)
+                else:
+                    dx = r * (d - ops.mean(d, axis=self.axes, keepdims=True) - y_hat * factor)
+                grads = [dx, *[None] * len(row_stats)]
+                if scale is not None:
+                    grads.append(summed(dy * y_hat, params[0]))
+                if bias is not None:
+                    grads.append(summed(dy, params[-1]))
+                return tuple(grads)
+
+            return y, grad
+
+        return output(x, *row_stats, *[p for p in (scale, bias) if p is not None])
 
     def needs_rescaling(self, s: Any, r: Any) -> Any:
         """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
@@ -462,7 +539,8 @@ class _Norm(keras.layers.Layer):
         work = "float64" if dtype == "float64" else "float32"
         x = _cast_to(inputs, dtype, work)
         if added is None:
-            return self._normalize(x, dtype, work)
+            exact = keras.backend.standardize_dtype(inputs.dtype) == dtype
+            return self._normalize(x, dtype, work, inputs if exact else x)
         total = _cast_to(residual, added, work) + x
         h = total if spec.residual == "float32" else ops.cast(total, dtype)
         normalized = total
@@ -473,10 +551,12 @@ class _Norm(keras.layers.Layer):
         elif spec.residual == "rounded":
             # The rounded h's value; the gradient reaches the sum unrounded: dx = dh + dnorm.
             normalized = total + ops.stop_gradient(_rounded(total, dtype) - total)
-        return self._normalize(normalized, dtype, work), h
+        return self._normalize(normalized, dtype, work, normalized), h
 
-    def _normalize(self, x: Any, dtype: str, work: str) -> Any:
-        """The spec on ``x`` (in the ``work`` dtype) with the dtype policy of ``dtype`` inputs.
+    def _normalize(self, x: Any, dtype: str, work: str, source: Any) -> Any:
+        """The spec on ``x`` (in the ``work`` dtype) with the dtype policy of ``dtype`` inputs;
+        ``x`` is ``source`` cast to ``work`` (the branches cast it themselves, so that under XLA
+        a half input crosses into them as it is, not as a float32 copy).
 
         The forward value rounds as the spec says (the fast variance, the before-scale cast);
         the gradient is that of the exact function (`normkit.reference`), or with
@@ -486,33 +566,67 @@ class _Norm(keras.layers.Layer):
         axes, target = self._broadcast_shape(tuple(x.shape))
         # Parameters broadcast as they are over trailing axes; elsewhere they are reshaped.
         param_target = None if axes[0] == len(target) - len(axes) else target
+        output_dtype = self._output_dtype(dtype)
+
+        def finish(x: Any, y_hat: Any) -> Any:
+            return ops.cast(self._finish(x, y_hat, axes, dtype, param_target, work), output_dtype)
+
         if spec.kind == "dyt":
-            y_hat = ops.tanh(ops.cast(self.alpha, work) * x)
-            value = y_hat
-        else:
-            y_hat = self._normalized(x, axes, target, work)
-            value = self._fast_normalized(x, axes) if spec.variance == "fast" else y_hat
+            return finish(x, ops.tanh(ops.cast(self.alpha, work) * x))
+        affine = None
+        if spec.variance != "fast" and not (spec.cast == "before_scale" and dtype in _HALF):
+            # y = y_hat g + b: the plain rows compute it, and its gradient, in one function.
+            scale = None if self.gamma is None else self._effective_scale(work, param_target)
+            bias = None if self.beta is None else self._param(self.beta, work, param_target)
+            affine = (scale, bias)
+        return self._normalized(x, source, axes, target, work, finish, affine, output_dtype)
+
+    def _finish(
+        self,
+        x: Any,
+        y_hat: Any,
+        axes: tuple[int, ...],
+        dtype: str,
+        param_target: list[int] | None,
+        work: str,
+    ) -> Any:
+        """``y`` from ``y_hat`` in the ``work`` dtype: the fast variance's value, the
+        before-scale rounding and the affine step, with the gradients `_normalize` states."""
+        spec = self._spec
+        value = y_hat
+        if spec.kind != "dyt" and spec.variance == "fast":
+            value = self._fast_normalized(x, axes)
         before_scale = spec.cast == "before_scale" and dtype in _HALF
         if before_scale:
             value = _rounded(value, dtype)
         if before_scale and spec.backward == "autograd":
             path, acc = self._eager_affine(y_hat, dtype, param_target, work)
             rounded = ops.cast(self._affine(value, param_target, work), acc)
-            y = path + ops.stop_gradient(rounded - path)
-        elif value is y_hat:
-            y = self._affine(y_hat, param_target, work)
-        else:
-            # The rounded value forward; the exact function's gradient backward.
-            y = self._affine(y_hat, param_target, work)
-            y = y + ops.stop_gradient(self._affine(value, param_target, work) - y)
-        return ops.cast(y, self._output_dtype(dtype))
+            return path + ops.stop_gradient(rounded - path)
+        y = self._affine(y_hat, param_target, work)
+        if value is y_hat:
+            return y
+        # The rounded value forward; the exact function's gradient backward.
+        return y + ops.stop_gradient(self._affine(value, param_target, work) - y)
 
-    def _normalized(self, x: Any, axes: tuple[int, ...], target: list[int], work: str) -> Any:
-        """``y_hat`` of a normalization kind with the two-pass statistic and exact gradients.
+    def _normalized(
+        self,
+        x: Any,
+        source: Any,
+        axes: tuple[int, ...],
+        target: list[int],
+        work: str,
+        finish: Any,
+        affine: tuple[Any, Any] | None,
+        output_dtype: str,
+    ) -> Any:
+        """``finish(x, y_hat)`` for a normalization kind, with exact gradients.
 
-        The plain result (`_Rows.plain`) stands unless a row's own ``s`` or ``r`` shows it
-        inaccurate; then `_guarded` recomputes the input, in a branch the common case skips.
-        Rows whose statistic reads one element (or LayerNorm's two) always take `_guarded`.
+        The plain result (`_Rows.plain_output`, with the affine step ``affine = (g, b)`` when
+        ``finish`` is only that step and the cast to ``output_dtype``) stands unless a row's own
+        ``s`` or ``r`` shows it inaccurate; then `_guarded` recomputes the input, in a branch
+        the common case skips. Rows whose statistic reads one element (or LayerNorm's two)
+        always take `_guarded`.
         """
         spec = self._spec
         n = int(np.prod(self._param_shape))
@@ -520,15 +634,38 @@ class _Norm(keras.layers.Layer):
         # The first k of the n normalized elements in row-major order, as a boolean mask.
         head = None if k == n else (np.arange(n) < k).reshape(target)
         rows = _Rows(spec, axes, target, n, k, head, work)
-        if k == 1 or (spec.kind == "layer" and n == 2) or not rows.plain_is_safe():
-            return self._guarded(x, rows)
-        c, r, bad = rows.plain(x)
-        any_bad = ops.any(bad)
+
+        def guarded(source: Any, *params: Any) -> Any:
+            x = ops.cast(source, work)
+            if affine is None:
+                return finish(x, self._guarded(x, rows))
+            return ops.cast(_affine_step(self._guarded(x, rows), affine, params), output_dtype)
+
+        params = [] if affine is None else [p for p in affine if p is not None]
+        if k == 1 or (spec.kind == "layer" and n == 2):
+            return guarded(source, *params)
+        stats = rows.plain(x)
+
+        any_bad = ops.any(stats[-1])
         known = _known(any_bad)
+
+        def plain() -> Any:
+            # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in
+            # the work dtype, before the input's cast rounds their sum once.
+            x_seen = x if spec.kind == "rms" and spec.eps_placement == "inside" else source
+            x_work = ops.cast(x_seen, work)
+            if affine is None:
+                return finish(x_work, rows.plain_output(x_work, stats, known is None))
+            return ops.cast(rows.plain_output(x_work, stats, known is None, *affine), output_dtype)
+
         if known is None:
-            # The product inside the branch: XLA then writes y once, in the fused pass.
-            return ops.cond(any_bad, lambda: self._guarded(x, rows), lambda: c * r)
-        return self._guarded(x, rows) if known else c * r
+            # The whole output inside the branches: XLA then writes y once, in the fused pass.
+            # The guarded branch with the affine step recomputes its values in the backward
+            # pass: a traced cond outputs every intermediate either branch's gradient reads, and
+            # the plain branch would fill the guarded one's (whole tensors) with zeros.
+            recomputed = guarded if affine is None else _recomputed(guarded)
+            return ops.cond(any_bad, lambda: recomputed(source, *params), plain)
+        return guarded(source, *params) if known else plain()
 
     def _guarded(self, x: Any, rows: _Rows) -> Any:
         """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose
@@ -665,6 +802,38 @@ class _Norm(keras.layers.Layer):
             "param_dtype": self._param_dtype,
             "autocast": self._autocast_inputs,
         }
+
+
+def _affine_step(y: Any, affine: tuple[Any, Any], params: tuple[Any, ...]) -> Any:
+    """``y * g + b`` for ``affine = (g, b)`` (either may be None), with the present ones taken
+    from ``params`` (the tensors a gradient is taken for)."""
+    present = iter(params)
+    if affine[0] is not None:
+        y = y * next(present)
+    if affine[1] is not None:
+        y = y + next(present)
+    return y
+
+
+def _recomputed(f: Any) -> Any:
+    """``f`` (of tensors) whose backward pass recomputes its values instead of keeping them:
+    `keras.remat`, or on TensorFlow a custom gradient that differentiates ``f`` again under a
+    tape (``tf.recompute_grad`` fails inside a traced ``cond``)."""
+    if keras.backend.backend() != "tensorflow":
+        return keras.remat(f)
+    import tensorflow as tf
+
+    @tf.custom_gradient  # type: ignore[misc]
+    def recomputed(*args: Any) -> Any:
+        def grad(*upstream: Any) -> Any:
+            with tf.GradientTape() as tape:
+                tape.watch(args)
+                y = f(*args)
+            return tape.gradient(y, args, output_gradients=upstream)
+
+        return f(*args), grad
+
+    return recomputed
 
 
 def _rounded(u: Any, dtype: str) -> Any:
