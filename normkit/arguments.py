@@ -113,3 +113,11 @@ def write_text(path: str, text: str) -> None:
         print(text)
     else:
         write_atomically(path, lambda f: f.write(text.encode()))
+
+
+def refuse_empty(**selections: object) -> None:
+    """ValueError for a selection given as an empty list, which would select nothing (the
+    library's functions take None for all)."""
+    for name, given in selections.items():
+        if given is not None and not given:
+            raise ValueError(f"{name}=[] selects nothing: name at least one, or leave it out")

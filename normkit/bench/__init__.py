@@ -47,6 +47,7 @@ from typing import Any
 
 from normkit import backends as _backends
 from normkit import workers
+from normkit.arguments import refuse_empty
 from normkit.bench.core import FIELDS, HUGE_PAGE_ENV, HUGE_PAGES, Sweep, sweep_to_dict
 from normkit.progress import Progress
 
@@ -148,9 +149,7 @@ def run(
     ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
     argument out for all).
     """
-    for name, given in (("backends", backends), ("devices", devices), ("dtypes", dtypes)):
-        if given is not None and not given:
-            raise ValueError(f"{name}=[] selects nothing: name at least one, or leave it out")
+    refuse_empty(backends=backends, devices=devices, dtypes=dtypes)
     start = time.perf_counter()
     sweep = Sweep.make(quick, [_backends.device_name(d) for d in devices or ()] or None, dtypes)
     chosen = [_backends.get(name) for name in backends] if backends else list(_backends.BACKENDS)

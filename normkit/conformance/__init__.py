@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from normkit.arguments import refuse_empty
 from normkit.backends import device_name
 from normkit.conformance.cases import CASE_DTYPES, MATRIX_DTYPES, Case, matrix
 from normkit.conformance.runner import Report
@@ -54,9 +55,7 @@ def run(
     """
     from normkit.conformance import runner
 
-    for name, given in (("kinds", kinds), ("dtypes", dtypes), ("devices", devices)):
-        if given is not None and not given:
-            raise ValueError(f"{name}=[] selects nothing: name at least one, or leave it out")
+    refuse_empty(kinds=kinds, dtypes=dtypes, devices=devices)
     wanted = [device_name(d) for d in devices] if devices else None
     if peers:
         from normkit.conformance import peers as peer_targets

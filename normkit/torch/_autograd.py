@@ -54,10 +54,6 @@ def _round_through_fake(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
 # Rows whose r(s) falls outside [2**-e, 2**e] are recomputed in scaled units: there s (or the
 # sums behind it) may have overflowed or underflowed, and r**3 would leave the dtype's range.
 _SAFE_EXPONENT = {torch.float32: 32, torch.float64: 256}
