@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from normkit import dtypes, reference, tolerances
+from normkit.bridges import TorchBridge
 from normkit.spec import Kind, NormSpec
 from normkit.torch import kernels
-from normkit.torch.conformance import to_numpy, to_torch
 from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
 from normkit.torch.kernels import cpu
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+
+to_numpy, to_torch = TorchBridge().to_numpy, TorchBridge().to_tensor
 
 pytest.importorskip("numba")
 CHUNK = importlib.import_module("normkit.torch.kernels._cpu_numba").CHUNK
@@ -339,12 +341,12 @@ def test_four_python_threads_at_once(spy: Spy) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
 def test_results_do_not_depend_on_the_thread_count(kind: Kind, dtype: str, spy: Spy) -> None:
-    """Rows are split into one block per thread, and a block's first row is read on its own,
-    the others while writing the row before: every row's sums must still come out bit for bit
-    the same, whatever the split (here 1, 2 and 3 threads over 7 rows)."""
+    """Threads claim blocks of rows as they come, and the weight's and bias's gradients are
+    summed per block: outputs and gradients must come out bit for bit the same whatever the
+    number of threads (here 1, 2 and 3 over 3 blocks and a part)."""
     spec = NormSpec(kind=kind, p=0.25, bias=True) if kind == "partial_rms" else NormSpec(
         kind=kind, bias=True)
-    x, dy = _arrays((7, 3 * CHUNK + 5), dtype, 13)
+    x, dy = _arrays((3 * cpu.BLOCK_ROWS + 5, 3 * CHUNK + 5), dtype, 13)
     threads = torch.get_num_threads()
     results = []
     try:
@@ -360,6 +362,44 @@ def test_results_do_not_depend_on_the_thread_count(kind: Kind, dtype: str, spy: 
         torch.set_num_threads(threads)
     assert results[0] == results[1] == results[2]
     assert spy.calls["forward"] == 3 and spy.calls["backward"] == 3
+
+
+def _offset_rows(a: np.ndarray, offset: int) -> torch.Tensor:
+    """``a`` as a torch tensor that starts ``offset`` elements into its storage."""
+    t = to_torch(a)
+    storage = torch.empty(t.numel() + offset, dtype=t.dtype)
+    rows = storage[offset:].view(t.shape)
+    rows.copy_(t)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
+def test_a_rows_bits_do_not_depend_on_its_batch(kind: Kind, dtype: str, spy: Spy) -> None:
+    """Batch invariance: a row's output and input gradient are the same bits alone, in a batch
+    of another size, at another position, in reversed order, and at any alignment in memory
+    (rows shorter and longer than a chunk)."""
+    spec = NormSpec(kind=kind, p=0.25, bias=True) if kind == "partial_rms" else NormSpec(
+        kind=kind, bias=True)
+
+    def run(x: np.ndarray, dy: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        xt = _offset_rows(x, offset).requires_grad_()
+        module = from_spec(spec, x.shape[-1], dtype=xt.dtype, kernel="cpu")
+        y = module(xt)
+        y.backward(_offset_rows(dy, offset))
+        return to_numpy(y), to_numpy(xt.grad)
+
+    for n in (CHUNK // 2 + 3, 2 * CHUNK + 5):
+        x, dy = _arrays((2 * cpu.BLOCK_ROWS + 7, n), dtype, 17)
+        y, dx = run(x, dy, 0)
+        tolerances.assert_close(y, reference.normalize(x, spec), dtype)
+        flipped = run(x[::-1].copy(), dy[::-1].copy(), 1)
+        assert flipped[0][::-1].tobytes() == y.tobytes()
+        assert flipped[1][::-1].tobytes() == dx.tobytes()
+        for start, stop, offset in ((70, 71, 3), (5, 90, 2), (cpu.BLOCK_ROWS - 1, None, 5)):
+            part = run(x[start:stop], dy[start:stop], offset)
+            assert part[0].tobytes() == y[start:stop].tobytes()
+            assert part[1].tobytes() == dx[start:stop].tobytes()
 
 
 def test_uses_torchs_thread_count(spy: Spy) -> None:

@@ -13,10 +13,11 @@ float32 on ``((x - m_hi) - m_lo) * r`` (the mean split into two float32 parts); 
 scalars leave float32's comfortable range (|x| near the float32 maximum, a tiny eps outside the
 root, NaN or inf) takes the same pass in float64.
 
-Both directions read the next row of their block while writing this one: the forward its
-statistic, the backward its dot products (LayerNorm's in float64, shifted by the row's first
-element; the backward reuses the forward's ``r``), so reads and writes stream together as in a
-copy.
+Each row is read from memory once: first by loops that only read (the forward's statistic, the
+backward's dot products, LayerNorm's in float64 and shifted by the row's first element; the
+backward reuses the forward's ``r``), then by the loop that writes its output from the cache.
+A loop without stores vectorizes unconditionally, so a row's sums, and its bits, depend on the
+row alone. Threads claim blocks of rows as they come (`_claim`).
 
 The formulas are those of `normkit.reference.normalize` and `normalize_vjp`.
 """
@@ -52,11 +53,11 @@ def signatures(dtype: str) -> tuple[str, str]:
     vec = "float32[::1]"
     forward_sig = (
         f"void({rows}, {vec}, {vec}, {rows}, {vec}, int64, int64, float64, boolean, boolean, "
-        "int64)"
+        "int64, int64)"
     )
     backward_sig = (
         f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], {vec}, "
-        f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64)"
+        f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64, int64)"
     )
     return forward_sig, backward_sig
 
@@ -418,6 +419,21 @@ def _split(mean: float) -> tuple[float, float]:
     return hi, np.float32(mean - np.float64(hi))
 
 
+# ---- scheduling -----------------------------------------------------------------------------
+
+
+@intrinsic
+def _claim(typingctx: Any, counter: Any) -> Any:
+    """Atomically add 1 to ``counter[0]`` (an int64 array) and return its value before."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        one = ir.Constant(ir.IntType(64), 1)
+        return builder.atomic_rmw("add", array.data, one, "monotonic")
+
+    return types.int64(counter), codegen
+
+
 # ---- forward ---------------------------------------------------------------------------------
 
 
@@ -434,65 +450,12 @@ def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: f
             _store(y, j, _load(x, j) * r * g[j] + b[j])
 
 
-@njit(cache=True, inline="always")
-def _scale_chunk_and_read(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray,
-                          r: float, m_hi: float, m_lo: float, following: np.ndarray,
-                          layer: bool, start: int, stop: int) -> float:
-    """`_scale_span` over elements ``start:stop`` of a row (unsigned: no negative-index
-    check, so the loop vectorizes), returning the float32 sum of ``following``'s (layer) or of
-    their squares (RMS kinds, whose rows are not centered)."""
-    acc = np.float32(0.0)
-    if layer:
-        for j in range(start, stop):
-            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
-            acc = _add(acc, _load(following, j))
-    else:
-        for j in range(start, stop):
-            _store(y, j, _load(x, j) * r * g[j] + b[j])
-            acc = _add_square(acc, _load(following, j))
-    return acc
-
-
-@njit(cache=True)
-def _scale_and_read_next(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
-                         m_hi: float, m_lo: float, following: np.ndarray, layer: bool) -> float:
-    """`_scale_span` over the row while taking the `_row_sum` of ``following`` (of its squares
-    for the RMS kinds; no longer than the row): the next row streams in from memory while this
-    one is written, as in a copy, instead of in a pass of reads of its own."""
-    m = np.uint64(following.size)
-    chunk = np.uint64(CHUNK)
-    acc = 0.0
-    for start in range(np.uint64(0), m, chunk):
-        acc += np.float64(_scale_chunk_and_read(x, y, g, b, r, m_hi, m_lo, following, layer,
-                                                start, min(start + chunk, m)))
-    _scale_span(x[m:], y[m:], g[m:], b[m:], r, m_hi, m_lo, layer)
-    return _checked(acc, following, not layer)
-
-
-@njit(cache=True)
-def _first_pass(x: np.ndarray, following: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                k: int, spare: np.ndarray, fuse: bool) -> float:
-    """What the statistic needs from the first read of the row ``following``: the sum of
-    squares of its first ``k`` elements (RMS kinds), or its sum (layer). Taken by
-    `_scale_and_read_next`, the loop that reads a row while writing the one before (here ``x``
-    into the ``spare`` row): every row's sums then come from the same machine code, in the same
-    order, whichever rows start a block, so results do not depend on the thread count. Rows
-    shorter than a chunk (``fuse`` false) take the sum in a loop of its own: the fused loop's
-    vector path then depends on where the arrays lie in memory (LLVM's overlap check)."""
-    ahead = following[:k] if kind != LAYER else following
-    if not fuse:
-        return _row_sum(ahead, kind != LAYER)
-    zero = np.float32(0.0)
-    return _scale_and_read_next(x, spare, g, b, zero, zero, zero, ahead, kind == LAYER)
-
-
 @njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                 k: int, eps: float, outside: bool, before_scale: bool, first: float,
-                 following: np.ndarray, spare: np.ndarray, fuse: bool) -> tuple[float, float]:
-    """``y = (x - mean) * r * g + b`` for one row whose `_first_pass` is ``first``; returns
-    ``r`` and the `_first_pass` of the row ``following`` (empty after a block's last row;
-    ``spare`` a row to write where this one's pass does not read it).
+                 k: int, eps: float, outside: bool, before_scale: bool) -> float:
+    """``y = (x - mean) * r * g + b`` for one row; returns ``r``. The statistic is read first
+    (a loop that only reads, so its machine code, and the order of its sums, cannot depend on
+    where the arrays lie), then ``y`` is written from the row, now in the cache.
     With ``before_scale`` the normalized value is rounded to the row's dtype before the
     affine step."""
     n = x.size
@@ -501,17 +464,13 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
         # float64: float32 chunk sums move y_hat across rounding midpoints of the half dtype.
         mean, s = _exact_moments(x, kind, k)
     elif kind == LAYER:
-        mean, s = _layer_moments_from(x, first)
+        mean, s = _layer_moments(x)
     else:
         mean = 0.0
-        s = first / k
+        s = _row_sum(x[:k], True) / k
     r = _rstd(s, eps, outside)
     if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        if fuse:
-            ahead = following[:k] if kind != LAYER else following
-            return r, _scale_and_read_next(x, y, g, b, np.float32(r), m_hi, m_lo, ahead,
-                                           kind == LAYER)
         _scale_span(x, y, g, b, np.float32(r), m_hi, m_lo, kind == LAYER)
     elif _fast(r) and (mean == 0.0 or _fast(mean)):
         # y_hat in float64, rounded once: its rounding is that of the reference.
@@ -524,32 +483,27 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
             if before_scale:
                 v = np.float64(_round_like(x, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
-    if before_scale or not following.size:  # before_scale takes its statistic exactly
-        return r, 0.0
-    return r, _first_pass(x, following, g, b, kind, k, spare, fuse)
+    return r
 
 
 @njit(parallel=True, cache=True)
 def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
-            kind: int, k: int, eps: float, outside: bool, before_scale: bool, block: int
-            ) -> None:
+            kind: int, k: int, eps: float, outside: bool, before_scale: bool, block: int,
+            workers: int) -> None:
     """``y = normalize(x)`` for rows ``x`` into ``y`` (same dtype) and ``r(s)`` of each row
-    into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32); tasks of
-    ``block`` rows."""
-    rows, n = x.shape
+    into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32). Each of
+    ``workers`` tasks claims blocks of ``block`` rows until none is left, so a thread slowed
+    by another process on its core takes fewer blocks instead of holding up the call; a row's
+    values depend on that row alone."""
+    rows = x.shape[0]
     blocks = (rows + block - 1) // block
-    fuse = n >= CHUNK
-    for blk in prange(blocks):
-        start = blk * block
-        end = min(rows, start + block)
-        spare = np.empty(n, y.dtype)
-        first = 0.0 if before_scale else _first_pass(x[start], x[start][:n], g, b, kind, k,
-                                                     spare, fuse)
-        for i in range(start, end):
-            # the next row of the block, read while this one is written (none after the last)
-            following = x[min(i + 1, end - 1)][: n if i + 1 < end else 0]
-            r[i], first = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
-                                       first, following, spare, fuse)
+    claimed = np.zeros(1, np.int64)
+    for _ in prange(min(workers, blocks)):
+        blk = _claim(claimed)
+        while blk < blocks:
+            for i in range(blk * block, min(rows, blk * block + block)):
+                r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
+            blk = _claim(claimed)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -567,131 +521,72 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
 
 
 @njit(cache=True, inline="always")
-def _gradient_chunk(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
-                    dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
-                    m_hi: float, m_lo: float, x_next: np.ndarray, dy_next: np.ndarray,
-                    m_next: float, start: int, stop: int) -> tuple[float, float, float]:
-    """``dx = r (dy g - mean_d) + c q`` in float32 over elements ``start:stop`` (unsigned), with
-    ``c = (x - m_hi) - m_lo``, ``dg += dy c r`` and ``db += dy``; returns the next row's
-    float64 ``sum(c')``, ``sum(d')`` and ``sum(d' c')`` over the same elements as they stream
-    in, ``c' = x_next - m_next``, ``d' = dy_next g``."""
-    sc = 0.0
-    sd = 0.0
-    sdc = 0.0
-    for j in range(start, stop):
-        c = (_load(x, j) - m_hi) - m_lo
-        dyj = _load(dy, j)
-        dg[j] += dyj * (c * r)
-        db[j] += dyj
-        _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
-        d_next = np.float64(_load(dy_next, j) * g[j])
-        c_next = np.float64(_load(x_next, j)) - m_next
-        sc = _add(sc, c_next)
-        sd = _add(sd, d_next)
-        sdc = _add(sdc, d_next * c_next)
-    return sc, sd, sdc
-
-
-@njit(cache=True, inline="always")
-def _rms_gradient_chunk(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
-                        dg: np.ndarray, r: float, q: float, x_next: np.ndarray,
-                        dy_next: np.ndarray, start: int, stop: int) -> float:
-    """`_gradient_chunk` for an RMS row without a bias (``c = x``, ``mean_d = 0``, no ``db``):
-    returns the next row's float32 ``sum(d' x_next)``."""
+def _chunk_dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
+    """``sum(dy g x)`` over elements ``start:stop`` (unsigned) in float32."""
     acc = np.float32(0.0)
     for j in range(start, stop):
-        xj = _load(x, j)
-        dyj = _load(dy, j)
-        dg[j] += dyj * (xj * r)
-        _store(dx, j, r * (dyj * g[j]) + xj * q)
-        acc = _add(acc, _load(dy_next, j) * g[j] * _load(x_next, j))
+        acc = _add(acc, _load(dy, j) * g[j] * _load(x, j))
     return acc
 
 
 @njit(cache=True)
-def _gradient_and_read_next(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
-                            dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
-                            m_hi: float, m_lo: float, k: int, x_next: np.ndarray,
-                            dy_next: np.ndarray, layer: bool, rms_only: bool
-                            ) -> tuple[float, float, float]:
-    """The float32 gradient of a row in chunks, ``q`` on its first ``k`` elements and 0 on the
-    rest, returning the `_backward_sums` of the next row (``x_next``, ``dy_next``), read while
-    this one is written: the `_rms_gradient_chunk` loop with ``rms_only``, else
-    `_gradient_chunk`'s."""
-    n = np.uint64(x.size)
-    head = np.uint64(k)
+def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
+    """``sum(dy g x)`` over elements ``start:stop``: float32 chunks added in float64, taken
+    again in float64 where that is not finite or below `_FAST_LOW` (`_checked_dot`)."""
     chunk = np.uint64(CHUNK)
-    m_next = np.float64(_load(x_next, 0)) if layer else 0.0
+    hi = np.uint64(stop)
+    acc = 0.0
+    for lo in range(np.uint64(start), hi, chunk):
+        acc += np.float64(_chunk_dot(x, dy, g, lo, min(lo + chunk, hi)))
+    return _checked_dot(acc, x[start:stop], dy[start:stop], g[start:stop])
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
+                         ) -> tuple[float, float, float]:
+    """``sum(c)``, ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0`` (the row shifted by
+    its first element, so that a large mean does not cancel), ``d = dy g``."""
+    m0 = np.float64(_load(x, 0))
     sc = 0.0
     sd = 0.0
-    dot_head = 0.0
-    dot_tail = 0.0
-    for part in range(2):
-        lo = np.uint64(0) if part == 0 else head
-        hi = head if part == 0 else n
-        qp = q if part == 0 else np.float32(0.0)
-        for start in range(lo, hi, chunk):
-            stop = min(start + chunk, hi)
-            if rms_only:
-                dot = np.float64(_rms_gradient_chunk(x, dy, dx, g, dg, r, qp, x_next, dy_next,
-                                                     start, stop))
-            else:
-                c1, c2, dot = _gradient_chunk(x, dy, dx, g, dg, db, r, qp, mean_d, m_hi, m_lo,
-                                              x_next, dy_next, m_next, start, stop)
-                sc += c1
-                sd += c2
-            if part == 0:
-                dot_head += dot
-            else:
-                dot_tail += dot
-    if layer:
-        return sc, sd, dot_head + dot_tail
-    return (_checked_dot(dot_head, x_next[:k], dy_next[:k], g[:k]),
-            _checked_dot(dot_tail, x_next[k:], dy_next[k:], g[k:]), 0.0)
+    sdc = 0.0
+    for j in range(x.size):
+        d = np.float64(_load(dy, j) * g[j])
+        c = np.float64(_load(x, j)) - m0
+        sc += c
+        sd += d
+        sdc += d * c
+    return sc, sd, sdc
 
 
 @njit(cache=True)
-def _backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray, kind: int, k: int,
-                   need_b: bool, spare_dx: np.ndarray, spare: np.ndarray, fuse: bool
-                   ) -> tuple[float, float, float]:
-    """What a row's gradient needs from its first read, ``d = dy g``: for layer ``sum(c)``,
-    ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0``; for the RMS kinds ``sum(d x)``
-    over the first ``k`` elements and over the rest (and 0). Taken by
-    `_gradient_and_read_next`, the loop that reads a row while writing the one before (here
-    into the ``spare_dx`` and ``spare`` rows), so that every row's sums come from the same
-    machine code, in the same order, whichever rows start a block. Rows shorter than a chunk
-    (``fuse`` false) take them in one plain float64 loop, in order (see `_first_pass`)."""
-    if not fuse:
-        m0 = np.float64(_load(x, 0)) if kind == LAYER else 0.0
-        sc = 0.0
-        sd = 0.0
-        head = 0.0
-        tail = 0.0
+def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                   dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
+                   m_hi: float, m_lo: float, rms_only: bool) -> None:
+    """``dx = r (dy g - mean_d) + c q`` in float32, ``c = (x - m_hi) - m_lo``, with
+    ``dg += dy c r`` and ``db += dy``; with ``rms_only`` (an RMS row without a bias: ``c = x``,
+    ``mean_d = 0``) the loop without ``db``."""
+    if rms_only:
         for j in range(x.size):
-            d = np.float64(_load(dy, j) * g[j])
-            c = np.float64(_load(x, j)) - m0
-            sc += c
-            sd += d
-            if j < k:
-                head += d * c
-            else:
-                tail += d * c
-        return (sc, sd, head + tail) if kind == LAYER else (head, tail, 0.0)
-    zero = np.float32(0.0)
-    return _gradient_and_read_next(x, dy, spare_dx, g, spare[0], spare[1], zero, zero, zero,
-                                   zero, zero, k, x, dy, kind == LAYER,
-                                   kind != LAYER and not need_b)
+            xj = _load(x, j)
+            dyj = _load(dy, j)
+            dg[j] += dyj * (xj * r)
+            _store(dx, j, r * (dyj * g[j]) + xj * q)
+    else:
+        for j in range(x.size):
+            c = (_load(x, j) - m_hi) - m_lo
+            dyj = _load(dy, j)
+            dg[j] += dyj * (c * r)
+            db[j] += dyj
+            _store(dx, j, r * (dyj * g[j] - mean_d) + c * q)
 
 
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
-                  outside: bool, need_b: bool, first: tuple[float, float, float],
-                  x_next: np.ndarray, dy_next: np.ndarray, spare_dx: np.ndarray,
-                  spare: np.ndarray, fuse: bool) -> tuple[float, float, float]:
-    """``dx`` of one row whose `_backward_sums` are ``first``; adds ``dy * y_hat`` to ``dg`` and
-    ``dy`` to ``db``; returns the `_backward_sums` of the row ``x_next`` (read while this one
-    is written).
+                  outside: bool, need_b: bool) -> None:
+    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``. The row's sums
+    are read first (loops that only read), then ``dx`` is written from the cached row.
 
     The forward's float32 ``r`` serves where it determines ``r'(s)`` (eps inside, r in
     float32's comfortable range); elsewhere the statistic is recomputed.
@@ -703,31 +598,28 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     n = x.size
     reuse_r = not outside and _fast(saved_r)
     if kind == LAYER:
-        sc, sd, sdc = first
+        sc, sd, sdc = _layer_backward_sums(x, dy, g)
         mean = np.float64(_load(x, 0)) + sc / n
         dot = sdc - (sc / n) * sd
         mean_d = sd / n
         s = 0.0 if reuse_r else _layer_moments(x)[1]
         tail = 0.0
     else:
-        head, tail, _ = first
+        tail = _dot(x, dy, g, k, n)
         mean = 0.0
         s = 0.0 if reuse_r else _row_sum(x[:k], True) / k
-        dot = head + tail
+        dot = _dot(x, dy, g, 0, k) + tail
         mean_d = 0.0
     r = np.float64(saved_r) if reuse_r else _rstd(s, eps, outside)
     q = (2.0 / k) * _dr_ds(r, s, outside) * dot
     if (_fast(r) and abs(q) < _FAST_HIGH and abs(mean_d) < _FAST_HIGH
             and (mean == 0.0 or _fast(mean))):
         m_hi, m_lo = _split(mean)
-        ahead, dy_ahead = (x_next, dy_next) if fuse else (x, dy)
-        following = _gradient_and_read_next(
-            x, dy, dx, g, dg, db, np.float32(r), np.float32(q), np.float32(mean_d), m_hi, m_lo,
-            k, ahead, dy_ahead, kind == LAYER, kind != LAYER and not need_b,
-        )
-        if not fuse:
-            following = _backward_sums(x_next, dy_next, g, kind, k, need_b, spare_dx, spare,
-                                       False)
+        rms_only = kind != LAYER and not need_b
+        _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], np.float32(r),
+                       np.float32(q), np.float32(mean_d), m_hi, m_lo, rms_only)
+        _gradient_span(x[k:], dy[k:], dx[k:], g[k:], dg[k:], db[k:], np.float32(r),
+                       np.float32(0.0), np.float32(mean_d), m_hi, m_lo, rms_only)
     else:
         for j in range(n):
             c = np.float64(_load(x, j)) - mean
@@ -736,12 +628,10 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
             db[j] += dyj
             v = r * (dyj * g[j] - mean_d)
             _store(dx, j, np.float32(v + c * q if j < k else v))
-        following = _backward_sums(x_next, dy_next, g, kind, k, need_b, spare_dx, spare, fuse)
     if kind != LAYER and k == 1:
         d0 = np.float64(_load(dy, 0)) * g[0]
         dx0 = _first_of_one(np.float64(_load(x, 0)), d0, tail, r, eps, outside)
         _store(dx, 0, np.float32(dx0))
-    return following
 
 
 @njit(cache=True)
@@ -759,32 +649,29 @@ def _add_rows(partial: np.ndarray, total: np.ndarray) -> None:
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
              dg: np.ndarray, db: np.ndarray, dg_total: np.ndarray, db_total: np.ndarray,
              kind: int, k: int, eps: float, outside: bool, need_g: bool, need_b: bool,
-             block: int) -> None:
+             block: int, workers: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
     dtype). With ``need_g`` row block ``i`` sums its rows' ``dy * y_hat`` into ``dg[i]`` (float32)
     and ``dg_total`` receives the blocks' sums added in float64; with ``need_b`` the same for
     ``dy`` in ``db`` and ``db_total``. A sum nobody asked for goes to a scratch row of the block
-    (one loop serves every case). Everything happens in this one launch: no torch op between
+    (one loop serves every case). The ``workers`` tasks claim blocks as `forward`'s do; a
+    block's sums do not depend on which thread took it. Everything happens in this one launch: no torch op between
     the kernels, whose threads would wait on numba's."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
-    fuse = n >= CHUNK
-    for blk in prange(blocks):
-        start = blk * block
-        end = min(rows, start + block)
-        dg_rows = dg[blk] if need_g else np.empty(n, np.float32)
-        db_rows = db[blk] if need_b else np.empty(n, np.float32)
-        dg_rows[:] = 0.0
-        db_rows[:] = 0.0
-        spare_dx = np.empty(n, dx.dtype)
-        spare = np.empty((2, n), np.float32)
-        first = _backward_sums(x[start], dy[start], g, kind, k, need_b, spare_dx, spare, fuse)
-        for i in range(start, end):
-            # the next row of the block, read while this one is written (itself after the last)
-            following = min(i + 1, end - 1)
-            first = _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
-                                  outside, need_b, first, x[following], dy[following],
-                                  spare_dx, spare, fuse)
+    claimed = np.zeros(1, np.int64)
+    for _ in prange(min(workers, blocks)):
+        scratch = np.empty((2, n), np.float32)
+        blk = _claim(claimed)
+        while blk < blocks:
+            dg_rows = dg[blk] if need_g else scratch[0]
+            db_rows = db[blk] if need_b else scratch[1]
+            dg_rows[:] = 0.0
+            db_rows[:] = 0.0
+            for i in range(blk * block, min(rows, blk * block + block)):
+                _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
+                              outside, need_b)
+            blk = _claim(claimed)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:

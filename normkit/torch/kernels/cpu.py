@@ -197,10 +197,11 @@ def _norm(
     with _lock:
         import numba
 
-        numba.set_num_threads(_threads())
+        threads = _threads()
+        numba.set_num_threads(threads)
         module.forward(
             _rows(x), _rows(g), _rows(b), _rows(y), _rows(r),
-            KINDS[kind], k, eps, outside, cast == "before_scale", BLOCK_ROWS,
+            KINDS[kind], k, eps, outside, cast == "before_scale", BLOCK_ROWS, threads,
         )
     return y, r
 
@@ -241,11 +242,12 @@ def _norm_backward(
     with _lock:
         import numba
 
-        numba.set_num_threads(_threads())
+        threads = _threads()
+        numba.set_num_threads(threads)
         module.backward(
             _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
             _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, eps, outside, need_g,
-            need_b, BLOCK_ROWS,
+            need_b, BLOCK_ROWS, threads,
         )
     return dx, dg, db
 
