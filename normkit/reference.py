@@ -1,7 +1,8 @@
 """The numpy reference: what a `NormSpec` computes, forward and backward, in float64.
 
 Everything else in normkit is checked against these functions: `normalize` and `normalize_vjp`,
-and `add_normalize` and `add_normalize_vjp` for the specs with a residual.
+`add_normalize` and `add_normalize_vjp` for the specs with a residual, and `gated_normalize` and
+`gated_normalize_vjp` for the specs with a gate.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ __all__ = [
     "AddDytGrads",
     "AddNormGrads",
     "DytGrads",
+    "GatedNormGrads",
     "NormGrads",
     "add_normalize",
     "add_normalize_vjp",
     "check_params",
+    "gated_normalize",
+    "gated_normalize_vjp",
     "normalize",
     "normalize_vjp",
     "output_dtype",
@@ -64,6 +68,15 @@ class AddDytGrads(NamedTuple):
     dscale: np.ndarray | None
     dbias: np.ndarray | None
     dalpha: np.ndarray
+
+
+class GatedNormGrads(NamedTuple):
+    """`gated_normalize_vjp`: ``(dx, dgate, dscale, dbias)``."""
+
+    dx: np.ndarray
+    dgate: np.ndarray
+    dscale: np.ndarray | None
+    dbias: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -332,6 +345,54 @@ def _refuse_residual(spec: NormSpec, who: str) -> None:
         )
 
 
+def _refuse_gate(spec: NormSpec, who: str) -> None:
+    if spec.gate is not None:
+        raise ValueError(
+            f"{who}: the spec has gate={spec.gate!r}, a norm of x and a gate z; use "
+            "gated_normalize / gated_normalize_vjp"
+        )
+
+
+def _check_gate(
+    gate: npt.ArrayLike, shape: tuple[int, ...], spec: NormSpec, who: str
+) -> np.ndarray:
+    """The gate ``z`` in float64, for a spec with a gate; ValueError/TypeError otherwise."""
+    if spec.gate is None:
+        raise ValueError(
+            f"{who} needs a spec with a gate ('before' or 'after'), got gate=None; use normalize "
+            "/ normalize_vjp"
+        )
+    arr = _check_input(gate, "gate")
+    if arr.shape != shape:
+        raise ValueError(f"gate has shape {arr.shape}, expected the shape of x, {shape}")
+    return arr.astype(np.float64)
+
+
+def _activation(z: np.ndarray, spec: NormSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``a(z)`` and ``a'(z)`` in float64 for ``spec.gate_activation``::
+
+        sigmoid(z) = 1 / (1 + e^-z)     sigmoid' = sigmoid(z) sigmoid(-z)
+        silu(z) = z sigmoid(z)          silu' = sigmoid(z) (1 + z sigmoid(-z))
+
+    with ``sigmoid(z)`` and ``sigmoid(-z)`` both taken from ``e^-|z|`` (no overflow, no
+    cancellation in ``1 - sigmoid(z)``).
+    """
+    e = np.exp(-np.abs(z))
+    positive = z >= 0
+    sig = np.where(positive, 1.0, e) / (1.0 + e)
+    sig_neg = np.where(positive, e, 1.0) / (1.0 + e)
+    if spec.gate_activation == "sigmoid":
+        return sig, sig * sig_neg
+    return z * sig, sig * (1.0 + z * sig_neg)
+
+
+def _grouped(rows: np.ndarray, spec: NormSpec) -> np.ndarray:
+    """Rows of ``n`` as rows of ``group_size``, one per group (unchanged without groups);
+    ValueError unless ``group_size`` divides ``n``."""
+    groups = spec.group_count(rows.shape[1])
+    return rows.reshape(rows.shape[0] * groups, -1)
+
+
 def _normalized_rows(
     rows: np.ndarray,
     spec: NormSpec,
@@ -340,15 +401,17 @@ def _normalized_rows(
     exact: bool,
     mask: np.ndarray | None,
 ) -> tuple[np.ndarray, _Statistic | None]:
-    """``y_hat`` per row (and the statistic), for inputs of ``dtype``; ``exact`` ignores the
-    roundings of ``variance="fast"`` (the gradient is that of the exact function). ``mask``
-    (rows of booleans, or None) restricts the elements the statistic reads."""
+    """``y_hat`` per row (and the statistic, per group with ``group_size``), for inputs of
+    ``dtype``; ``exact`` ignores the roundings of ``variance="fast"`` (the gradient is that of
+    the exact function). ``mask`` (rows of booleans, or None; never with groups) restricts the
+    elements the statistic reads."""
     if spec.kind == "dyt":
         return np.tanh(float(alpha.reshape(())) * rows), None
-    reads = _reads(rows, spec, mask)
+    groups = _grouped(rows, spec)
+    reads = _reads(groups, spec, mask)
     fast = spec.variance == "fast" and not exact
-    stat = _statistic(rows, spec, reads, _fast_moments(rows, dtype, reads) if fast else None)
-    return stat.centered * stat.r, stat
+    stat = _statistic(groups, spec, reads, _fast_moments(groups, dtype, reads) if fast else None)
+    return (stat.centered * stat.r).reshape(rows.shape), stat
 
 
 def _forward(
@@ -358,17 +421,26 @@ def _forward(
     spec: NormSpec,
     p: _Params,
     mask: np.ndarray | None = None,
+    gate: np.ndarray | None = None,
 ) -> np.ndarray:
     """The spec on float64 ``values`` with the dtype policy of inputs of ``dtype``, in ``out``;
-    ``mask``, of ``values``' shape, restricts the statistic."""
+    ``mask``, of ``values``' shape, restricts the statistic; ``gate`` is ``z`` (float64, of
+    ``values``' shape) for a gated spec."""
     layout = _Rows.of(values.shape, spec)
     mask_rows = None if mask is None else layout.split(mask)
-    normalized, _ = _normalized_rows(
-        layout.split(values), spec, dtype, p.alpha, exact=False, mask=mask_rows
-    )
-    if dtypes.is_half(dtype) and spec.cast == "before_scale":
+    rows = layout.split(values)
+    act = None if gate is None else _activation(layout.split(gate), spec)[0]
+    if spec.gate == "before":
+        rows = rows * act
+    normalized, _ = _normalized_rows(rows, spec, dtype, p.alpha, exact=False, mask=mask_rows)
+    before_scale = dtypes.is_half(dtype) and spec.cast == "before_scale"
+    if before_scale:
         normalized = dtypes.round_to(normalized, dtype).astype(np.float64)
     y = normalized * p.g.reshape(1, -1) + p.b.reshape(1, -1)
+    if spec.gate == "after":
+        if before_scale:
+            y = _round_half(y, _affine_dtype(dtype, spec, p))
+        y = y * act
     return dtypes.round_to(layout.join(y), out)
 
 
@@ -388,6 +460,8 @@ def normalize(
     step, and the output is rounded (to nearest even, once from float64) to the output dtype
     (`output_dtype`: ``x``'s, or the promoted one). ``variance="fast"`` reproduces its roundings
     (see `NormSpec`); ``offset_dtype="param"`` rounds ``scale_offset + w`` to ``scale``'s dtype.
+    With ``group_size`` each group of ``group_size`` consecutive elements of a row has its own
+    statistic. A spec with a gate goes to `gated_normalize`.
 
     Args:
       x: float16, bfloat16 (ml_dtypes), float32 or float64 array.
@@ -414,12 +488,14 @@ def normalize(
       array([[-1.5,  2.5]])
 
     Raises ValueError when ``spec.eps`` is out of the range of ``x``'s compute dtype
-    (`NormSpec.check_eps`), or ``mask`` is given for another kind or does not broadcast to
-    ``x``; TypeError when ``mask`` is neither bool nor numeric.
+    (`NormSpec.check_eps`), ``group_size`` does not divide the normalized size
+    (`NormSpec.group_count`), or ``mask`` is given for another kind or spec with a gate or
+    groups, or does not broadcast to ``x``; TypeError when ``mask`` is neither bool nor numeric.
     """
     arr = _check_input(x, "x")
     spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize")
+    _refuse_gate(spec, "normalize")
     p = _params(arr.shape, spec, scale, bias, alpha)
     m = None if mask is None else _check_mask(mask, arr.shape, spec)
     out = output_dtype(arr.dtype, spec, scale, bias, alpha)
@@ -461,6 +537,7 @@ class _RawGrads:
     dscale: np.ndarray | None
     dbias: np.ndarray | None
     dalpha: np.ndarray
+    dgate: np.ndarray | None = None
 
 
 def _grads(
@@ -470,6 +547,7 @@ def _grads(
     spec: NormSpec,
     p: _Params,
     mask: np.ndarray | None = None,
+    gate: np.ndarray | None = None,
 ) -> _RawGrads:
     r"""The VJP at float64 ``values`` with the dtype policy of inputs of ``dtype``.
 
@@ -477,14 +555,21 @@ def _grads(
     through the eager forward does, ``a`` being `_affine_dtype` and ``z`` the rounded ``y_hat``:
     ``dz = t(a(dy g))``, ``dscale = a(sum_rows a(dy z))``, ``dbias = a(sum_rows dy)``, where
     ``t(.)`` and ``a(.)`` round to the input and the affine dtype: products always, sums only to
-    a half dtype (a float32 sum's rounding depends on its order). ``mask`` as in `_forward`.
+    a half dtype (a float32 sum's rounding depends on its order). ``mask`` and ``gate`` as in
+    `_forward`; the gradient of ``gate`` is ``dgate``.
     """
     layout = _Rows.of(values.shape, spec)
     rows = layout.split(values)
     dy_rows = layout.split(dy)
     g = p.g.reshape(1, -1)
     mask_rows = None if mask is None else layout.split(mask)
-    normalized, stat = _normalized_rows(rows, spec, dtype, p.alpha, exact=True, mask=mask_rows)
+    act, act_slope = (None, None) if gate is None else _activation(layout.split(gate), spec)
+    gated = rows * act if spec.gate == "before" else rows
+    normalized, stat = _normalized_rows(gated, spec, dtype, p.alpha, exact=True, mask=mask_rows)
+    dgate = None
+    if spec.gate == "after":  # y = u a(z), u the affine result
+        dgate = dy_rows * (normalized * g + p.b.reshape(1, -1)) * act_slope
+        dy_rows = dy_rows * act
     autograd = (
         spec.backward == "autograd" and dtypes.is_half(dtype) and spec.cast == "before_scale"
     )
@@ -503,14 +588,18 @@ def _grads(
         dx = float(p.alpha.reshape(())) * slope * d
         dalpha = np.asarray(np.sum(d * rows * slope)).reshape(p.alpha.shape)
     else:
-        dx = _input_grad(stat, d, spec)
+        dx = _input_grad(stat, _grouped(d, spec), spec).reshape(rows.shape)
         dalpha = np.zeros(())
+    if spec.gate == "before":  # the norm's input is x a(z)
+        dgate = dx * rows * act_slope
+        dx = dx * act
     param_shape = spec.param_shape(values.shape)
     return _RawGrads(
         layout.join(dx),
         dscale.reshape(param_shape) if spec.scale else None,
         dbias.reshape(param_shape) if spec.bias else None,
         dalpha,
+        None if dgate is None else layout.join(dgate),
     )
 
 
@@ -591,7 +680,8 @@ def normalize_vjp(
     With a ``mask`` (`normalize`'s) the statistic reads the K masked-in elements R: ``k`` is K
     and ``[i < k]`` is ``[i in R]`` in the RMS line, and LayerNorm's is
     ``dx_i = r d_i + [i in R] ((2 c_i / K) r'(s) sum_j d_j c_j - (r / K) sum_j d_j)``, the sums
-    over the whole row; a row with K = 0 has NaN gradients.
+    over the whole row; a row with K = 0 has NaN gradients. With ``group_size`` each group is
+    a row of its own in these formulas (``n`` the group size, the sums over the group).
 
     ``backward="exact"`` (default): the roundings of the half-precision policy are not
     differentiated (``variance="fast"`` has the gradient of ``"two_pass"``); the gradients are
@@ -609,6 +699,7 @@ def normalize_vjp(
     grad = _check_grad(dy, "dy", arr.shape)
     spec.check_eps(arr.dtype.name)
     _refuse_residual(spec, "normalize_vjp")
+    _refuse_gate(spec, "normalize_vjp")
     p = _params(arr.shape, spec, scale, bias, alpha)
     m = None if mask is None else _check_mask(mask, arr.shape, spec)
     raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p, m)
@@ -728,14 +819,99 @@ def add_normalize_vjp(
     return AddNormGrads(dx, dres, dscale, dbias)
 
 
+def gated_normalize(
+    x: npt.ArrayLike,
+    gate: npt.ArrayLike,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+) -> np.ndarray:
+    """A gated ``spec`` applied to ``x`` and its gate ``z``, computed in float64, returned in
+    the output dtype (`output_dtype`: the gate's dtype takes no part). With ``u(v) = y_hat(v)
+    (scale_offset + w) + b`` the ungated norm of `normalize` and ``a`` the activation::
+
+        gate="before":  y = u(x * a(z))
+        gate="after":   y = u(x) * a(z)
+
+    For half inputs the product ``x * a(z)`` is not rounded (float32 in an implementation);
+    with ``gate="after"`` and ``cast="before_scale"`` ``y_hat`` is rounded to the input dtype,
+    ``u`` to the affine step's dtype (the input dtype promoted with the parameters'), and ``u
+    a(z)`` to the output dtype; with ``"after_scale"`` only ``u a(z)`` is rounded.
+    ``group_size`` applies as in `normalize`.
+
+    Args:
+      x: float16, bfloat16 (ml_dtypes), float32 or float64 array.
+      gate: ``z``, a float array of ``x``'s shape (any float dtype: ``a(z)`` is computed from
+        its exact values).
+      spec: a spec with ``gate`` set.
+      scale, bias: as in `normalize`.
+
+    Examples:
+      >>> import numpy as np
+      >>> from normkit import NormSpec
+      >>> after = NormSpec(gate="after", gate_activation="sigmoid")
+      >>> gated_normalize(np.array([[3.0, 4.0]]), np.zeros((1, 2)), after).round(4)
+      array([[0.4243, 0.5657]])
+    """
+    arr = _check_input(x, "x")
+    spec.check_eps(arr.dtype.name)
+    z = _check_gate(gate, arr.shape, spec, "gated_normalize")
+    p = _params(arr.shape, spec, scale, bias, None)
+    out = output_dtype(arr.dtype, spec, scale, bias)
+    return _forward(arr.astype(np.float64), arr.dtype, out, spec, p, gate=z)
+
+
+def gated_normalize_vjp(
+    x: npt.ArrayLike,
+    gate: npt.ArrayLike,
+    dy: npt.ArrayLike,
+    spec: NormSpec,
+    scale: npt.ArrayLike | None = None,
+    bias: npt.ArrayLike | None = None,
+) -> GatedNormGrads:
+    r"""The gradients of ``sum(dy * gated_normalize(x, gate, spec, scale, bias))``, analytic,
+    in float64 (the roundings of the half-precision policy are not differentiated).
+
+    With ``J`` the VJP of the ungated norm (`normalize_vjp`'s ``dx``, ``dw``, ``db``)::
+
+        gate="before":  e = J_x(x a(z))^T dy      dx = e a(z)      dgate = e x a'(z)
+                        dw, db those of the norm at x a(z)
+        gate="after":   dx = J_x(x)^T (dy a(z))   dgate = dy u(x) a'(z)
+                        dw, db those of the norm at x for the cotangent dy a(z)
+
+    ``a'`` is ``sigmoid(z) (1 + z sigmoid(-z))`` for SiLU, ``sigmoid(z) sigmoid(-z)`` for
+    sigmoid. Returns `GatedNormGrads` ``(dx, dgate, dscale, dbias)``, None for parameters the
+    spec lacks.
+    """
+    arr = _check_input(x, "x")
+    spec.check_eps(arr.dtype.name)
+    z = _check_gate(gate, arr.shape, spec, "gated_normalize_vjp")
+    grad = _check_grad(dy, "dy", arr.shape)
+    p = _params(arr.shape, spec, scale, bias, None)
+    raw = _grads(arr.astype(np.float64), arr.dtype, grad, spec, p, gate=z)
+    assert raw.dgate is not None
+    return GatedNormGrads(raw.dx, raw.dgate, raw.dscale, raw.dbias)
+
+
 def scaled_magnitude(
     x: npt.ArrayLike,
     spec: NormSpec,
     scale: npt.ArrayLike | None = None,
     alpha: npt.ArrayLike | None = None,
+    *,
+    gate: npt.ArrayLike | None = None,
 ) -> np.ndarray:
     """``|y_hat * (scale_offset + w)|`` in float64: the size of the term that
-    ``cast="before_scale"`` rounds at (see `normkit.tolerances`)."""
+    ``cast="before_scale"`` rounds at (see `normkit.tolerances`). For a gated spec, ``y_hat``
+    of the gated input (``gate="before"``), or the term times ``|a(z)|`` (``"after"``), the
+    factor a rounding of it is carried to the output by."""
     arr = _check_input(x, "x")
     exact = spec.replace(bias=False, residual=None, output_dtype="input")
+    if (gate is None) != (spec.gate is None):
+        raise ValueError(
+            f"scaled_magnitude: the spec has gate={spec.gate!r}, and a gate was "
+            f"{'not ' if gate is None else ''}given"
+        )
+    if gate is not None:
+        return np.abs(gated_normalize(arr.astype(np.float64), gate, exact, scale))
     return np.abs(normalize(arr.astype(np.float64), exact, scale, None, alpha))

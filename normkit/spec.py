@@ -21,6 +21,8 @@ Variance: TypeAlias = Literal["two_pass", "fast"]
 OffsetDtype: TypeAlias = Literal["float32", "param"]
 OutputDtype: TypeAlias = Literal["input", "promote"]
 Backward: TypeAlias = Literal["exact", "autograd"]
+Gate: TypeAlias = Literal["before", "after"]
+GateActivation: TypeAlias = Literal["silu", "sigmoid"]
 
 # The normalization kinds (a statistic, eps, an eps placement); every adapter implements them.
 KINDS: tuple[Kind, ...] = ("rms", "partial_rms", "layer")
@@ -33,6 +35,10 @@ VARIANCES: tuple[Variance, ...] = ("two_pass", "fast")
 OFFSET_DTYPES: tuple[OffsetDtype, ...] = ("float32", "param")
 OUTPUT_DTYPES: tuple[OutputDtype, ...] = ("input", "promote")
 BACKWARDS: tuple[Backward, ...] = ("exact", "autograd")
+GATES: tuple[Gate, ...] = ("before", "after")
+GATE_ACTIVATIONS: tuple[GateActivation, ...] = ("silu", "sigmoid")
+# The kinds whose statistic may be taken per group of features (`NormSpec.group_size`).
+GROUPABLE_KINDS: tuple[Kind, ...] = ("rms", "layer")
 
 DEFAULT_EPS = 1e-6
 DEFAULT_ALPHA_INIT = 0.5
@@ -45,6 +51,9 @@ EXTENDED_DEFAULTS: dict[str, object] = {
     "offset_dtype": "float32",
     "output_dtype": "input",
     "backward": "exact",
+    "gate": None,
+    "gate_activation": None,
+    "group_size": None,
 }
 
 # The eps each compute dtype carries without loss: from its smallest normal number (a smaller
@@ -85,6 +94,15 @@ class NormSpec:
 
         y = y_hat * (scale_offset + w) + b
 
+    With ``group_size`` the row is cut into groups of ``group_size`` consecutive elements and
+    each group is normalized with its own statistic (LayerNorm: its own mean); ``w`` and ``b``
+    still span the whole row. A gated spec has a second input ``z`` of ``x``'s shape
+    (`normkit.reference.gated_normalize`) and its activation ``a(z)``, ``silu(z) = z
+    sigmoid(z)`` or ``sigmoid(z)``::
+
+        gate="before":  y = norm(x * a(z))        the statistic reads the gated values
+        gate="after":   y = norm(x) * a(z)        norm(x) the affine result above
+
     ``w`` (present when ``scale``) and ``b`` (present when ``bias``) have the shape of the input
     over ``axis``, taken in increasing axis order. The initial ``w`` is ``1 - scale_offset`` (ones,
     or zeros with the Gemma offset 1), so a fresh layer has an effective scale of 1; ``b`` starts
@@ -95,7 +113,11 @@ class NormSpec:
     the result is rounded to the output dtype once; with ``cast="before_scale"`` (the Llama order)
     ``y_hat`` is rounded to the input dtype first, and the affine result is rounded again. The
     output dtype is the input dtype (``output_dtype="input"``) or the promoted dtype of the input
-    and the parameters (``"promote"``).
+    and the parameters (``"promote"``). A gate's ``a(z)`` and its product are computed in
+    float32 for half inputs (not rounded to the input dtype). With ``gate="after"``,
+    ``"after_scale"`` rounds ``(y_hat w + b) a(z)`` once; ``"before_scale"`` rounds ``y_hat`` to
+    the input dtype, the affine result to the dtype of the affine step (the input dtype
+    promoted with the parameters'), then multiplies by ``a(z)`` and rounds to the output dtype.
 
     Args:
       kind: ``"rms"`` (RMSNorm), ``"partial_rms"`` (pRMSNorm), ``"layer"`` (LayerNorm) or
@@ -143,7 +165,16 @@ class NormSpec:
         once to each gradient's dtype) or ``"autograd"`` (what autograd through the eager
         forward computes in half precision: with ``cast="before_scale"`` the gradient of
         ``y_hat`` rounded to the input dtype at the cast, and the scale's gradient summed from
-        products rounded to their dtype; Hugging Face Llama's RMSNorm).
+        products rounded to their dtype; Hugging Face Llama's RMSNorm). ``"autograd"`` is not
+        defined with a gate.
+      gate: a gate ``z``, a second input: ``"before"`` the norm (Mamba2: ``norm(x * a(z))``),
+        ``"after"`` it (Qwen3-Next: ``norm(x) * a(z)``) or None (default, no gate). For the
+        normalization kinds; not for DyT, and not with a ``residual``.
+      gate_activation: ``a``, ``"silu"`` or ``"sigmoid"`` (Kimi Linear). Default None, which
+        resolves to ``"silu"`` with a gate; must stay None without one.
+      group_size: the statistic per group of ``group_size`` consecutive elements of the row (a
+        positive int that divides ``n``: `group_count`), or None (default, the whole row).
+        For ``"rms"`` and ``"layer"``.
 
     Examples:
       >>> llama = NormSpec("rms", eps=1e-5, cast="before_scale")
@@ -170,6 +201,9 @@ class NormSpec:
     output_dtype: OutputDtype = "input"
     alpha_init: float | None = None
     backward: Backward = "exact"
+    gate: Gate | None = None
+    gate_activation: GateActivation | None = None
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ALL_KINDS:
@@ -257,6 +291,66 @@ class NormSpec:
             raise _invalid("output_dtype", self.output_dtype, f"expected one of {OUTPUT_DTYPES}")
         if self.backward not in BACKWARDS:
             raise _invalid("backward", self.backward, f"expected one of {BACKWARDS}")
+        self._check_gate()
+        self._check_group_size()
+
+    def _check_gate(self) -> None:
+        """gate and gate_activation, the activation resolved."""
+        if self.gate is None:
+            if self.gate_activation is not None:
+                raise _invalid(
+                    "gate_activation",
+                    self.gate_activation,
+                    "applies only with a gate ('before' or 'after'), not gate=None",
+                )
+            return
+        if self.gate not in GATES:
+            raise _invalid("gate", self.gate, f"expected None or one of {GATES}")
+        if self.kind == "dyt":
+            raise _invalid(
+                "gate",
+                self.gate,
+                f"applies to the normalization kinds {KINDS}, not 'dyt' (no "
+                "model or peer gates DyT)",
+            )
+        if self.residual is not None:
+            raise _invalid(
+                "gate",
+                self.gate,
+                f"is not defined with residual={self.residual!r} (no model "
+                "adds a residual into a gated norm); leave one of them None",
+            )
+        if self.backward == "autograd":
+            raise _invalid(
+                "backward",
+                self.backward,
+                "the autograd rounding model is defined for ungated "
+                "specs only; use 'exact' with a gate",
+            )
+        if self.gate_activation is None:
+            object.__setattr__(self, "gate_activation", "silu")
+        if self.gate_activation not in GATE_ACTIVATIONS:
+            raise _invalid(
+                "gate_activation", self.gate_activation, f"expected one of {GATE_ACTIVATIONS}"
+            )
+
+    def _check_group_size(self) -> None:
+        """group_size: None, or a positive int for a kind whose statistic can be grouped."""
+        size = self.group_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise _invalid("group_size", size, "expected None or a positive int")
+        if self.kind not in GROUPABLE_KINDS:
+            reason = (
+                "its statistic reads the first k = floor(n p) elements of the row, and no "
+                "implementation defines a partial statistic per group"
+                if self.kind == "partial_rms"
+                else "it has no statistic"
+            )
+            allowed = f"applies to kind='rms' and 'layer', not {self.kind!r}: {reason}"
+            raise _invalid("group_size", size, allowed)
+        object.__setattr__(self, "group_size", int(size))
 
     def require_defaults(self, who: str) -> None:
         """ValueError unless ``who`` can compute this spec: not DyT, and every field of
@@ -293,13 +387,32 @@ class NormSpec:
 
     def check_maskable(self) -> None:
         """ValueError unless a ``mask`` (Flax's) can restrict this spec's statistic: kinds
-        "rms" and "layer" only."""
+        "rms" and "layer" only, without a gate or groups."""
         if self.kind not in ("rms", "layer"):
             raise ValueError(
                 f"mask applies to kind='rms' and 'layer' (Flax's RMSNorm and LayerNorm), not "
                 f"{self.kind!r}: partial RMS already fixes the elements its statistic reads, and "
                 "DyT has no statistic"
             )
+        if self.gate is not None or self.group_size is not None:
+            raise ValueError(
+                f"mask is not defined with gate={self.gate!r} or group_size={self.group_size!r}: "
+                "Flax's norms, whose argument it is, have neither; leave them None to use a mask"
+            )
+
+    def group_count(self, n: int) -> int:
+        """How many groups a row of ``n`` elements is cut into: ``n / group_size``, or 1 without
+        ``group_size``. ValueError unless ``group_size`` divides ``n``."""
+        if n < 1:
+            raise ValueError(f"a normalized row must have at least one element, got n={n}")
+        if self.group_size is None:
+            return 1
+        if n % self.group_size:
+            raise ValueError(
+                f"NormSpec.group_size={self.group_size} does not divide the normalized size n={n}"
+                ": a row must split into whole groups"
+            )
+        return n // self.group_size
 
     def resolve_axes(self, ndim: int) -> tuple[int, ...]:
         """The normalized axes of an input of rank ``ndim``: non-negative, increasing."""

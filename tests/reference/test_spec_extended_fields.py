@@ -1,4 +1,5 @@
-"""NormSpec's residual, variance, offset_dtype, output_dtype, DyT and backward fields."""
+"""NormSpec's residual, variance, offset_dtype, output_dtype, DyT, backward, gate and
+group_size fields."""
 
 import dataclasses
 import json
@@ -18,6 +19,7 @@ def test_defaults_leave_existing_specs_unchanged():
         "input",
     )
     assert (spec.alpha_init, spec.backward) == (None, "exact")
+    assert (spec.gate, spec.gate_activation, spec.group_size) == (None, None, None)
     assert NormSpec("layer").variance == "two_pass"
     assert NormSpec("partial_rms", p=0.5).eps == DEFAULT_EPS
 
@@ -85,6 +87,8 @@ EXTENDED = [
     NormSpec(scale_offset=1.0, offset_dtype="param", output_dtype="promote"),
     NormSpec(cast="before_scale", backward="autograd", residual="float32"),
     NormSpec("dyt", alpha_init=1.0, axis=(-2, -1), bias=False, cast="before_scale"),
+    NormSpec("layer", gate="before", gate_activation="sigmoid", group_size=16,
+             output_dtype="promote"),
 ]
 
 
