@@ -604,6 +604,37 @@ def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None)
     return _Plain(mean, s, careful | _needs_scaling(s, plan, gradient=False))
 
 
+# From this many rows on, XLA's CPU backend computes a row reduction and the elementwise work
+# using it in one YNNPACK pass over x, if the reduction has no other user.
+_CPU_FUSED_ROWS = 4096
+
+
+def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
+    """Whether ``y`` is computed in one pass over ``v`` if nothing else reads its statistics:
+    then the flags' reductions of their own cost one pass reading ``v``, where sharing them
+    makes XLA write a float32 copy of a half ``v`` and read it in separate passes."""
+    rows = v.size // int(np.prod([v.shape[a] for a in plan.axes]))
+    return jax.default_backend() == "cpu" and rows >= _CPU_FUSED_ROWS
+
+
+def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
+    """`_plain`'s ``careful`` from reductions of their own, each reading the inputs alone, so
+    that XLA fuses each with the conversion of a half input: LayerNorm's test ``mean^2 > s`` as
+    ``2 mean^2 > mean(x^2)``, and the range of ``r`` from ``s = max(0, mean(x^2) - mean^2)``.
+    Where they differ from the two-pass values (by roundings relative to ``mean(x^2)``),
+    ``mean^2`` and ``s`` are within a few ulps of each other, where the plain program is
+    accurate too."""
+    # The inputs through a barrier, one copy a reduction: XLA may not identify them (no CSE).
+    copies = lax.optimization_barrier(((x, residual), (x, residual)))
+    first, second = (_added(plan, *inputs)[0] for inputs in copies)
+    if plan.spec.kind != "layer":
+        return _plain(first, plan, reads).careful
+    mean = _read_mean(first, plan, reads)
+    square = _read_mean(second * second, plan, reads)
+    s = jnp.maximum(square - mean * mean, 0)
+    return ~(2 * mean * mean <= square) | _needs_scaling(s, plan, gradient=False)
+
+
 def _plain_centered(v: jax.Array, plain: _Plain) -> jax.Array:
     """``c`` of the common program."""
     return v if plain.mean is None else v - plain.mean
@@ -784,12 +815,15 @@ def _forward(
     alpha: jax.Array | None,
     mask: jax.Array | None,
     eager: bool,
+    saved: bool = False,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Plain | None]:
     """The output (``y``, or ``(y, h)`` with a residual) and the common program's statistics
     (`_plain`; None for DyT, and with ``eager``, which runs the careful program throughout).
 
     ``y`` is computed plainly, in one pass after the statistics; rows the statistics flag are
-    recomputed by the careful program, inside a branch the common case skips (`_patched`)."""
+    recomputed by the careful program, inside a branch the common case skips (`_patched`).
+    Where XLA would fuse the statistics and ``y`` into one pass (`_fused_apart`) and they are
+    not ``saved`` for the backward pass, the flags read statistics of their own (`_flagged`)."""
     v, h = _added(plan, x, residual)
     spec = plan.spec
     plain = None
@@ -804,6 +838,8 @@ def _forward(
             plain = _plain(v, plan, reads)
             y_hat = _plain_centered(v, plain) * _r(plain.s, spec.eps, spec)
             careful = plain.careful
+            if not saved and _fused_apart(v, plan):
+                careful = _flagged(plan, x, residual, reads)
 
             def fix(y: jax.Array) -> jax.Array:
                 # From the inputs again: a value the branch captured would be materialized.
@@ -862,7 +898,7 @@ def _norm_fwd(
     alpha: jax.Array | None,
     mask: jax.Array | None,
 ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, plain = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)
+    out, plain = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False, saved=True)
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
