@@ -439,25 +439,43 @@ def _claim(typingctx: Any, counter: Any) -> Any:
 
 @njit(cache=True)
 def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
-                m_hi: float, m_lo: float, centered: bool) -> None:
+                m_hi: float, m_lo: float, centered: bool, biased: bool) -> None:
     """``y = ((x - m_hi) - m_lo) r g + b`` in float32 (``y = x r g + b`` unless ``centered``,
-    the same values for a zero mean, two operations fewer)."""
-    if centered:
+    the same values for a zero mean, two operations fewer; without ``biased`` the loop does
+    not read ``b``, which is then -0.0 throughout, the one value whose addition changes no
+    float)."""
+    if centered and biased:
         for j in range(x.size):
             _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j])
-    else:
+    elif centered:
+        for j in range(x.size):
+            _store(y, j, ((_load(x, j) - m_hi) - m_lo) * r * g[j])
+    elif biased:
         for j in range(x.size):
             _store(y, j, _load(x, j) * r * g[j] + b[j])
+    else:
+        for j in range(x.size):
+            _store(y, j, _load(x, j) * r * g[j])
+
+
+@njit(cache=True)
+def _biased(b: np.ndarray) -> bool:
+    """Whether the bias ``b`` has an element other than -0.0 (adding -0.0 changes no float,
+    +0.0 turns -0.0 into +0.0)."""
+    for j in range(b.size):
+        if _bits_of_float(b[j]) != np.uint32(0x80000000):
+            return True
+    return False
 
 
 @njit(cache=True)
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
-                 k: int, eps: float, outside: bool, before_scale: bool) -> float:
+                 k: int, eps: float, outside: bool, before_scale: bool, biased: bool) -> float:
     """``y = (x - mean) * r * g + b`` for one row; returns ``r``. The statistic is read first
     (a loop that only reads, so its machine code, and the order of its sums, cannot depend on
     where the arrays lie), then ``y`` is written from the row, now in the cache.
     With ``before_scale`` the normalized value is rounded to the row's dtype before the
-    affine step."""
+    affine step; without ``biased`` (`_biased`) the common case does not read ``b``."""
     n = x.size
     if before_scale:
         # y_hat is rounded once, as the reference rounds it, only from a statistic exact to
@@ -471,7 +489,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     r = _rstd(s, eps, outside)
     if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        _scale_span(x, y, g, b, np.float32(r), m_hi, m_lo, kind == LAYER)
+        _scale_span(x, y, g, b, np.float32(r), m_hi, m_lo, kind == LAYER, biased)
     elif _fast(r) and (mean == 0.0 or _fast(mean)):
         # y_hat in float64, rounded once: its rounding is that of the reference.
         for j in range(n):
@@ -497,12 +515,14 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     values depend on that row alone."""
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
+    biased = _biased(b)
     claimed = np.zeros(1, np.int64)
     for _ in prange(min(workers, blocks)):
         blk = _claim(claimed)
         while blk < blocks:
             for i in range(blk * block, min(rows, blk * block + block)):
-                r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale)
+                r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
+                                    biased)
             blk = _claim(claimed)
 
 
@@ -655,8 +675,8 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
     and ``dg_total`` receives the blocks' sums added in float64; with ``need_b`` the same for
     ``dy`` in ``db`` and ``db_total``. A sum nobody asked for goes to a scratch row of the block
     (one loop serves every case). The ``workers`` tasks claim blocks as `forward`'s do; a
-    block's sums do not depend on which thread took it. Everything happens in this one launch: no torch op between
-    the kernels, whose threads would wait on numba's."""
+    block's sums do not depend on which thread took it. Everything happens in this one launch:
+    no torch op between the kernels, whose threads would wait on numba's."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
     claimed = np.zeros(1, np.int64)

@@ -400,6 +400,8 @@ def norm_rows(
         g = weight.to(torch.float32)
         if scale_offset != 0:
             g = g + scale_offset
-    b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.to(torch.float32)
+    # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
+    # kernel's common loop then skips it
+    b = torch.full((n,), -0.0, dtype=torch.float32) if bias is None else bias.to(torch.float32)
     y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
     return y
