@@ -651,9 +651,11 @@ class _Norm(keras.layers.Layer):
 
         def plain() -> Any:
             # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in
-            # the work dtype, before the input's cast rounds their sum once.
-            x_seen = x if spec.kind == "rms" and spec.eps_placement == "inside" else source
-            x_work = ops.cast(x_seen, work)
+            # the work dtype, before the input's cast rounds their sum once. Traced, the value
+            # is cast from the source inside the branch and only its gradient goes to x.
+            x_work = ops.cast(source, work)
+            if spec.kind == "rms" and spec.eps_placement == "inside" and source is not x:
+                x_work = _gradient_to(x_work, x) if known is None else x
             if affine is None:
                 return finish(x_work, rows.plain_output(x_work, stats, known is None))
             return ops.cast(rows.plain_output(x_work, stats, known is None, *affine), output_dtype)
@@ -813,6 +815,25 @@ def _affine_step(y: Any, affine: tuple[Any, Any], params: tuple[Any, ...]) -> An
     if affine[1] is not None:
         y = y + next(present)
     return y
+
+
+def _gradient_to(value: Any, target: Any) -> Any:
+    """``value``, whose gradient goes to ``target`` (a tensor equal to it) instead: under XLA
+    a branch then reads ``value``'s inputs (a half input, cast inside the fused pass) rather
+    than a float32 copy, while the gradient meets the others at ``target``. ``target`` itself
+    on backends other than TensorFlow."""
+    if keras.backend.backend() != "tensorflow":
+        return target
+    import tensorflow as tf
+
+    @tf.custom_gradient  # type: ignore[misc]
+    def through(value: Any, target: Any) -> Any:
+        def grad(upstream: Any) -> tuple[Any, Any]:
+            return None, upstream
+
+        return tf.identity(value), grad
+
+    return through(value, target)
 
 
 def _recomputed(f: Any) -> Any:
