@@ -390,7 +390,7 @@ def _grouped(rows: np.ndarray, spec: NormSpec) -> np.ndarray:
     """Rows of ``n`` as rows of ``group_size``, one per group (unchanged without groups);
     ValueError unless ``group_size`` divides ``n``."""
     groups = spec.group_count(rows.shape[1])
-    return rows.reshape(rows.shape[0] * groups, -1)
+    return rows.reshape(rows.shape[0] * groups, rows.shape[1] // groups)
 
 
 def _normalized_rows(

@@ -15,9 +15,18 @@ import sys as _sys
 import types as _types
 
 from normkit.torch import functional
-from normkit.torch.modules import DyT, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.torch.modules import (
+    DyT,
+    GatedRMSNorm,
+    LayerNorm,
+    PartialRMSNorm,
+    RMSNorm,
+    from_spec,
+)
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functional"]
+__all__ = [
+    "RMSNorm", "GatedRMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functional",
+]
 
 
 def __getattr__(name: str) -> object:

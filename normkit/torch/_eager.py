@@ -10,7 +10,8 @@ For RMS with ``cast="before_scale"`` the ops are those of Hugging Face's ``Llama
     y = g * (h * torch.rsqrt(variance + eps)).to(x.dtype)
 
 so its gradients are bit-identical to Llama's; LayerNorm centers first (``h - mean``, or the
-fast variance ``mean(h^2) - mean^2`` clamped at 0), partial RMS reads ``h[:, :k]``, eps outside
+fast variance ``mean(h^2) - mean^2`` clamped at 0), partial RMS reads ``h[:, :k]``, grouped
+statistics read each group of the row as a row, eps outside
 is ``1 / (sqrt(variance) + eps)``, DyT is ``tanh(alpha * h)``. The rows are not rescaled: rows
 whose statistic overflows or underflows float32 give what the eager program gives.
 """
@@ -89,16 +90,21 @@ def norm_rows(
     alpha: torch.Tensor | None,
     dtype: torch.dtype,
     out: torch.dtype,
+    group: int,
 ) -> torch.Tensor:
     """``spec`` on rows ``values`` (rows, n) with the policy of inputs of ``dtype``, y in
-    ``out``; ``weight``/``bias`` of shape (n,) in their own dtypes.
+    ``out``; ``weight``/``bias`` of shape (n,) in their own dtypes; the statistic per
+    ``group`` elements (n for the whole row).
 
     With ``cast="before_scale"`` and a half ``dtype`` the affine step runs in the dtypes eager
     code has (``y_hat`` rounded to ``dtype``, times the scale in its own dtype); otherwise in
     the compute dtype.
     """
     acc = _acc_dtype(dtype)
-    y = _normalized(values.to(acc), spec, k, alpha)
+    rows, n = values.shape
+    # Each group of a row is normalized as a row; only whole-row kinds are grouped (k = group).
+    groups = values.to(acc).reshape(rows * (n // group), group)
+    y = _normalized(groups, spec, min(k, group), alpha).reshape(rows, n)
     if dtype != acc and spec.before_scale:
         y = y.to(dtype)
         if weight is not None:
@@ -123,6 +129,7 @@ def add_norm_rows(
     bias: torch.Tensor | None,
     alpha: torch.Tensor | None,
     out: torch.dtype,
+    group: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)``: ``h = x + residual`` as model code adds it (in x's dtype for ``rounding``
     ``"rounded"``, else in the compute dtype), and `norm_rows` of the sum."""
@@ -133,4 +140,4 @@ def add_norm_rows(
         acc = _acc_dtype(x.dtype)
         values = x.to(acc) + residual.to(acc)
         h = values if rounding == "float32" else values.to(x.dtype)
-    return norm_rows(values, spec, k, weight, bias, alpha, x.dtype, out), h
+    return norm_rows(values, spec, k, weight, bias, alpha, x.dtype, out, group), h

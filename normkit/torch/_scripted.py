@@ -41,9 +41,15 @@ class ScriptedNorm(nn.Module):
                 "(y, h), which TorchScript cannot type with the plain norm's y; trace it with "
                 "torch.jit.trace instead"
             )
+        if spec.gate is not None:
+            raise ValueError(
+                f"torch.jit.script: a normkit module with gate={spec.gate!r} takes a second "
+                "input; trace it with torch.jit.trace instead"
+            )
         self.normalized_shape = list(normalized_shape)
         self.n = math.prod(normalized_shape)
         self.k = spec.stat_size(self.n)
+        self.group = self.n // spec.group_count(self.n)
         self.spec = eager_spec(spec)
         self.float64_spec = eager_spec(float64_spec)
         self.promote = spec.output_dtype == "promote"
@@ -64,5 +70,7 @@ class ScriptedNorm(nn.Module):
             if alpha is not None:
                 out = torch.promote_types(out, alpha.dtype)
         spec = self.float64_spec if x.dtype == torch.float64 else self.spec
-        y = norm_rows(x.reshape(-1, self.n), spec, self.k, weight, bias, alpha, x.dtype, out)
+        y = norm_rows(
+            x.reshape(-1, self.n), spec, self.k, weight, bias, alpha, x.dtype, out, self.group
+        )
         return y.reshape(x.shape)

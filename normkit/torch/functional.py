@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
-from normkit.torch import _eager, kernels
+from normkit.torch import _eager, _gated, kernels
 from normkit.torch._autograd import (
     DytFunction,
     GradInFormat,
@@ -131,6 +131,27 @@ def _check_alpha(
     return alpha
 
 
+def _check_gate(x: torch.Tensor, gate: torch.Tensor | None, spec: NormSpec) -> None:
+    """A gate exactly when ``spec.gate`` is set: a float tensor of x's shape and device."""
+    if spec.gate is None:
+        if gate is not None:
+            raise ValueError(
+                "normalize: a gate was given but the spec has gate=None; build the spec with "
+                "gate='before' or 'after' to gate the norm"
+            )
+        return
+    if gate is None:
+        raise ValueError(
+            f"normalize: the spec has gate={spec.gate!r}, which needs the gate tensor: "
+            "normalize(x, spec, weight, bias, gate=z)"
+        )
+    _check_tensor(gate, "gate")
+    if gate.shape != x.shape:
+        raise ValueError(f"gate has shape {tuple(gate.shape)}, x has {tuple(x.shape)}")
+    if gate.device != x.device:
+        raise ValueError(f"gate is on {gate.device}, x on {x.device}")
+
+
 def _check_residual(x: torch.Tensor, residual: torch.Tensor, spec: NormSpec) -> None:
     """TypeError/ValueError unless ``residual`` fits ``x`` for ``spec.residual``: x's shape, and
     x's dtype (or the compute dtype, for ``"float32"``)."""
@@ -174,10 +195,12 @@ def normalize(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
+    gate: torch.Tensor | None = None,
     alpha: torch.Tensor | None = None,
     kernel: Kernel = "auto",
 ) -> torch.Tensor:
-    """``spec`` applied to ``x``: ``y = y_hat(x) * (spec.scale_offset + weight) + bias``.
+    """``spec`` applied to ``x``: ``y = y_hat(x) * (spec.scale_offset + weight) + bias``; with
+    ``spec.gate``, ``y(x * a(gate))`` (``"before"``) or ``y(x) * a(gate)`` (``"after"``).
 
     Args:
       x: float16, bfloat16, float32 or float64 tensor, normalized over ``spec.axis``.
@@ -185,6 +208,7 @@ def normalize(
       weight: ``w``, of shape ``spec.param_shape(x.shape)``, or None for its initial value
         (an effective scale of 1). Only if ``spec.scale``.
       bias: ``b``, of the same shape, or None for zero. Only if ``spec.bias``.
+      gate: ``z``, a float tensor of x's shape, required exactly when ``spec.gate`` is set.
       alpha: DyT's ``alpha`` (``kind="dyt"`` only), a tensor of shape () or (1,), or None for
         ``spec.alpha_init``.
       kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch ops elsewhere),
@@ -194,10 +218,11 @@ def normalize(
     Returns y in x's dtype, or with ``output_dtype="promote"`` in the promoted dtype of x and
     the parameters given.
 
-    Raises TypeError for a non-float input or parameter, ValueError for a bad axis, shape or
-    kernel name, a spec with a residual, or an eps out of the range of the compute dtype
-    (`NormSpec.check_eps`), RuntimeError for a kernel that cannot run here, and ValueError for
-    a kernel asked for by name that does not compute one of the spec's fields.
+    Raises TypeError for a non-float input, gate or parameter, ValueError for a bad axis, shape
+    or kernel name, a gate given or missing against the spec, a ``group_size`` that does not
+    divide the normalized size, a spec with a residual, or an eps out of the range of the
+    compute dtype (`NormSpec.check_eps`), RuntimeError for a kernel that cannot run here, and
+    ValueError for a kernel asked for by name that does not compute one of the spec's fields.
     """
     if spec.residual is not None:
         raise ValueError(
@@ -205,6 +230,7 @@ def normalize(
             "norm; use add_norm(x, residual, spec, ...)"
         )
     _check_tensor(x, "x")
+    _check_gate(x, gate, spec)
     spec.check_eps(_name(x.dtype))
     kernels.check_kernel(kernel)
     _refuse_alpha(alpha, spec)
@@ -216,6 +242,8 @@ def normalize(
         if distributed.shards_normalized_axis(x, spec):
             return distributed.normalize_sharded(x, spec, weight, bias)
         if isinstance(x, distributed.DTensor):
+            if gate is not None:
+                raise ValueError("normalize: a gated norm of a DTensor is not supported")
             local = distributed.localize(x, spec, weight, bias, alpha=alpha)
             y = normalize(local.x, spec, local.weight, local.bias, alpha=local.alpha,
                           kernel=kernel)
@@ -224,7 +252,7 @@ def normalize(
         x = x.float()
         weight = None if weight is None else weight.float()
         bias = None if bias is None else bias.float()
-    return _along_axes(x, None, spec, weight, bias, alpha, kernel)[0]
+    return _along_axes(x, None, spec, weight, bias, alpha, kernel, gate)[0]
 
 
 #: The dispatch key of each device type's autocast.
@@ -308,23 +336,30 @@ def _along_axes(
     bias: torch.Tensor | None,
     alpha: torch.Tensor | None,
     kernel: str,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_normalize_trailing` with ``spec.axis`` moved to the end and back; the outputs, and the
-    gradients of x and residual, in their memory format."""
+    gradients of x, residual and gate, in their memory format."""
     layout = _memory_format(x)
     if layout is not None and x.requires_grad:
         x = GradInFormat.apply(x, layout)
     residual_layout = None if residual is None else _memory_format(residual)
     if residual_layout is not None and residual is not None and residual.requires_grad:
         residual = GradInFormat.apply(residual, residual_layout)
+    gate_layout = None if gate is None else _memory_format(gate)
+    if gate_layout is not None and gate is not None and gate.requires_grad:
+        gate = GradInFormat.apply(gate, gate_layout)
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     if axes == trailing:
-        y, h = _normalize_trailing(x, residual, spec, len(axes), weight, bias, alpha, kernel)
+        y, h = _normalize_trailing(
+            x, residual, spec, len(axes), weight, bias, alpha, kernel, gate
+        )
     else:
         moved = None if residual is None else residual.movedim(axes, trailing)
         y, h = _normalize_trailing(
-            x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel
+            x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel,
+            None if gate is None else gate.movedim(axes, trailing),
         )
         y, h = y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
     if layout is None:
@@ -383,10 +418,12 @@ def _normalize_trailing(
     bias: torch.Tensor | None,
     alpha: torch.Tensor | None,
     kernel: str,
+    gate: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape = tuple(x.shape[x.dim() - m :])
     n = math.prod(shape)
     k = spec.stat_size(n)
+    group = n // spec.group_count(n)
     weight = _param(weight, "weight", spec.scale, shape)
     bias = _param(bias, "bias", spec.bias, shape)
     alpha_t = _check_alpha(alpha, spec, x)
@@ -416,17 +453,33 @@ def _normalize_trailing(
             residual_rounding=spec.residual,
         )
         return y.reshape(x.shape), h.reshape(x.shape)
-    if spec.backward == "autograd" or recorded:
+    if (spec.backward == "autograd" or recorded) and spec.gate is None:
         ops = _eager.eager_spec(spec)
         if res_rows is None:
-            y = _eager.norm_rows(rows, ops, k, w, b, alpha_t, x.dtype, out)
+            y = _eager.norm_rows(rows, ops, k, w, b, alpha_t, x.dtype, out, group)
             return y.reshape(x.shape), None
         assert spec.residual is not None
-        y, h = _eager.add_norm_rows(rows, res_rows, spec.residual, ops, k, w, b, alpha_t, out)
+        y, h = _eager.add_norm_rows(
+            rows, res_rows, spec.residual, ops, k, w, b, alpha_t, out, group
+        )
         return y.reshape(x.shape), h.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
     g = _effective_scale(w, spec, acc)
     b_acc = None if b is None else b.to(acc)
+    if spec.gate is not None or spec.group_size is not None:
+        values = rows
+        h = None
+        if res_rows is not None:
+            values, h = _add(rows, res_rows, spec.residual, acc)
+        affine = x.dtype  # the affine step's dtype: x's promoted with the parameters'
+        for param in (weight, bias):
+            if param is not None:
+                affine = torch.promote_types(affine, param.dtype)
+        y = _gated.norm_rows(
+            values, None if gate is None else gate.reshape(rows.shape), spec, min(k, group),
+            g, b_acc, x.dtype, affine, out, eager=recorded,
+        )
+        return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
     h = None
     values = rows
     if res_rows is not None:

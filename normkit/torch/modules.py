@@ -12,6 +12,8 @@ from normkit.spec import (
     Backward,
     Cast,
     EpsPlacement,
+    Gate,
+    GateActivation,
     NormSpec,
     OffsetDtype,
     OutputDtype,
@@ -30,7 +32,7 @@ from normkit.torch.functional import (
 )
 from normkit.torch.kernels import Kernel
 
-__all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
+__all__ = ["RMSNorm", "GatedRMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
 
 class _Norm(nn.Module):
@@ -102,13 +104,18 @@ class _Norm(nn.Module):
             nn.init.constant_(self.alpha, self._spec.alpha_init)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The norm of ``x`` over its trailing ``normalized_shape``; in ``x``'s dtype, or the
         promoted one with ``output_dtype="promote"``.
 
         With ``residual`` (required exactly when the spec has one): ``(y, h)`` for
-        ``h = x + residual`` (`normkit.torch.functional.add_norm`).
+        ``h = x + residual`` (`normkit.torch.functional.add_norm`). With ``gate`` (required
+        exactly when the spec has one): the gated norm of ``x`` and ``gate``.
         """
         if isinstance(x, torch.Tensor):
             check_trailing(x, self.normalized_shape)
@@ -121,7 +128,8 @@ class _Norm(nn.Module):
                     "'float32_normalized' to add one"
                 )
             return normalize(
-                x, spec, self.weight, self.bias, alpha=self.alpha, kernel=self.kernel
+                x, spec, self.weight, self.bias, gate=gate, alpha=self.alpha,
+                kernel=self.kernel,
             )
         if residual is None:
             raise ValueError(
@@ -231,6 +239,72 @@ class RMSNorm(_Norm):
             backward=backward,
         )
         super().__init__(normalized_shape, spec, device, dtype, kernel, eps is None)
+
+
+class GatedRMSNorm(_Norm):
+    r"""The gated RMSNorm of hybrid models: ``norm(x * a(gate))`` (``gate="before"``: Mamba2,
+    Bamba, Zamba2) or ``norm(x) * a(gate)`` (``"after"``: Qwen3-Next, Kimi Linear), ``a`` SiLU
+    or sigmoid, with ``norm`` the RMSNorm of `RMSNorm`, its statistic per group of
+    ``group_size`` elements when given. Called as ``module(x, gate)``; without a gate, the
+    plain (grouped) RMSNorm of ``x``, as Mamba2's module does.
+
+    Args:
+      normalized_shape: an int or a sequence of ints, the trailing dims normalized.
+      eps: added to the mean square (inside) or to the RMS (outside). Default 1e-6.
+      elementwise_affine, device, dtype, eps_placement, scale_offset, bias, cast, offset_dtype,
+        output_dtype, kernel: as in `RMSNorm`. With ``gate="after"`` and
+        ``cast="before_scale"``, the affine result is rounded to its dtype before the gate
+        multiplies it in float32 (Qwen3-Next).
+      gate: ``"before"`` or ``"after"`` the normalization. Default ``"after"``.
+      gate_activation: ``"silu"`` (default) or ``"sigmoid"``.
+      group_size: the statistic per group of this many consecutive elements (it must divide
+        the normalized size), or None (default) for the whole row.
+
+    Examples:
+      >>> import torch
+      >>> norm = GatedRMSNorm(2)
+      >>> [round(v, 4) for v in norm(torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2))[0].tolist()]
+      [0.0, 0.0]
+    """
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = DEFAULT_EPS,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        gate: Gate = "after",
+        gate_activation: GateActivation = "silu",
+        group_size: int | None = None,
+        eps_placement: EpsPlacement = "inside",
+        scale_offset: float = 0.0,
+        bias: bool = False,
+        cast: Cast = "after_scale",
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype = "input",
+        kernel: Kernel = "auto",
+    ) -> None:
+        spec = NormSpec(
+            kind="rms", eps=eps, eps_placement=eps_placement, axis=_trailing(normalized_shape),
+            scale=elementwise_affine, scale_offset=scale_offset, bias=bias, cast=cast,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
+        )
+        super().__init__(normalized_shape, spec, device, dtype, kernel)
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The gated norm of ``x`` and ``gate`` over the trailing ``normalized_shape``; with
+        ``gate=None``, the norm of ``x`` alone."""
+        if isinstance(x, torch.Tensor):
+            check_trailing(x, self.normalized_shape)
+        spec = self.spec_for(x.dtype)
+        if gate is None:
+            spec = spec.replace(gate=None, gate_activation=None)
+        return normalize(x, spec, self.weight, self.bias, gate=gate, kernel=self.kernel)
 
 
 class PartialRMSNorm(_Norm):
@@ -402,8 +476,10 @@ def from_spec(
     dtype: torch.dtype | None = None,
     *,
     kernel: Kernel = "auto",
-) -> RMSNorm | PartialRMSNorm | LayerNorm | DyT:
-    """The module (`RMSNorm`, `PartialRMSNorm`, `LayerNorm` or `DyT`) implementing ``spec``.
+) -> RMSNorm | GatedRMSNorm | PartialRMSNorm | LayerNorm | DyT:
+    """The module (`RMSNorm`, `GatedRMSNorm`, `PartialRMSNorm`, `LayerNorm` or `DyT`)
+    implementing ``spec``. A gated RMS spec gives a `GatedRMSNorm`; the other gated kinds take
+    their gate as ``module(x, gate=z)``.
 
     Args:
       spec: the norm, any valid `NormSpec`; its ``axis`` must be the last
@@ -422,8 +498,9 @@ def from_spec(
         )
     # The spec as it is: the constructors' torch-style arguments cannot express every spec
     # (LayerNorm drops the bias without elementwise_affine).
-    classes: dict[str, type[RMSNorm | PartialRMSNorm | LayerNorm | DyT]] = {
-        "rms": RMSNorm, "partial_rms": PartialRMSNorm, "layer": LayerNorm, "dyt": DyT
+    classes: dict[str, type[RMSNorm | GatedRMSNorm | PartialRMSNorm | LayerNorm | DyT]] = {
+        "rms": RMSNorm if spec.gate is None else GatedRMSNorm, "partial_rms": PartialRMSNorm,
+        "layer": LayerNorm, "dyt": DyT,
     }
     module = classes[spec.kind].__new__(classes[spec.kind])
     _Norm.__init__(module, shape, spec.replace(axis=trailing), device, dtype, kernel)
