@@ -8,6 +8,8 @@ import importlib
 import inspect
 import itertools
 import os
+import platform
+import re
 import sys
 import threading
 import warnings
@@ -272,6 +274,52 @@ def test_row_of_2_20_elements(kind: Kind, spy: Spy) -> None:
     is not."""
     x, dy = _arrays((1, 2**20), "float32", 11)
     _check(NormSpec(kind=kind), x + np.float32(3.0), dy, None, None, "n=2**20")
+
+
+_PACKED_FLOAT = re.compile(r"\bv?(add|sub|mul|fmadd\d+)p[sd]\b")
+
+
+def _row_loops(dtype: str) -> dict[str, tuple[Any, ...]]:
+    """Each row loop of the kernels, by name: the function and its argument types (the
+    flags that select a loop as literals, as the kernels call them)."""
+    from numba import typeof, types
+
+    m = importlib.import_module("normkit.torch.kernels._cpu_numba")
+    row = typeof(np.empty(1, m.ROW_DTYPES[dtype]))
+    vec = typeof(np.empty(1, np.float32))
+    f32, yes, no = types.float32, types.literal(True), types.literal(False)
+    scale = (row, row, vec, vec, f32, f32, f32)
+    gradient = (row, row, row, vec, vec, vec, f32, f32, f32, f32, f32)
+    return {
+        "sum of squares": (m._row_sum, row, yes),
+        "sum": (m._row_sum, row, no),
+        "centered sums": (m._centered_sums, row, types.float64),
+        "dot product": (m._dot, row, row, vec, types.int64, types.int64),
+        "layer backward sums": (m._layer_backward_sums, row, row, vec),
+        **{
+            f"scale (centered {c}, biased {b})": (m._scale_span, *scale, c, b)
+            for c in (yes, no) for b in (yes, no)
+        },
+        "gradient": (m._gradient_span, *gradient, no),
+        "rms gradient": (m._gradient_span, *gradient, yes),
+    }
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="reads x86 machine code")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
+    """Structural guard for speed (nothing is timed): each loop over a row, the reads of its
+    statistic and the writes of its output, compiles to packed (SIMD) float arithmetic. A change
+    that leaves one scalar (a sum that may not be reassociated, an index check, a conversion
+    that does not vectorize) fails here."""
+    from numba import njit
+
+    for name, (function, *argtypes) in _row_loops(dtype).items():
+        fresh = njit(function.py_func)  # uncached, so that its machine code can be read
+        fresh.compile(tuple(argtypes))
+        machine_code = "".join(fresh.inspect_asm().values())
+        assert _PACKED_FLOAT.search(machine_code), f"{name} on {dtype} rows runs scalar"
 
 
 def test_half_conversions_match_torch() -> None:

@@ -561,7 +561,7 @@ def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) ->
     return _checked_dot(acc, x[start:stop], dy[start:stop], g[start:stop])
 
 
-@njit(cache=True, fastmath=_REDUCE)
+@njit(cache=True)
 def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
                          ) -> tuple[float, float, float]:
     """``sum(c)``, ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0`` (the row shifted by
@@ -573,9 +573,9 @@ def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
     for j in range(x.size):
         d = np.float64(_load(dy, j) * g[j])
         c = np.float64(_load(x, j)) - m0
-        sc += c
-        sd += d
-        sdc += d * c
+        sc = _add(sc, c)
+        sd = _add(sd, d)
+        sdc = _add(sdc, d * c)
     return sc, sd, sdc
 
 
