@@ -7,17 +7,20 @@ only. How a layer is recognised (see `swap_norms`):
 
 1. Candidates: every leaf module (no children) whose class name contains ``norm`` (any case),
    or that is a ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm``, and is not already normkit's.
-2. A candidate whose ``forward`` takes more than the input, that has parameters other than
-   ``weight`` and ``bias``, or whose normalized shape is unknown is left alone.
-3. A copy of it is probed with `normkit.identify` (weights set by the probe, in float32,
-   bfloat16 and float16, on inputs of shape ``(1, rows, *normalized_shape)``): kind, eps and its
-   placement, scale, offset, bias and cast order.
+2. A candidate whose ``forward`` takes more than the input (or, for a gated norm, the input and
+   a ``gate``), that has parameters other than ``weight`` and ``bias``, or whose normalized
+   shape is unknown is left alone.
+3. A copy of it is probed with `normkit.identify` (a gated one with `identify_gated`; weights
+   set by the probe, in float32, bfloat16 and float16, on inputs of shape
+   ``(1, rows, *normalized_shape)``): kind, eps and its placement, scale, offset, bias and cast
+   order, and the gate's position and activation and the groups of the statistic.
 4. eps is taken from the module (`EPS_ATTRIBUTES`), else from the config (any key containing
    ``eps``), else the measured value, whichever comes first that agrees with the measurement
    within `EPS_AGREEMENT` and reproduces the module's float32 outputs within normkit's float32
    bound (`normkit.tolerances`) at rows around the eps transition.
 5. The module becomes ``normkit.torch.from_spec(spec, shape, kernel="composite")`` with its
-   parameters copied, when the spec is a norm's (not DyT's) and every field of it is pinned;
+   parameters copied (a gated RMS norm: `normkit.torch.GatedRMSNorm`, called as
+   ``module(x, gate)``), when the spec is a norm's (not DyT's) and every field of it is pinned;
    otherwise it stays, and the report says why. The composite path runs the op sequence of
    Hugging Face's RMS norms (float32 statistic, ``y_hat`` rounded from float32), so their
    half-precision outputs are bit-identical; the CPU kernel, which rounds ``y_hat`` from an
@@ -39,10 +42,10 @@ from torch import nn
 
 from normkit import reference, tolerances
 from normkit.backends import bridge
-from normkit.identify import Identification, identify
+from normkit.identify import Identification, identify, identify_gated
 from normkit.spec import NormSpec
 from normkit.torch.kernels import Kernel, check_kernel
-from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+from normkit.torch.modules import GatedRMSNorm, LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
 __all__ = [
     "EPS_AGREEMENT",
@@ -62,13 +65,14 @@ EPS_AGREEMENT = 0.01
 #: The input dtypes a candidate is probed in; the parameters take the input's dtype.
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 
-_NORMKIT = (RMSNorm, PartialRMSNorm, LayerNorm)
+_NORMKIT = (RMSNorm, GatedRMSNorm, PartialRMSNorm, LayerNorm)
 _PARAMETERS = ("weight", "bias")
 _KINDS = ("rms", "partial_rms", "layer")
 _SEED = 0
 _CONFIRM_ROWS = 4  # rows per size in the float32 check of eps
 
-ProbeFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+ProbeFn = Callable[..., torch.Tensor]
+"""``fn(x, scale, bias)``, or ``fn(x, gate, scale, bias)`` for a gated norm."""
 
 
 @dataclass(frozen=True)
@@ -219,8 +223,11 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
     signature = inspect.signature(module.forward)
     inputs = list(signature.parameters.values())
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if len(inputs) != 1 or inputs[0].kind not in positional:
+    if any(p.kind not in positional for p in inputs) or len(inputs) not in (1, 2):
         return f"its forward{signature} takes more than the input"
+    gated = len(inputs) == 2
+    if gated and inputs[1].name != "gate":
+        return f"its forward{signature} takes more than the input (and not a gate)"
     names = [name for name, _ in module.named_parameters()]
     others = [name for name in names if name not in _PARAMETERS]
     if others:
@@ -228,10 +235,10 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
     shape = _normalized_shape(module)
     if isinstance(shape, str):
         return shape
-    probe, seen = _probe_fn(module)
+    probe, seen = _probe_fn(module, gated)
     device = _device(module)
     try:
-        found = identify(
+        found = (identify_gated if gated else identify)(
             probe, shape, backend="torch", params=True, device=device, dtypes=PROBE_DTYPES
         )
     except Exception as exc:  # foreign code: any failure means "not recognised"
@@ -244,6 +251,11 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
         return (
             f"identify finds kind={spec.kind!r} (alpha {spec.alpha_init:g}): swap_norms replaces "
             "RMSNorm, partial RMSNorm and LayerNorm only"
+        )
+    if spec.gate is not None and spec.kind != "rms":
+        return (
+            f"identify finds a gated kind={spec.kind!r}: a gated norm called as module(x, gate) "
+            "is replaced by GatedRMSNorm, an RMSNorm"
         )
     unpinned = _unpinned(found)
     if unpinned:
@@ -292,20 +304,23 @@ def _normalized_shape(module: nn.Module) -> tuple[int, ...] | str:
     return "it has no weight, bias or normalized_shape, so its normalized size is unknown"
 
 
-def _probe_fn(module: nn.Module) -> tuple[ProbeFn, set[tuple[str, str]]]:
-    """A copy of ``module`` as ``fn(x, scale, bias)`` for `identify`: the parameters take the
-    input's dtype and the values passed; ``x`` of shape ``(rows, *shape)`` is called as one
-    sequence ``(1, rows, *shape)``. The set collects the (input, output) dtype names seen."""
+def _probe_fn(module: nn.Module, gated: bool) -> tuple[ProbeFn, set[tuple[str, str]]]:
+    """A copy of ``module`` as ``fn(x, scale, bias)`` for `identify` (gated:
+    ``fn(x, gate, scale, bias)`` for `identify_gated`): the parameters take the input's dtype
+    and the values passed; ``x`` of shape ``(rows, *shape)`` is called as one sequence
+    ``(1, rows, *shape)``. The set collects the (input, output) dtype names seen."""
     probe = copy.deepcopy(module).eval().requires_grad_(False)
     seen: set[tuple[str, str]] = set()
 
-    def fn(x: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    def fn(x: torch.Tensor, *rest: torch.Tensor | None) -> torch.Tensor:
+        gate, (scale, bias) = (rest[0], rest[1:]) if gated else (None, rest)
         probe.to(x.dtype)
         for name, value in (("weight", scale), ("bias", bias)):
             parameter = getattr(probe, name, None)
             if value is not None and isinstance(parameter, nn.Parameter):
                 parameter.copy_(value)
-        y = probe(x.unsqueeze(0))
+        assert gate is not None or not gated
+        y = probe(x.unsqueeze(0)) if gate is None else probe(x.unsqueeze(0), gate.unsqueeze(0))
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"the module returned {type(y).__name__}, not a tensor")
         seen.add((_dtype_name(x), _dtype_name(y)))
@@ -397,8 +412,17 @@ def _confirm(
     x = (size * (rng.normal(size=(len(sizes), *shape)) + mean)).astype(np.float32)
     w = (spec.scale_init + 0.5 * rng.normal(size=shape)).astype(np.float32) if spec.scale else None
     b = (0.5 * rng.normal(size=shape)).astype(np.float32) if spec.bias else None
-    y = bridge("torch").forward(probe, x, w, b, device)
-    expected = reference.normalize(x.astype(np.float64), spec, w, b)
+    if spec.gate is None:
+        y = bridge("torch").forward(probe, x, w, b, device)
+        expected = reference.normalize(x.astype(np.float64), spec, w, b)
+        return tolerances.measure(y, expected, "float32")
+    z = (2 * rng.normal(size=x.shape)).astype(np.float32)
+
+    def stacked(xz: torch.Tensor, scale: Any, bias: Any) -> torch.Tensor:
+        return probe(xz[0], xz[1], scale, bias)
+
+    y = bridge("torch").forward(stacked, np.stack([x, z]), w, b, device)
+    expected = reference.gated_normalize(x.astype(np.float64), z, spec, w, b)
     return tolerances.measure(y, expected, "float32")
 
 

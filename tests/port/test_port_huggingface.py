@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.backends import bridge  # noqa: E402
 from normkit.port.huggingface import LeftAlone, Swap, SwapReport, swap_norms  # noqa: E402
-from normkit.torch import LayerNorm, RMSNorm  # noqa: E402
+from normkit.torch import GatedRMSNorm, LayerNorm, RMSNorm  # noqa: E402
 
 # A swapped norm is within normkit's float32 bound of the original (FORWARD_REL of max|y|); the
 # logits pass through up to five norms and the layers between them, each of which can scale that
@@ -92,15 +92,15 @@ ARCHITECTURES = {
                       {"FalconH1RMSNorm"}),
     "mamba": arch(cfg("MambaConfig", hidden_size=32, num_hidden_layers=2, state_size=8, **TOKENS),
                   {"MambaRMSNorm"}),
-    # the gated norm's forward also takes the gate
+    # gated norms: module(x, gate), the gate before the norm, a statistic per group
     "mamba2": arch(cfg("Mamba2Config", hidden_size=32, num_hidden_layers=2, num_heads=4,
-                       head_dim=16, state_size=8, n_groups=1, expand=2, **TOKENS),
-                   {"Mamba2RMSNorm"}, {"MambaRMSNormGated"}),
+                       head_dim=16, state_size=8, n_groups=2, expand=2, **TOKENS),
+                   {"Mamba2RMSNorm", "MambaRMSNormGated"}),
     "zamba2": arch(cfg("Zamba2Config", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=4, mamba_d_state=8, mamba_ngroups=1, mamba_headdim=8,
                        n_mamba_heads=8, intermediate_size=64,
                        layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], **TOKENS),
-                   {"Zamba2RMSNorm"}, {"Zamba2RMSNormGated"}),
+                   {"Zamba2RMSNorm", "Zamba2RMSNormGated"}),
     "starcoder2": arch(cfg("Starcoder2Config", **DECODER), {"LayerNorm"}),
     "stablelm": arch(cfg("StableLmConfig", **DECODER), {"LayerNorm"}),
     "persimmon": arch(cfg("PersimmonConfig", **DECODER), {"LayerNorm"}),
@@ -173,12 +173,16 @@ def check_follows_spec(module, spec, shape, dtype, generator, what):
     """``module`` (its parameters in ``dtype``) against the reference for ``spec``."""
     module = copy.deepcopy(module).to(dtype)
     x = (3 * torch.randn(16, *shape, generator=generator)).to(dtype)
+    z = (2 * torch.randn(16, *shape, generator=generator)).to(dtype)
     with torch.no_grad():
-        y = module(x)
+        y = module(x) if spec.gate is None else module(x, z)
     w, b = (to_numpy(getattr(module, name, None)) for name in ("weight", "bias"))
-    xn = to_numpy(x)
-    expected = reference.normalize(xn, spec, w, b)
-    magnitude = reference.scaled_magnitude(xn, spec, w) if spec.scale else None
+    xn, zn = to_numpy(x), (None if spec.gate is None else to_numpy(z))
+    if zn is None:
+        expected = reference.normalize(xn, spec, w, b)
+    else:
+        expected = reference.gated_normalize(xn, zn, spec, w, b)
+    magnitude = reference.scaled_magnitude(xn, spec, w, gate=zn) if spec.scale else None
     tolerances.assert_close(to_numpy(y), expected, cast=spec.cast, what=what, magnitude=magnitude)
 
 
@@ -209,7 +213,7 @@ def test_swap_norms_keeps_a_tiny_models_tokens_and_logits(name):
         first.setdefault(swap.original, swap)
     for swap in first.values():  # the spec found is the original's, and the swapped module's
         new = model.get_submodule(swap.path)
-        assert isinstance(new, (RMSNorm, LayerNorm)) and new.spec == swap.spec
+        assert isinstance(new, (RMSNorm, GatedRMSNorm, LayerNorm)) and new.spec == swap.spec
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for module in (original.get_submodule(swap.path), new):
                 check_follows_spec(module, swap.spec, new.normalized_shape, dtype, generator,
@@ -302,14 +306,16 @@ def test_eps_comes_from_the_module_else_the_config_else_the_measurement():
     assert report.swapped[0].eps_from == "module.eps"
 
 
-class GatedRMSNorm(nn.Module):
+class MaskedRMSNorm(nn.Module):
+    """Takes a second input that is not a gate."""
+
     def __init__(self, n):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(n))
 
-    def forward(self, x, gate=None):
+    def forward(self, x, mask=None):
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-        return y if gate is None else y * torch.sigmoid(gate)
+        return y if mask is None else y * mask
 
 
 class ShiftedRMSNorm(nn.LayerNorm):
@@ -397,7 +403,7 @@ class ApproximateRMSNorm(nn.Module):
 
 
 LEFT_ALONE = {
-    GatedRMSNorm: r"its forward\(x, gate=None\) takes more than the input",
+    MaskedRMSNorm: r"its forward\(x, mask=None\) takes more than the input \(and not a gate\)",
     ShiftedRMSNorm: r"it has parameters other than weight and bias: \['shift'\]",
     UnweightedRMSNorm: r"it has no weight, bias or normalized_shape, so its normalized size is unknown",
     MismatchedLayerNorm: r"its weight and bias have different shapes: \[\(8,\), \(9,\)\]",
@@ -422,15 +428,16 @@ def test_a_norm_that_is_not_pinned_is_left_alone_with_the_reason(cls):
 
 
 def test_the_report_lists_each_class_once_with_its_count():
-    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8), GatedRMSNorm(8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8), MaskedRMSNorm(8), nn.BatchNorm1d(8), nn.Linear(8, 8))
     _, report = swap_norms(model)
     assert isinstance(report, SwapReport) and report.swapped_classes == {"LayerNorm"}
-    assert report.left_alone[0] == LeftAlone("2", "GatedRMSNorm", "its forward(x, gate=None) takes more than the input")
-    assert set(report.left_alone_classes) == {"GatedRMSNorm", "BatchNorm1d"}
+    masked = "its forward(x, mask=None) takes more than the input (and not a gate)"
+    assert report.left_alone[0] == LeftAlone("2", "MaskedRMSNorm", masked)
+    assert set(report.left_alone_classes) == {"MaskedRMSNorm", "BatchNorm1d"}
     lines = report.describe().splitlines()
     assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec(kind='layer', eps=1e-05")
     assert lines[1].startswith("BatchNorm1d: 1 left alone: identify: ")
-    assert lines[2] == "GatedRMSNorm: 1 left alone: its forward(x, gate=None) takes more than the input"
+    assert lines[2] == f"MaskedRMSNorm: 1 left alone: {masked}"
 
 
 HF_RMS_CLASSES = ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm", "T5LayerNorm"]
@@ -468,7 +475,9 @@ def test_swap_norms_kernel_argument_builds_that_kernel():
     on the issue's float16 row it rounds y_hat from the exact statistic."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from normkit.torch.conformance import to_numpy
+    from normkit.bridges import TorchBridge
+
+    to_numpy = TorchBridge().to_numpy
 
     original = LlamaRMSNorm(4, eps=1e-6).to(torch.float16)
     swapped, _ = swap_norms(copy.deepcopy(original), kernel="auto")
