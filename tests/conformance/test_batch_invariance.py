@@ -1,0 +1,84 @@
+"""Batch invariance: the check catches each kind of dependence, and normkit's own torch kernels
+(the CPU kernel, the composite path, the Triton kernels through the interpreter) give a row the
+same bits whatever its batch, its position there and the thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from normkit import NormSpec
+from normkit.conformance import batch_invariance
+
+torch = pytest.importorskip("torch")
+
+from normkit.torch.functional import normalize  # noqa: E402
+
+
+def _rows(n: int, count: int = max(batch_invariance.BATCH_ROWS)) -> np.ndarray:
+    return np.random.default_rng(n).standard_normal((count, n)).astype(np.float32)
+
+
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True) + 1e-6)
+
+
+def test_an_invariant_function_passes():
+    found = batch_invariance.check(_rms, _rows(16))
+    assert found.invariant and found.describe().startswith("batch-invariant")
+
+
+def test_each_dependence_is_caught():
+    x = _rows(16)
+    whole_batch = batch_invariance.check(lambda a: a / np.sqrt(np.mean(a**2)), x)
+    assert not whole_batch.rows and not whole_batch.invariant
+    # a tiny term that grows with the position in the batch: order and position show it
+    by_position = batch_invariance.check(
+        lambda a: _rms(a) * (1 + 2.0**-20 * np.arange(len(a))[:, None]).astype(np.float32), x
+    )
+    assert by_position.rows and not by_position.order and not by_position.position
+    assert "row order, row position" in by_position.describe()
+    with pytest.raises(ValueError, match="at least 509 rows"):
+        batch_invariance.check(_rms, x[:10])
+
+
+SPECS = [NormSpec(), NormSpec("layer"), NormSpec("partial_rms", p=0.25), NormSpec(cast="before_scale")]
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "composite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [64, 4096])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind + "-" + s.cast)
+def test_torch_cpu_paths_are_batch_and_thread_invariant(spec, n, dtype, kernel):
+    pytest.importorskip("numba") if kernel == "cpu" else None
+    weight = torch.linspace(0.5, 1.5, n)
+
+    def forward(a: np.ndarray) -> np.ndarray:
+        y = normalize(torch.from_numpy(a).to(dtype), spec, weight, kernel=kernel)
+        return y.float().numpy()
+
+    x = _rows(n)
+    assert batch_invariance.check(forward, x).invariant
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = forward(x[:8])
+        torch.set_num_threads(2)
+        two = forward(x[:8])
+    finally:
+        torch.set_num_threads(threads)
+    assert one.tobytes() == two.tobytes()
+
+
+def test_triton_kernels_are_batch_invariant(monkeypatch):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = NormSpec("layer")
+
+    def forward(a: np.ndarray) -> np.ndarray:
+        y = normalize(torch.from_numpy(a).to(device), spec, kernel="triton")
+        return y.cpu().numpy()
+
+    assert batch_invariance.check(forward, _rows(32, 9), batch_rows=(1, 2, 5, 9)).invariant
