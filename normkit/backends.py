@@ -4,10 +4,10 @@
   without importing any framework. Install hints (`install_hint`) derive from it, as do
   conformance's targets and peers and the benchmark's workers.
 - `bridge` returns a backend's `Bridge` (what each framework gives the harness: numpy <->
-  tensor, its devices, forward and VJP), importing the framework on first use only. The
-  protocol and the device names (`device_name`: ``cpu``, ``cuda:N`` with ``gpu:N`` accepted,
-  ``tpu:N``, ``mps``) live in `normkit.bridges` and are re-exported here; the import goes one
-  way, from here to there.
+  tensor, its devices, the forward pass, and the VJP by inputs and named parameters), importing
+  the framework on first use only. The protocol and the device names (`device_name`: ``cpu``,
+  ``cuda:N`` with ``gpu:N`` accepted, ``tpu:N``, ``mps``) live in `normkit.bridges` and are
+  re-exported here; the import goes one way, from here to there.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from normkit import bridges
-from normkit.bridges import Bridge, FrameworkFn, Outputs, device_name
+from normkit.bridges import Bridge, FrameworkFn, VjpFn, VjpResult, device_name
 
 __all__ = [
-    "BACKENDS", "Alternative", "Backend", "Bridge", "Outputs", "FrameworkFn", "bridge",
-    "device_name", "get", "install_hint",
+    "BACKENDS", "Alternative", "Backend", "Bridge", "FrameworkFn", "VjpFn", "VjpResult",
+    "bridge", "device_name", "get", "install_hint",
 ]
 
 

@@ -8,8 +8,9 @@ Each class imports its framework inside its methods, so this module imports none
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,14 +18,20 @@ import numpy as np
 from normkit import dtypes
 
 __all__ = [
-    "Bridge", "FrameworkFn", "JaxBridge", "Outputs", "TensorFlowBridge", "TorchBridge",
-    "device_index", "device_name",
+    "Bridge", "FrameworkFn", "JaxBridge", "TensorFlowBridge", "TorchBridge", "VjpFn",
+    "VjpResult", "device_index", "device_name",
 ]
 
-Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
-"""``(y, dx, dscale, dbias)`` as numpy arrays; None for a parameter that is absent."""
 FrameworkFn = Callable[[Any, Any, Any], Any]
 """``fn(x, scale, bias) -> y`` on a framework's tensors (``scale``/``bias`` None when absent)."""
+VjpFn = Callable[..., Any]
+"""``fn(*primals, **params) -> output`` or a tuple of outputs, on a framework's tensors: the
+primals are the inputs (``x``, then a residual, ...), the params the named parameters."""
+VjpResult = tuple[
+    tuple[np.ndarray, ...], tuple[np.ndarray | None, ...], dict[str, np.ndarray | None]
+]
+"""``(outputs, dprimals, dparams)`` as numpy arrays: one per output, per primal and per
+parameter (by name); None where the framework gives no gradient (``fn`` ignores that input)."""
 
 DEVICE_KINDS = ("cpu", "cuda", "tpu", "mps")
 _DEVICE = re.compile(r"(cpu|cuda|gpu|tpu|mps)(?::(\d+))?")
@@ -80,12 +87,18 @@ class Bridge(Protocol):
         ...
 
     def vjp(
-        self, fn: FrameworkFn, x: np.ndarray, dy: np.ndarray, scale: np.ndarray | None,
-        bias: np.ndarray | None, device: str,
-    ) -> Outputs:
-        """``y = fn(x, scale, bias)`` and the gradients of ``<y, dy>`` by x, scale and bias."""
-        ...
+        self, fn: VjpFn, primals: Sequence[np.ndarray], cotangents: Sequence[np.ndarray],
+        params: Mapping[str, np.ndarray], device: str = "cpu", *, jit: bool = False,
+    ) -> VjpResult:
+        """The outputs of ``fn(*primals, **params)`` and the gradients of
+        ``sum_i <output_i, cotangents[i]>`` by each primal and each parameter.
 
+        ``fn`` returns one tensor or a tuple of them, one cotangent each (cast to its output's
+        dtype). ``jit`` compiles the forward and backward as one program (`jax.jit`,
+        ``tf.function(jit_compile=True)``); torch compiles ``fn`` itself (``torch.compile``),
+        so `TorchBridge` refuses it.
+        """
+        ...
 
 
 def _checked(bridge: Any, device: str) -> str:
@@ -139,41 +152,41 @@ class TorchBridge:
             return np.asarray(t.view(torch.uint16).numpy().view(dtypes.bfloat16))
         return np.asarray(t.numpy())
 
-    def _tensors(self, arrays: tuple[np.ndarray | None, ...], device: str, grad: bool) -> list[Any]:
-        return [
-            None if a is None else self.to_tensor(a, device).requires_grad_(grad) for a in arrays
-        ]
-
     def forward(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
+        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
+        bias: np.ndarray | None, device: str,
     ) -> np.ndarray:
         import torch
 
         place = _checked(self, device)
         with torch.no_grad():
-            return self.to_numpy(fn(*self._tensors((x, scale, bias), place, grad=False)))
+            inputs = (None if a is None else self.to_tensor(a, place) for a in (x, scale, bias))
+            return self.to_numpy(fn(*inputs))
 
     def vjp(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        dy: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
-    ) -> Outputs:
+        self, fn: VjpFn, primals: Sequence[np.ndarray], cotangents: Sequence[np.ndarray],
+        params: Mapping[str, np.ndarray], device: str = "cpu", *, jit: bool = False,
+    ) -> VjpResult:
+        import torch
+
+        if jit:
+            raise ValueError("torch has no jit here: compile fn with torch.compile and pass it")
         place = _checked(self, device)
-        inputs = self._tensors((x, scale, bias), place, grad=True)
-        y = fn(*inputs)
-        y.backward(self.to_tensor(dy, place).to(y.dtype))
-        dx, dscale, dbias = (None if t is None else self.to_numpy(t.grad) for t in inputs)
-        assert dx is not None
-        return self.to_numpy(y), dx, dscale, dbias
+        inputs = [self.to_tensor(a, place).requires_grad_(True) for a in primals]
+        weights = {k: self.to_tensor(a, place).requires_grad_(True) for k, a in params.items()}
+        outputs = _outputs(fn(*inputs, **weights), cotangents)
+        pairs = zip(cotangents, outputs, strict=True)
+        cast = [self.to_tensor(c, place).to(o.dtype) for c, o in pairs]
+        torch.autograd.backward(list(outputs), cast)
+
+        def grad(t: Any) -> np.ndarray | None:
+            return None if t.grad is None else self.to_numpy(t.grad)
+
+        return (
+            tuple(self.to_numpy(o) for o in outputs),
+            tuple(grad(t) for t in inputs),
+            {k: grad(t) for k, t in weights.items()},
+        )
 
 
 class JaxBridge:
@@ -207,39 +220,45 @@ class JaxBridge:
     def to_numpy(self, t: Any) -> np.ndarray:
         return _as(t, t.dtype)
 
+    def float64_scope(self, *kinds: Any) -> contextlib.AbstractContextManager[Any]:
+        """JAX's 64-bit mode, scoped, when one of the dtypes ``kinds`` is float64 (without it
+        JAX computes float64 arrays in float32); else nothing."""
+        import jax
+
+        if not any(np.dtype(kind) == np.float64 for kind in kinds):
+            return contextlib.nullcontext()
+        return jax.enable_x64(True)
+
     def forward(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
+        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
+        bias: np.ndarray | None, device: str,
     ) -> np.ndarray:
         return self.to_numpy(
             fn(*(None if a is None else self.to_tensor(a, device) for a in (x, scale, bias)))
         )
 
     def vjp(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        dy: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
-    ) -> Outputs:
+        self, fn: VjpFn, primals: Sequence[np.ndarray], cotangents: Sequence[np.ndarray],
+        params: Mapping[str, np.ndarray], device: str = "cpu", *, jit: bool = False,
+    ) -> VjpResult:
         import jax
 
-        xj, sj, bj, dyj = (
-            None if a is None else self.to_tensor(a, device) for a in (x, scale, bias, dy)
-        )
-        y, pullback = jax.vjp(fn, xj, sj, bj)
-        dx, ds, db = pullback(dyj.astype(y.dtype))  # type: ignore[union-attr]
-        return (
-            self.to_numpy(y),
-            self.to_numpy(dx),
-            *(None if g is None else self.to_numpy(g) for g in (ds, db)),
-        )  # type: ignore[return-value]
+        def program(primals: Any, params: Any, cotangents: Any) -> Any:
+            outputs, pullback = jax.vjp(
+                lambda p, q: _outputs(fn(*p, **q), cotangents), primals, params
+            )
+            cast = tuple(c.astype(o.dtype) for c, o in zip(cotangents, outputs, strict=True))
+            return (outputs, *pullback(cast))
+
+        arrays = (tuple(primals), dict(params), tuple(cotangents))
+        with self.float64_scope(*(np.asarray(a).dtype for a in jax.tree.leaves(arrays))):
+            run = jax.jit(program) if jit else program
+            outputs, dprimals, dparams = run(*jax.device_put(arrays, self.device(device)))
+            return (
+                tuple(self.to_numpy(o) for o in outputs),
+                tuple(self.to_numpy(g) for g in dprimals),
+                {k: self.to_numpy(g) for k, g in dparams.items()},
+            )
 
 
 class TensorFlowBridge:
@@ -269,12 +288,8 @@ class TensorFlowBridge:
         return _as(tf.cast(t, tf.float32 if t.dtype.size == 2 else t.dtype).numpy(), t.dtype.name)
 
     def forward(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
+        self, fn: FrameworkFn, x: np.ndarray, scale: np.ndarray | None,
+        bias: np.ndarray | None, device: str,
     ) -> np.ndarray:
         import tensorflow as tf
 
@@ -283,26 +298,37 @@ class TensorFlowBridge:
             return self.to_numpy(fn(*inputs))
 
     def vjp(
-        self,
-        fn: FrameworkFn,
-        x: np.ndarray,
-        dy: np.ndarray,
-        scale: np.ndarray | None,
-        bias: np.ndarray | None,
-        device: str,
-    ) -> Outputs:
+        self, fn: VjpFn, primals: Sequence[np.ndarray], cotangents: Sequence[np.ndarray],
+        params: Mapping[str, np.ndarray], device: str = "cpu", *, jit: bool = False,
+    ) -> VjpResult:
         import tensorflow as tf
 
-        with tf.device(self.device(device)):
-            inputs = [None if a is None else self.to_tensor(a, device) for a in (x, scale, bias)]
+        def program(primals: Any, params: Any, cotangents: Any) -> Any:
             with tf.GradientTape() as tape:
-                for t in inputs:
-                    if t is not None:
-                        tape.watch(t)
-                y = fn(*inputs)
-            watched = [t for t in inputs if t is not None]
-            cotangent = tf.cast(self.to_tensor(dy, device), y.dtype)
-            found = iter(tape.gradient(y, watched, output_gradients=cotangent))
-            dx, dscale, dbias = (None if t is None else self.to_numpy(next(found)) for t in inputs)
-            assert dx is not None
-            return self.to_numpy(y), dx, dscale, dbias
+                tape.watch((primals, params))
+                outputs = _outputs(fn(*primals, **params), cotangents)
+            cast = [tf.cast(c, o.dtype) for c, o in zip(cotangents, outputs, strict=True)]
+            return (outputs, *tape.gradient(outputs, (primals, params), output_gradients=cast))
+
+        with tf.device(self.device(device)):
+            run = tf.function(program, jit_compile=True) if jit else program
+            outputs, dprimals, dparams = run(
+                [self.to_tensor(a, device) for a in primals],
+                {k: self.to_tensor(a, device) for k, a in params.items()},
+                [self.to_tensor(c, device) for c in cotangents],
+            )
+            return (
+                tuple(self.to_numpy(o) for o in outputs),
+                tuple(None if g is None else self.to_numpy(g) for g in dprimals),
+                {k: None if g is None else self.to_numpy(g) for k, g in dparams.items()},
+            )
+
+
+def _outputs(out: Any, cotangents: Sequence[Any]) -> tuple[Any, ...]:
+    """``fn``'s result as a tuple of outputs; ValueError unless there is one cotangent each."""
+    outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(outputs) != len(cotangents):
+        raise ValueError(
+            f"fn returned {len(outputs)} outputs but {len(cotangents)} cotangents were given"
+        )
+    return outputs

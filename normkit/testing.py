@@ -216,8 +216,8 @@ class _CheckedFn:
     ones) with an AssertionError. ``returned`` records that ``fn`` itself returned, so a later
     framework error is the backward's.
 
-    The bridges take one input, two parameters and one output; `pack` fits the extended calls
-    into them: a residual spec's ``x`` and ``residual`` travel stacked (``fn`` gets the two
+    The bridges' forward takes one input, two parameters and one output, and the VJP is called
+    the same way; `pack` fits the extended calls into them: a residual spec's ``x`` and ``residual`` travel stacked (``fn`` gets the two
     halves), its ``(y, h)`` come back stacked in their promoted dtype (each cotangent is exact
     in it; `unpack` restores their own dtypes, recorded in ``out_dtypes``), and DyT's ``alpha``
     travels after the scale's elements.
@@ -269,7 +269,7 @@ class _CheckedFn:
                 found["dscale"] = dscale[:size].reshape(inputs.scale.shape)
         return found
 
-    def __call__(self, x: Any, scale: Any, bias: Any) -> Any:
+    def __call__(self, x: Any, scale: Any = None, bias: Any = None) -> Any:
         args = [x[0], x[1]] if self.residual else [x]
         if self.params:
             if self.alpha:
@@ -376,8 +376,9 @@ def _run(
         found = checked.unpack(bridge.forward(checked, x, scale, bias, device), None, None, None,
                                inputs)
         return tuple(found.get(q) for q in quantities(checked.spec))
+    params = {name: p for name, p in (("scale", scale), ("bias", bias)) if p is not None}
     try:
-        results = bridge.vjp(checked, x, dy, scale, bias, device)
+        (y,), (dx,), dparams = bridge.vjp(checked, (x,), (dy,), params, device)
     except AssertionError:
         raise
     except Exception as err:
@@ -398,8 +399,7 @@ def _run(
             f"by differentiable {checked.backend} operations, with no detach, numpy round trip "
             "or stop_gradient; pass grad=False to check the forward only"
         ) from err
-    y, dx, dscale, dbias = results
-    found = checked.unpack(y, dx, dscale, dbias, inputs)
+    found = checked.unpack(y, dx, dparams.get("scale"), dparams.get("bias"), inputs)
     return tuple(found.get(q) for q in quantities(checked.spec))
 
 

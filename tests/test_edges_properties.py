@@ -39,7 +39,7 @@ def _jax(spec: NormSpec, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def _keras(spec: NormSpec, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from normkit.tf.conformance import evaluate
+    from normkit.conformance.targets_keras import evaluate
 
     y, dx, _, _ = evaluate(spec, x, dy)
     return y, dx

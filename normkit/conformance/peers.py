@@ -164,14 +164,6 @@ PEERS: tuple[Target, ...] = (
 )
 
 
-def refuse_extras(residual: object, dh: object, alpha: object) -> None:
-    """ValueError if a case passes a residual or DyT's alpha: no built-in peer takes them."""
-    given = [name for name, value in (("residual", residual), ("dh", dh), ("alpha", alpha))
-             if value is not None]
-    if given:
-        raise ValueError(f"the built-in peers take no {', '.join(given)}: their specs have none")
-
-
 def cases(
     peer: Target, *, quick: bool = False, case_dtypes: Iterable[str] = CASE_DTYPES
 ) -> list[Case]:

@@ -8,38 +8,24 @@ import flax.linen as nn
 import numpy as np
 from flax import nnx
 
-from normkit.backends import FrameworkFn, Outputs
-from normkit.bridges import JaxBridge
-from normkit.conformance.peers import refuse_extras
-from normkit.conformance.targets import check_variant
+from normkit.bridges import FrameworkFn, JaxBridge
+from normkit.conformance.harness import Harness
 from normkit.identify import Identification
 from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
 LAYERS = ("flax.linen.RMSNorm", "flax.linen.LayerNorm", "flax.nnx.RMSNorm", "flax.nnx.LayerNorm")
 VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS}
-BRIDGE = JaxBridge()
-devices = BRIDGE.devices
 
 
-def evaluate(
-    spec: NormSpec,
-    x: np.ndarray,
-    dy: np.ndarray,
-    scale: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
-    *,
-    residual: np.ndarray | None = None,
-    dh: np.ndarray | None = None,
-    alpha: np.ndarray | None = None,
-    device: str = "cpu",
-    **variant: Any,
-) -> Outputs:
-    """``(y, dx, dscale, dbias)`` of the built-in ``layer`` with float32 params (Flax's default)."""
-    check_variant(variant, VARIANTS)
-    refuse_extras(residual, dh, alpha)
-    layer = str(variant["layer"])
-    return BRIDGE.vjp(peer_function(layer, x.shape[-1]), x, dy, scale, bias, device)
+def build(
+    spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
+    device: str, layer: str,
+) -> FrameworkFn:
+    """The built-in ``layer`` over the last axis of the input, with float32 params (Flax's
+    default)."""
+    del spec, param_dtype, dtype, device  # the peer is what it is; the bridge places the arrays
+    return peer_function(layer, shape[-1])
 
 
 def peer_function(layer: str, n: int) -> FrameworkFn:
@@ -61,7 +47,7 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
         raise ValueError(f"unknown Flax peer {layer!r}")
     has = {"scale", "bias"} if kind == "LayerNorm" else {"scale"}  # the defaults of both APIs
 
-    def fn(x: Any, scale: Any, bias: Any) -> Any:
+    def fn(x: Any, scale: Any = None, bias: Any = None) -> Any:
         return apply(
             x, {k: v for k, v in (("scale", scale), ("bias", bias)) if v is not None and k in has}
         )
@@ -72,3 +58,8 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
 def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
     """What the built-in ``layer`` computes, probed with float32 parameters."""
     return identify_fn(peer_function(layer, n), (n,), backend="jax", params=True, device=device)
+
+
+_HARNESS = Harness(JaxBridge(), build, VARIANTS)
+devices = _HARNESS.devices
+evaluate = _HARNESS.evaluate

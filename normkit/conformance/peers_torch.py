@@ -6,15 +6,11 @@ nothing is downloaded.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
-from normkit.backends import FrameworkFn, Outputs
-from normkit.bridges import TorchBridge
-from normkit.conformance.peers import refuse_extras
-from normkit.conformance.targets import check_variant
+from normkit.bridges import FrameworkFn, TorchBridge
+from normkit.conformance.harness import Harness
 from normkit.identify import Identification
 from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
@@ -26,8 +22,6 @@ LAYERS = (
 )
 WEIGHTS = ("input", "float32")
 VARIANTS: dict[str, tuple[object, ...] | None] = {"layer": LAYERS, "weights": WEIGHTS}
-BRIDGE = TorchBridge()
-devices = BRIDGE.devices
 
 
 def _transformers(layer: str, n: int) -> torch.nn.Module:
@@ -65,39 +59,30 @@ def _module(layer: str, n: int) -> torch.nn.Module:
     return _transformers(layer, n)
 
 
-def evaluate(
-    spec: NormSpec,
-    x: np.ndarray,
-    dy: np.ndarray,
-    scale: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
-    *,
-    residual: np.ndarray | None = None,
-    dh: np.ndarray | None = None,
-    alpha: np.ndarray | None = None,
-    device: str = "cpu",
-    **variant: Any,
-) -> Outputs:
-    """``(y, dx, dweight, dbias)`` of the built-in ``layer`` over the last axis of ``x``."""
-    check_variant(variant, VARIANTS)
-    refuse_extras(residual, dh, alpha)
-    fn = peer_function(str(variant["layer"]), x.shape[-1], device, str(variant["weights"]))
-    return BRIDGE.vjp(fn, x, dy, scale, bias, device)
+def build(
+    spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
+    device: str, layer: str, weights: str,
+) -> FrameworkFn:
+    """The built-in ``layer`` over the last axis of the input (`peer_function`)."""
+    del spec, param_dtype, dtype  # the peer is what it is; the case's spec is what it claims
+    return peer_function(layer, shape[-1], device, weights)
 
 
 def peer_function(
     layer: str, n: int, device: str = "cpu", weights: str = "input"
 ) -> FrameworkFn:
-    """``fn(x, weight, bias)``: the built-in ``layer`` of size ``n`` with those parameters, kept
+    """``fn(x, scale, bias)``: the built-in ``layer`` of size ``n`` with those parameters, kept
     in the input's dtype (``weights="input"``: ``module.to(x.dtype)``) or in float32."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is invalid: expected one of {list(WEIGHTS)}")
     module = _module(layer, n).to(device)
     names = {name for name, _ in module.named_parameters()}
 
-    def fn(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    def fn(
+        x: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dtype = x.dtype if weights == "input" else torch.float32
-        given = (("weight", weight), ("bias", bias))
+        given = (("weight", scale), ("bias", bias))
         params = {k: v.to(dtype) for k, v in given if v is not None and k in names}
         return torch.func.functional_call(module.to(dtype), params, (x,))
 
@@ -112,3 +97,8 @@ def identify(
         peer_function(layer, n, device, weights), (n,), backend="torch", params=True,
         device=device,
     )
+
+
+_HARNESS = Harness(TorchBridge(), build, VARIANTS)
+devices = _HARNESS.devices
+evaluate = _HARNESS.evaluate

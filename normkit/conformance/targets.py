@@ -26,7 +26,8 @@ parameter the spec lacks."""
 
 
 class Hook(Protocol):
-    """What a target's hook module provides (``normkit.torch.conformance``, ...).
+    """What a target's hook module provides (``normkit.conformance.targets_torch``, ...): a
+    `normkit.conformance.harness.Harness`'s ``devices`` and ``evaluate``.
 
     ``VARIANTS`` names the variant keywords ``evaluate`` takes, with their allowed values (None:
     any value, passed through to the implementation). ``evaluate`` raises NotImplementedError
@@ -126,9 +127,9 @@ class Target:
         return None
 
 
-TORCH_HOOK = "normkit.torch.conformance"
-KERAS_HOOK = "normkit.tf.conformance"
-JAX_HOOK = "normkit.jax.conformance"
+TORCH_HOOK = "normkit.conformance.targets_torch"
+KERAS_HOOK = "normkit.conformance.targets_keras"
+JAX_HOOK = "normkit.conformance.targets_jax"
 
 
 def _torch(

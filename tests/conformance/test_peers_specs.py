@@ -12,7 +12,8 @@ import pytest
 
 from normkit import reference, tolerances
 from normkit.conformance import peers
-from normkit.conformance.peers import PEERS, refuse_extras
+from normkit.conformance.harness import check_inputs
+from normkit.conformance.peers import PEERS
 
 # The peers whose listed spec they meet forward and backward (the others depart from the exact
 # backward in half precision, which the conformance report documents).
@@ -116,8 +117,14 @@ def test_layout_peers_get_their_own_shapes_and_float32_weights_float32_params():
 
 
 def test_peers_refuse_a_residual_or_alpha():
-    refuse_extras(None, None, None)
-    with pytest.raises(ValueError, match="the built-in peers take no residual, dh: their specs"):
-        refuse_extras(np.zeros(2), np.zeros(2), None)
-    with pytest.raises(ValueError, match="take no alpha"):
-        refuse_extras(None, None, np.ones(1))
+    """No peer's spec has a residual or alpha, so the harness refuses them for every peer."""
+    x = np.ones((2, 4), np.float32)
+    for target in PEERS:
+        spec = target.claims
+        scale = np.ones(4, np.float32) if spec.scale else None
+        bias = np.zeros(4, np.float32) if spec.bias else None
+        check_inputs(spec, x, x, scale, bias, None, None, None)
+        with pytest.raises(ValueError, match="the spec has residual=None, residual given: True"):
+            check_inputs(spec, x, x, scale, bias, x, x, None)
+        with pytest.raises(ValueError, match=f"alpha was given but the spec has kind='{spec.kind}'"):
+            check_inputs(spec, x, x, scale, bias, None, None, np.ones(1, np.float32))

@@ -64,8 +64,8 @@ def test_identify_recovers_normkit_tf(spec):
     pytest.importorskip("tensorflow")
     import keras
 
+    from normkit.conformance.targets_keras import POLICIES
     from normkit.tf import from_spec
-    from normkit.tf.conformance import POLICIES
 
     if keras.backend.backend() != "tensorflow":
         pytest.skip("the TensorFlow bridge needs the tensorflow Keras backend")

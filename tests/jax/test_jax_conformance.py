@@ -10,7 +10,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
-from normkit.jax import conformance  # noqa: E402
+from normkit.conformance import targets_jax as conformance  # noqa: E402
 
 SCALE_OPTIONS = [dict(scale=False), dict(scale=True), dict(scale=True, scale_offset=1.0)]
 KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.3), dict(kind="layer")]

@@ -1,11 +1,12 @@
-"""normkit.tf.conformance on the conformance matrix's own cases (the reference checks of every
-option are tests/tf/test_tf_backend.py; test_tf_keras.py runs them on JAX and torch too)."""
+"""normkit.tf's conformance hook (normkit.conformance.targets_keras) on the conformance matrix's
+own cases (the reference checks of every option are tests/tf/test_tf_backend.py;
+test_tf_keras.py runs them on JAX and torch too)."""
 
 import pytest
 
 from normkit import reference, tolerances
 from normkit.conformance.cases import matrix
-from normkit.tf.conformance import evaluate, keras_backend
+from normkit.conformance.targets_keras import evaluate, keras_backend
 
 _ONE_ELEMENT_ROWS = [c for c in matrix(kinds=("rms", "partial_rms")) if c.shape[-1] == 1]
 

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from normkit import NormSpec, reference, tolerances
+from normkit.conformance.targets_keras import evaluate
 from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
-from normkit.tf.conformance import evaluate
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"

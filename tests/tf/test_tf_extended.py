@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from normkit import NormSpec, dtypes, reference, tolerances
-from normkit.tf.conformance import evaluate
+from normkit.conformance.targets_keras import evaluate
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"

@@ -235,7 +235,7 @@ def test_keras_2_names_the_extra(monkeypatch):
 
 
 def test_devices_refuses_other_keras_backends(monkeypatch):
-    from normkit.tf import conformance
+    from normkit.conformance import targets_keras as conformance
 
     monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
     with pytest.raises(RuntimeError, match=r"supports the tensorflow, jax and torch Keras backends, not 'numpy'"):

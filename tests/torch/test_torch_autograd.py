@@ -11,10 +11,12 @@ torch = pytest.importorskip("torch")
 
 import normkit.torch as nt  # noqa: E402
 from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
-from normkit.torch import conformance  # noqa: E402
+from normkit.bridges import TorchBridge  # noqa: E402
+from normkit.conformance import targets_torch as conformance  # noqa: E402
 from normkit.torch import functional as F  # noqa: E402
 from normkit.torch.bench import saved_bytes  # noqa: E402
-from normkit.torch.conformance import to_numpy  # noqa: E402
+
+to_numpy = TorchBridge().to_numpy
 
 KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.3), dict(kind="layer")]
 GRADCHECK_SPECS = [

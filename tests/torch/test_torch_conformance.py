@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
-from normkit.torch import conformance  # noqa: E402
+from normkit.conformance import targets_torch as conformance  # noqa: E402
 
 KINDS = [dict(kind="rms"), dict(kind="partial_rms", p=0.3), dict(kind="layer")]
 SCALE_OPTIONS = [dict(scale=False), dict(scale=True), dict(scale=True, scale_offset=1.0)]

@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
 
 import normkit.torch as nt  # noqa: E402
 from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch import functional as F  # noqa: E402
-from normkit.torch.conformance import to_numpy  # noqa: E402
+
+to_numpy = TorchBridge().to_numpy
 
 TRITON = importlib.util.find_spec("triton") is not None and (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

@@ -9,8 +9,10 @@ torch = pytest.importorskip("torch")
 
 import normkit.torch as nt  # noqa: E402
 from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch import functional as F  # noqa: E402
-from normkit.torch.conformance import to_numpy  # noqa: E402
+
+to_numpy = TorchBridge().to_numpy
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

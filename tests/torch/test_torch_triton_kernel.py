@@ -25,8 +25,10 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="the Triton kernels need triton: pip install normkit[triton]")
 
 from normkit import NormSpec, reference, tolerances  # noqa: E402
-from normkit.torch.conformance import to_numpy  # noqa: E402
+from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
+
+to_numpy = TorchBridge().to_numpy
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,0 +1,70 @@
+"""The conformance hook of normkit.jax: its linen and nnx modules and its functions, jitted or
+eager (a `normkit.conformance.harness.Harness`).
+
+float64 cases run with JAX's 64-bit mode enabled only while they run (the scoped
+``jax.enable_x64``, `normkit.bridges.JaxBridge.float64_scope`), so they are computed and
+returned in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from flax import nnx
+
+import normkit.jax as nkjax
+from normkit.bridges import JaxBridge, VjpFn
+from normkit.conformance.harness import Harness
+from normkit.jax import functional
+from normkit.spec import NormSpec
+
+__all__ = ["APIS", "VARIANTS", "build", "devices", "evaluate"]
+
+Api = Literal["linen", "nnx", "functional"]
+APIS: tuple[Api, ...] = ("linen", "nnx", "functional")
+VARIANTS: dict[str, tuple[object, ...] | None] = {"api": APIS, "jit": (True, False)}
+_BRIDGE = JaxBridge()
+
+
+def build(
+    spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
+    device: str, **variant: Any,
+) -> VjpFn:
+    """``fn(x[, residual], **params)`` for ``api=`` ``"linen"`` (`normkit.jax.from_spec`, the
+    default), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or ``"functional"``
+    (`normkit.jax.functional.normalize` and ``add_norm``); ``jit=False`` takes the VJP eagerly
+    (default: one jitted program)."""
+    del dtype, device  # the layers take the input's, where the bridge puts it
+    api: Api = variant.get("api", "linen")
+    if api == "functional":
+
+        def apply_functional(x: Any, residual: Any = None, **p: Any) -> Any:
+            args = (spec, p.get("scale"), p.get("bias"))
+            if residual is None:
+                return functional.normalize(x, *args, alpha=p.get("alpha"))
+            return functional.add_norm(x, residual, *args, alpha=p.get("alpha"))
+
+        return apply_functional
+    if api == "linen":
+        module = nkjax.from_spec(spec, param_dtype=param_dtype)
+
+        def apply_linen(x: Any, residual: Any = None, **p: Any) -> Any:
+            return module.apply({"params": p}, x, residual)
+
+        return apply_linen
+    with _BRIDGE.float64_scope(param_dtype):
+        graphdef = nnx.graphdef(
+            nkjax.nnx.from_spec(spec, spec.param_shape(shape), param_dtype=param_dtype)
+        )
+
+    def apply_nnx(x: Any, residual: Any = None, **p: Any) -> Any:
+        state = nnx.State({name: nnx.Param(value) for name, value in p.items()})
+        return nnx.merge(graphdef, state)(x, residual)
+
+    return apply_nnx
+
+
+_HARNESS = Harness(_BRIDGE, build, VARIANTS, jit=True)
+devices = _HARNESS.devices
+evaluate = _HARNESS.evaluate

@@ -1,0 +1,97 @@
+"""The conformance hook of normkit.torch: its modules or functions, eager or compiled, on any of
+its kernels (a `normkit.conformance.harness.Harness`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from normkit.bridges import TorchBridge, VjpFn
+from normkit.conformance.harness import Harness
+from normkit.spec import NormSpec
+from normkit.torch import kernels
+from normkit.torch.functional import add_norm, normalize
+from normkit.torch.modules import from_spec
+
+__all__ = ["VARIANTS", "build", "devices", "evaluate"]
+
+VARIANTS: dict[str, tuple[object, ...] | None] = {
+    "api": ("module", "functional"), "compiled": (True, False), "kernel": kernels.KERNELS,
+}
+"""The variants `evaluate` takes."""
+_BRIDGE = TorchBridge()
+_WEIGHTS = {"scale": "weight", "bias": "bias", "alpha": "alpha"}
+"""The modules' names of the parameters."""
+
+
+def build(
+    spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
+    device: str, **variant: Any,
+) -> VjpFn:
+    """``fn(x[, residual], **params)``: normkit.torch for ``spec``.
+
+    Variants: ``api="module"`` (`from_spec`, the default when ``spec.axis`` is the trailing axes
+    of the input) or ``api="functional"`` (`normalize` / `add_norm`, the default otherwise);
+    ``compiled=True`` runs it under ``torch.compile(fullgraph=True)`` (with Inductor's
+    ``emulate_precision_casts`` for ``backward="autograd"``, which keeps the eager program's
+    roundings); ``kernel=`` one of `normkit.torch.kernels.KERNELS` (default ``"auto"``).
+
+    Raises NotImplementedError (a SKIP) for a named kernel that does not compute one of the
+    spec's fields, and for the CPU kernel on another device.
+    """
+    del dtype  # the modules take the input's dtype as it comes
+    kernel = kernels.check_kernel(variant.get("kernel", "auto"))
+    lacking = None if kernel in ("auto", "composite") else kernels.unsupported(kernel, spec)
+    if lacking is not None:
+        raise NotImplementedError(
+            f"kernel={kernel!r} does not compute NormSpec.{lacking} (kernel='auto' computes it "
+            "with the composite path)"
+        )
+    if kernel == "cpu" and device != "cpu":
+        raise NotImplementedError(f"kernel='cpu' runs on CPU tensors, not on {device}")
+    if kernel == "triton" and not device.startswith("cuda"):
+        # Off a GPU the Triton kernels run in Triton's interpreter, read when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    axes = spec.resolve_axes(len(shape))
+    trailing = axes == tuple(range(len(shape) - len(axes), len(shape)))
+    api = variant.get("api", "module" if trailing else "functional")
+    if api == "module" and not trailing:
+        raise ValueError(
+            f"api='module' is invalid for axis {spec.axis} of a rank-{len(shape)} input: "
+            "expected 'functional', or 'module' for the trailing axes"
+        )
+    if api == "module":
+        trailing_spec = spec.replace(axis=tuple(range(-len(axes), 0)))
+        torch_dtype = _BRIDGE.to_tensor(np.zeros(0, param_dtype)).dtype
+        module = from_spec(
+            trailing_spec, spec.param_shape(shape), device, torch_dtype, kernel=kernel
+        )
+
+        def call(x: torch.Tensor, residual: torch.Tensor | None = None, **params: Any) -> Any:
+            weights = {_WEIGHTS[name]: value for name, value in params.items()}
+            inputs = (x,) if residual is None else (x, residual)
+            return torch.func.functional_call(module, weights, inputs)
+
+    else:
+
+        def call(x: torch.Tensor, residual: torch.Tensor | None = None, **params: Any) -> Any:
+            weight, bias, alpha = (params.get(name) for name in _WEIGHTS)
+            if residual is None:
+                return normalize(x, spec, weight, bias, alpha=alpha, kernel=kernel)
+            return add_norm(x, residual, spec, weight, bias, alpha=alpha, kernel=kernel)
+
+    if not variant.get("compiled", False):
+        return call
+    options: dict[str, Any] | None = None
+    if spec.backward == "autograd":
+        options = {"emulate_precision_casts": True}
+    compiled: VjpFn = torch.compile(call, fullgraph=True, options=options)
+    return compiled
+
+
+_HARNESS = Harness(_BRIDGE, build, VARIANTS)
+devices = _HARNESS.devices
+evaluate = _HARNESS.evaluate
