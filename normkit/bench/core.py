@@ -1,6 +1,6 @@
 """What every backend's benchmark shares: the sweep, the groups, the row schema; no framework.
 
-A backend benchmark (``normkit.<backend>.bench``) lists its `Group` s with ``plan(sweep)`` and
+A backend benchmark (``normkit.bench.<backend>``) lists its `Group` s with ``plan(sweep)`` and
 times one with ``measure(group, sweep)``, which builds the candidates and hands them to
 `time_group`: every implementation of the group and a copy of the same bytes, interleaved.
 """
@@ -208,7 +208,7 @@ def time_group(
 
 
 class BackendBench(Protocol):
-    """What ``normkit.<backend>.bench`` provides."""
+    """What ``normkit.bench.<backend>`` provides."""
 
     def plan(self, sweep: Sweep) -> list[Group]: ...
     def measure(self, group: Group, sweep: Sweep) -> list[dict[str, Any]]: ...
@@ -232,7 +232,7 @@ def collect(
 
 
 def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None:
-    """``python -m normkit.<backend>.bench``: run that backend's benchmark here, print the table."""
+    """``python -m normkit.bench.<backend>``: run that backend's benchmark here, print the table."""
     from normkit.bench import report
 
     parser = argparse.ArgumentParser(description=(bench.__doc__ or "").splitlines()[0])

@@ -17,7 +17,7 @@ from normkit.bench.core import HUGE_PAGE_ENV, HUGE_PAGES, collect, sweep_from_di
 
 def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
     """Time every group of the job's backend, emitting the rows group by group."""
-    bench = importlib.import_module(f"normkit.{job['backend']}.bench")
+    bench = importlib.import_module(f"normkit.bench.{job['backend']}")
     sweep = sweep_from_dict(job["sweep"])
     if sweep.memory == HUGE_PAGES:
         needed = HUGE_PAGE_ENV[job["backend"]]

@@ -355,7 +355,7 @@ def test_jax_float64_is_computed_in_float64_with_x64_off():
 
 @pytest.mark.skipif(keras_backend() == "tensorflow", reason="the benchmark's own backend")
 def test_bench_needs_the_tensorflow_backend():
-    from normkit.tf import bench
+    from normkit.bench import tf as bench
 
     with pytest.raises(RuntimeError, match=rf"measures the TensorFlow backend; KERAS_BACKEND is '{keras_backend()}'"):
         bench.run(quick=True)

@@ -244,8 +244,8 @@ def test_devices_refuses_other_keras_backends(monkeypatch):
 
 @on_tensorflow
 def test_bench_rows_time_each_layer_with_its_keras_peers_and_a_copy():
+    from normkit.bench import tf as bench
     from normkit.bench.core import FIELDS
-    from normkit.tf import bench
 
     rows = bench.run(quick=True, devices=["cpu"], dtypes=["float32"])
     # 2 shapes x (forward, forward+backward) x (eager, XLA) groups of 4 layers and the copy

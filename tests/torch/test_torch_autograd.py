@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 
 import normkit.torch as nt  # noqa: E402
 from normkit import NormSpec, dtypes, reference, tolerances  # noqa: E402
+from normkit.bench.torch import saved_bytes  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.conformance import targets_torch as conformance  # noqa: E402
 from normkit.torch import functional as F  # noqa: E402
-from normkit.torch.bench import saved_bytes  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
 

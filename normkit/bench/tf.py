@@ -1,6 +1,6 @@
 """normkit.tf against Keras' own layers on the TensorFlow backend, eager and XLA-compiled.
 
-``python -m normkit.tf.bench [--quick] [--device D] [--dtype T]`` prints the table; `run` returns
+``python -m normkit.bench.tf [--quick] [--device D] [--dtype T]`` prints the table; `run` returns
 the rows in `normkit.bench`'s schema. Every group also times ``x * 1`` over the same bytes, eager
 (the copy floor: ``tf.identity`` moves nothing, and XLA would fold a multiply by one). Layers run
 under the dtype policy of the input: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``.
@@ -61,7 +61,7 @@ def _task(
 def _check_backend() -> None:
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
-            "normkit.tf.bench measures the TensorFlow backend; KERAS_BACKEND is "
+            "normkit.bench.tf measures the TensorFlow backend; KERAS_BACKEND is "
             f"{keras.backend.backend()!r}"
         )
 

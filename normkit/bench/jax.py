@@ -1,6 +1,6 @@
 """normkit.jax against flax.linen.RMSNorm / LayerNorm, jitted.
 
-``python -m normkit.jax.bench [--quick] [--device D] [--dtype T]`` prints the table; `run`
+``python -m normkit.bench.jax [--quick] [--device D] [--dtype T]`` prints the table; `run`
 returns the rows in `normkit.bench`'s schema. Every group also times a jitted ``jnp.copy`` of the
 same bytes (the copy floor). Forward+backward is one jitted function returning ``y`` and the VJP
 (gradients of ``x`` and the parameters). Parameters are float32; flax's modules get

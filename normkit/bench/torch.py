@@ -1,6 +1,6 @@
 """normkit.torch against torch.nn.RMSNorm / LayerNorm and a Llama-style RMSNorm, eager and compiled.
 
-``python -m normkit.torch.bench [--quick] [--device D] [--dtype T]`` prints the table; `run`
+``python -m normkit.bench.torch [--quick] [--device D] [--dtype T]`` prints the table; `run`
 returns the rows in `normkit.bench`'s schema. Every group also times ``x.clone()`` of the same
 bytes (the copy floor). Eager forward+backward rows carry ``saved_for_backward_bytes`` (distinct
 storages autograd saves, parameters excluded, from ``torch.autograd.graph.saved_tensors_hooks``);
