@@ -649,25 +649,43 @@ class _Norm(keras.layers.Layer):
         any_bad = ops.any(stats[-1])
         known = _known(any_bad)
 
-        def plain() -> Any:
-            # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in
-            # the work dtype, before the input's cast rounds their sum once. Traced, the value
-            # is cast from the source inside the branch and only its gradient goes to x.
+        row_stats = [u for u in stats if u is not None]
+
+        # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in the
+        # work dtype, before the input's cast rounds their sum once. Traced, the value is cast
+        # from the source inside the branch and only its gradient goes to x.
+        meets_at_x = spec.kind == "rms" and spec.eps_placement == "inside" and source is not x
+        inputs = (source, x) if meets_at_x else (source,)
+
+        def plain(source: Any, *args: Any) -> Any:
+            """The plain rows' ``y`` from the input (and ``x`` where the gradient meets there),
+            `plain`'s statistics and the parameters (``row_stats`` then ``params``), all as
+            arguments so that it may be recomputed."""
+            given = iter(args)
             x_work = ops.cast(source, work)
-            if spec.kind == "rms" and spec.eps_placement == "inside" and source is not x:
+            if meets_at_x:
+                x = next(given)
                 x_work = _gradient_to(x_work, x) if known is None else x
+            row = tuple(None if u is None else next(given) for u in stats)
             if affine is None:
-                return finish(x_work, rows.plain_output(x_work, stats, known is None))
-            return ops.cast(rows.plain_output(x_work, stats, known is None, *affine), output_dtype)
+                return finish(x_work, rows.plain_output(x_work, row, known is None))
+            step = tuple(None if p is None else next(given) for p in affine)
+            return ops.cast(rows.plain_output(x_work, row, known is None, *step), output_dtype)
 
         if known is None:
             # The whole output inside the branches: XLA then writes y once, in the fused pass.
-            # The guarded branch with the affine step recomputes its values in the backward
-            # pass: a traced cond outputs every intermediate either branch's gradient reads, and
-            # the plain branch would fill the guarded one's (whole tensors) with zeros.
-            recomputed = guarded if affine is None else _recomputed(guarded)
-            return ops.cond(any_bad, lambda: recomputed(source, *params), plain)
-        return guarded(source, *params) if known else plain()
+            # With the affine step both branches recompute their values in the backward pass:
+            # a traced cond outputs every intermediate either branch's gradient reads (the plain
+            # branch's x r for the scale's gradient, whole tensors), where XLA would fuse their
+            # recomputation into the backward's passes.
+            recompute = (lambda f: f) if affine is None else _recomputed
+            guarded_branch, plain_branch = recompute(guarded), recompute(plain)
+            return ops.cond(
+                any_bad,
+                lambda: guarded_branch(source, *params),
+                lambda: plain_branch(*inputs, *row_stats, *params),
+            )
+        return guarded(source, *params) if known else plain(*inputs, *row_stats, *params)
 
     def _guarded(self, x: Any, rows: _Rows) -> Any:
         """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose
