@@ -36,6 +36,31 @@ TOKENS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, **TOKENS)
 
+# the hybrid models' pieces, each as small as its config allows
+HYBRID = ["linear_attention", "full_attention"]
+LINEAR_ATTENTION = dict(layer_types=HYBRID, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+SMALL_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32)
+MOE_DECODER = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
+MLA_DECODER = {**DECODER, "num_key_value_heads": 4}
+SMALL_MLA = dict(layer_types=HYBRID, moe_intermediate_size=32, num_local_experts=2,
+                 num_experts_per_tok=1, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                 v_head_dim=8)
+FALCON_H1_GATED = dict(**DECODER, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
+                       mamba_d_state=8, mamba_rms_norm=True)
+INDEXED = ["linear_attention", "indexed_attention"]
+QWEN4_EXP = dict(**MOE_DECODER, head_dim=8, **{**LINEAR_ATTENTION, "layer_types": INDEXED},
+                 **SMALL_MOE, hc_count=2, hc_lowrank=4, indexer_n_heads=2, indexer_kv_heads=1,
+                 indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
+GLM5_NEXT_TEXT = dict(**MLA_DECODER, moe_intermediate_size=32, layer_types=INDEXED,
+                      mlp_layer_types=["dense", "sparse"], n_routed_experts=2, num_experts_per_tok=1,
+                      kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, v_head_dim=8,
+                      index_topk=4, index_kpool=2, index_head_dim=8, index_n_heads=2,
+                      linear_head_dim=8, linear_num_heads=4, hc_mult=2)
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32, intermediate_size=32,
+                   projection_intermediate_size=32, image_size=28, patch_size=14)
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -43,10 +68,11 @@ class Architecture:
     swapped: frozenset[str]
     left_alone: frozenset[str]
     seq2seq: bool
+    auto: str | None = None  # the Auto class that builds it, where not the CausalLM/Seq2SeqLM one
 
 
-def arch(config, swapped, left_alone=(), seq2seq=False):
-    return Architecture(config, frozenset(swapped), frozenset(left_alone), seq2seq)
+def arch(config, swapped, left_alone=(), seq2seq=False, auto=None):
+    return Architecture(config, frozenset(swapped), frozenset(left_alone), seq2seq, auto)
 
 
 def cfg(name, **options):
@@ -101,6 +127,60 @@ ARCHITECTURES = {
                        n_mamba_heads=8, intermediate_size=64,
                        layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], **TOKENS),
                    {"Zamba2RMSNorm", "Zamba2RMSNormGated"}),
+    "bamba": arch(cfg("BambaConfig", **DECODER, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                      mamba_d_state=8, mamba_chunk_size=16, attn_layer_indices=[1]),
+                  {"BambaRMSNorm", "BambaRMSNormGated"}),
+    "nemotron_h": arch(cfg("NemotronHConfig", **DECODER, head_dim=8,
+                           layers_block_type=["mamba", "attention"], mamba_num_heads=4,
+                           mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=16),
+                       {"NemotronHRMSNorm", "NemotronHRMSNormGated"}),
+    "granitemoehybrid": arch(cfg("GraniteMoeHybridConfig", **DECODER,
+                                 layer_types=["mamba", "attention"], num_local_experts=2,
+                                 num_experts_per_tok=1, shared_intermediate_size=64,
+                                 mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8,
+                                 mamba_chunk_size=16),
+                             {"GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated"}),
+    # mamba_rms_norm=True switches the gated norm on (the plain falcon_h1 above has none); the gate
+    # after the norm (norm_before_gate, the default) and before it, each with 2 groups
+    "falcon_h1_gated": arch(cfg("FalconH1Config", **FALCON_H1_GATED),
+                            {"FalconH1RMSNorm", "FalconH1RMSNormGated"}),
+    "falcon_h1_gate_before": arch(cfg("FalconH1Config", **FALCON_H1_GATED,
+                                      mamba_norm_before_gate=False),
+                                  {"FalconH1RMSNorm", "FalconH1RMSNormGated"}),
+    # gated norms after the norm, on the linear-attention (gated delta rule, KDA) heads' outputs;
+    # transformers' pure-torch fallbacks stand in for flash-linear-attention and causal_conv1d
+    "qwen3_next": arch(cfg("Qwen3NextConfig", **DECODER, head_dim=8, **LINEAR_ATTENTION, **SMALL_MOE),
+                       {"Qwen3NextRMSNorm", "Qwen3NextRMSNormGated"}),
+    "qwen3_5": arch(cfg("Qwen3_5TextConfig", **DECODER, head_dim=8, **LINEAR_ATTENTION),
+                    {"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"}),
+    "qwen3_5_moe": arch(cfg("Qwen3_5MoeTextConfig", **MOE_DECODER, head_dim=8, **LINEAR_ATTENTION,
+                            **SMALL_MOE),
+                        {"Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated"}),
+    "olmo_hybrid": arch(cfg("OlmoHybridConfig", **DECODER, **LINEAR_ATTENTION),
+                        {"OlmoHybridRMSNorm", "OlmoHybridRMSNormGated"}),
+    "lara_mini": arch(cfg("LaraMiniConfig", **DECODER, head_dim=8, **LINEAR_ATTENTION, **SMALL_MOE),
+                      {"LaraMiniRMSNorm", "LaraMiniRMSNormGated"}),
+    # the gate's activation is the config's output_gate_type (else hidden_act): SiLU and sigmoid.
+    # Its grouped RMSNorm over the hc_count residual streams (Qwen4ExpTextRMSNorm(group_size=
+    # hidden_size), 5 of its 9) is left alone: identify does not probe groups of an ungated norm
+    "qwen4_exp": arch(cfg("Qwen4ExpTextConfig", **QWEN4_EXP),
+                      {"Qwen4ExpTextRMSNorm", "Qwen4ExpTextRMSNormGated"}, {"Qwen4ExpTextRMSNorm"}),
+    "qwen4_exp_sigmoid": arch(cfg("Qwen4ExpTextConfig", **QWEN4_EXP, output_gate_type="sigmoid"),
+                              {"Qwen4ExpTextRMSNorm", "Qwen4ExpTextRMSNormGated"},
+                              {"Qwen4ExpTextRMSNorm"}),
+    # sigmoid gates, affine in float32 (MLA attention: as many key/value heads as query heads)
+    "kimi_linear": arch(cfg("KimiLinearConfig", **MLA_DECODER, **SMALL_MLA, linear_head_dim=8,
+                            linear_num_heads=4),
+                        {"KimiLinearRMSNorm", "KimiLinearRMSNormGated"}),
+    "bailing_hybrid": arch(cfg("BailingHybridConfig", **MLA_DECODER, **SMALL_MLA, head_dim=8,
+                               n_group=1, topk_group=1, first_k_dense_replace=1, num_mtp_layers=0),
+                           {"BailingHybridRMSNorm", "BailingHybridRMSNormGated"}),
+    # image-text-to-text only (no CausalLM class): text-only generate with a one-block vision tower;
+    # its weightless RMSNorm (the hyper-connections' streams) has no size to tell
+    "glm5_next": arch(cfg("Glm5NextConfig", text_config=GLM5_NEXT_TEXT, vision_config=TINY_VISION),
+                      {"Glm5NextRMSNorm", "Glm5NextTextRMSNorm", "Glm5NextTextRMSNormGated",
+                       "LayerNorm"},
+                      {"Glm5NextTextUnweightedRMSNorm"}, auto="AutoModelForImageTextToText"),
     "starcoder2": arch(cfg("Starcoder2Config", **DECODER), {"LayerNorm"}),
     "stablelm": arch(cfg("StableLmConfig", **DECODER), {"LayerNorm"}),
     "persimmon": arch(cfg("PersimmonConfig", **DECODER), {"LayerNorm"}),
@@ -191,6 +271,7 @@ def test_swap_norms_keeps_a_tiny_models_tokens_and_logits(name):
     architecture = ARCHITECTURES[name]
     torch.manual_seed(0)
     auto = transformers.AutoModelForSeq2SeqLM if architecture.seq2seq else transformers.AutoModelForCausalLM
+    auto = getattr(transformers, architecture.auto) if architecture.auto else auto
     model = auto.from_config(architecture.config()).eval()
     generator = torch.Generator().manual_seed(1)
     perturb_norms(model, generator)
