@@ -245,8 +245,11 @@ def _recognise(module: nn.Module, config_eps: Mapping[str, float]) -> _Recognise
         return f"identify: {type(exc).__name__}: {exc}"
     promoted = sorted({f"{y} for {x} inputs" for x, y in seen if x != y})
     if promoted:
-        return f"it returns {', '.join(promoted)}; normkit returns the input dtype"
-    spec = found.spec
+        return f"it returns {', '.join(promoted)} with parameters in the input's dtype"
+    output_dtype = _output_dtype(module, shape, gated)
+    if output_dtype not in ("input", "promote"):
+        return output_dtype
+    spec = found.spec.replace(output_dtype=output_dtype)
     if spec.kind not in _KINDS:
         return (
             f"identify finds kind={spec.kind!r} (alpha {spec.alpha_init:g}): swap_norms replaces "
@@ -327,6 +330,35 @@ def _probe_fn(module: nn.Module, gated: bool) -> tuple[ProbeFn, set[tuple[str, s
         return y.squeeze(0)
 
     return fn, seen
+
+
+def _output_dtype(module: nn.Module, shape: tuple[int, ...], gated: bool) -> str:
+    """``"input"`` or ``"promote"``: the output dtype half inputs get with the module's own
+    parameters (float32 master weights promote, in Hugging Face's Llama and Mamba2 norms), or
+    the reason it is neither. Half parameters (a model held in one dtype) cannot tell them
+    apart: "input"."""
+    probe = copy.deepcopy(module).eval().requires_grad_(False)
+    own = [p.dtype for p in probe.parameters()]
+    if not own or any(not d.is_floating_point or d.itemsize < 4 for d in own):
+        return "input"  # parameters in a half dtype: a model held in one dtype
+    found = set()
+    for half in (torch.bfloat16, torch.float16):
+        promoted = half
+        for dtype in own:
+            promoted = torch.promote_types(promoted, dtype)
+        if promoted == half:
+            continue
+        x = torch.ones((1, 2, *shape), dtype=half, device=_device(module))
+        y = probe(x, x) if gated else probe(x)
+        if y.dtype not in (half, promoted):
+            return (
+                f"it returns {_dtype_name(y)} for {_dtype_name(x)} inputs with parameters in "
+                f"{', '.join(sorted({str(d).removeprefix('torch.') for d in own}))}"
+            )
+        found.add("input" if y.dtype == half else "promote")
+    if len(found) > 1:
+        return "its output dtype follows neither the input nor the promoted dtype throughout"
+    return found.pop() if found else "input"
 
 
 def _dtype_name(t: torch.Tensor) -> str:

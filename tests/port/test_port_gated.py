@@ -176,15 +176,9 @@ def test_hf_gated_norm_and_its_table_spec_are_bit_identical(setting, dtype):
 @pytest.mark.parametrize("setting", SETTINGS, ids=_setting_id)
 def test_swap_norms_gives_each_hf_gated_class_its_table_spec(setting):
     """swap_norms on the module as a model holds it (a float32 weight): a GatedRMSNorm with the
-    table's spec, and the HF module's output (dtype and bits) for every input dtype.
-
-    Fails for the Mamba2 family (Mamba2, Bamba, Zamba2, NemotronH, GraniteMoeHybrid):
-    ``return self.weight * hidden_states.to(input_dtype)`` returns float32 for a half input with
-    a float32 weight (the table's and docs/semantics.md's ``output_dtype="promote"``), but
-    swap_norms' probe (``_probe_fn``) casts the module's parameters to each probe's dtype, so
-    identify sees the output in the input's dtype, reads that as "the input dtype with float32
-    parameters" and reports ``output_dtype="input"``: the swapped module rounds that product to
-    bfloat16/float16 where the HF module returns it in float32.
+    table's spec, and the HF module's output (dtype and bits) for every input dtype. The
+    Mamba2 family returns float32 for half inputs with a float32 weight (the table's
+    ``output_dtype="promote"``), which swap_norms reads from the module with its own weights.
     """
     entry, groups = setting
     original = hf_module(entry, groups)

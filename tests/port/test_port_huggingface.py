@@ -489,7 +489,8 @@ LEFT_ALONE = {
     UnweightedRMSNorm: r"it has no weight, bias or normalized_shape, so its normalized size is unknown",
     MismatchedLayerNorm: r"its weight and bias have different shapes: \[\(8,\), \(9,\)\]",
     TanhNorm: r"identify finds kind='dyt' \(alpha 1\): swap_norms replaces RMSNorm, partial RMSNorm and LayerNorm only",
-    Float32RMSNorm: r"it returns float32 for bfloat16 inputs, float32 for float16 inputs; normkit returns the input dtype",
+    Float32RMSNorm: (r"it returns float32 for bfloat16 inputs, float32 for float16 inputs with parameters "
+                     r"in the input's dtype"),
     HalfAffineLayerNorm: (r"identify could not determine cast: bfloat16 input: .*cast undetermined: "
                           r"closer to before_scale than to after_scale on \d+% .*error \d+ ulp"),
     IdleWeightRMSNorm: r"identify finds scale=False, bias=False, but its parameters are \['weight'\]",
