@@ -604,17 +604,20 @@ def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None)
     return _Plain(mean, s, careful | _needs_scaling(s, plan, gradient=False))
 
 
-# From this many rows on, XLA's CPU backend computes a row reduction and the elementwise work
-# using it in one YNNPACK pass over x, if the reduction has no other user.
+# From this many rows on, XLA's CPU backend computes a row reduction of a bfloat16 or float32
+# x and the elementwise work using it in one YNNPACK pass, if the reduction has no other user.
 _CPU_FUSED_ROWS = 4096
 
 
 def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
-    """Whether ``y`` is computed in one pass over ``v`` if nothing else reads its statistics:
-    then the flags' reductions of their own cost one pass reading ``v``, where sharing them
-    makes XLA write a float32 copy of a half ``v`` and read it in separate passes."""
+    """Whether the flags should read statistics of their own: a bfloat16 input, whose ``y``
+    XLA computes in one pass if nothing else reads its statistics. Sharing them makes it write
+    a float32 copy of ``x`` and read it in separate passes; for float32 inputs the shared
+    statistics' passes (a reduction, then ``y``) cost less than a reduction more, and float16
+    is not fused."""
     rows = v.size // int(np.prod([v.shape[a] for a in plan.axes]))
-    return jax.default_backend() == "cpu" and rows >= _CPU_FUSED_ROWS
+    bfloat16 = plan.dtype == jnp.dtype(jnp.bfloat16)
+    return jax.default_backend() == "cpu" and bfloat16 and rows >= _CPU_FUSED_ROWS
 
 
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
