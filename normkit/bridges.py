@@ -9,6 +9,7 @@ Each class imports its framework inside its methods, so this module imports none
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -243,16 +244,9 @@ class JaxBridge:
     ) -> VjpResult:
         import jax
 
-        def program(primals: Any, params: Any, cotangents: Any) -> Any:
-            outputs, pullback = jax.vjp(
-                lambda p, q: _outputs(fn(*p, **q), cotangents), primals, params
-            )
-            cast = tuple(c.astype(o.dtype) for c, o in zip(cotangents, outputs, strict=True))
-            return (outputs, *pullback(cast))
-
         arrays = (tuple(primals), dict(params), tuple(cotangents))
         with self.float64_scope(*(np.asarray(a).dtype for a in jax.tree.leaves(arrays))):
-            run = jax.jit(program) if jit else program
+            run = _jax_program(fn, jit)
             outputs, dprimals, dparams = run(*jax.device_put(arrays, self.device(device)))
             return (
                 tuple(self.to_numpy(o) for o in outputs),
@@ -303,16 +297,8 @@ class TensorFlowBridge:
     ) -> VjpResult:
         import tensorflow as tf
 
-        def program(primals: Any, params: Any, cotangents: Any) -> Any:
-            with tf.GradientTape() as tape:
-                tape.watch((primals, params))
-                outputs = _outputs(fn(*primals, **params), cotangents)
-            cast = [tf.cast(c, o.dtype) for c, o in zip(cotangents, outputs, strict=True)]
-            return (outputs, *tape.gradient(outputs, (primals, params), output_gradients=cast))
-
         with tf.device(self.device(device)):
-            run = tf.function(program, jit_compile=True) if jit else program
-            outputs, dprimals, dparams = run(
+            outputs, dprimals, dparams = _tf_program(fn, jit)(
                 [self.to_tensor(a, device) for a in primals],
                 {k: self.to_tensor(a, device) for k, a in params.items()},
                 [self.to_tensor(c, device) for c in cotangents],
@@ -322,6 +308,39 @@ class TensorFlowBridge:
                 tuple(None if g is None else self.to_numpy(g) for g in dprimals),
                 {k: None if g is None else self.to_numpy(g) for k, g in dparams.items()},
             )
+
+
+@functools.lru_cache(maxsize=64)
+def _jax_program(fn: VjpFn, jit: bool) -> Callable[..., Any]:
+    """``(primals, params, cotangents) -> (outputs, dprimals, dparams)`` of ``fn``, one per
+    function (the 64 latest): jitted, it is traced and compiled once per input signature."""
+    import jax
+
+    def program(primals: Any, params: Any, cotangents: Any) -> Any:
+        outputs, pullback = jax.vjp(
+            lambda p, q: _outputs(fn(*p, **q), cotangents), primals, params
+        )
+        cast = tuple(c.astype(o.dtype) for c, o in zip(cotangents, outputs, strict=True))
+        return (outputs, *pullback(cast))
+
+    return jax.jit(program) if jit else program
+
+
+@functools.lru_cache(maxsize=64)
+def _tf_program(fn: VjpFn, jit: bool) -> Callable[..., Any]:
+    """``(primals, params, cotangents) -> (outputs, dprimals, dparams)`` of ``fn`` under a
+    gradient tape, one per function (the 64 latest): with ``jit`` a
+    ``tf.function(jit_compile=True)``, traced and compiled once per input signature."""
+    import tensorflow as tf
+
+    def program(primals: Any, params: Any, cotangents: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch((primals, params))
+            outputs = _outputs(fn(*primals, **params), cotangents)
+        cast = [tf.cast(c, o.dtype) for c, o in zip(cotangents, outputs, strict=True)]
+        return (outputs, *tape.gradient(outputs, (primals, params), output_gradients=cast))
+
+    return tf.function(program, jit_compile=True) if jit else program
 
 
 def _outputs(out: Any, cotangents: Sequence[Any]) -> tuple[Any, ...]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import keras
@@ -53,6 +54,7 @@ def devices() -> list[str]:
     return [d for d in _bridge().devices() if d == "cpu" or d.startswith("cuda:")]
 
 
+@functools.lru_cache(maxsize=64)
 def build(
     spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
     device: str, **variant: Any,
@@ -66,6 +68,9 @@ def build(
     is ``x``'s own (`POLICIES`: ``mixed_bfloat16`` for bfloat16, ...), under which the layer
     computes the spec on ``x`` as given. The variables take ``param_dtype``; parameters given in
     several dtypes raise NotImplementedError.
+
+    One function per spec, shape, dtypes and variant (the 64 latest): the layer is built once,
+    and the bridge traces and compiles its VJP once per function and input signature.
     """
     del device  # the bridge puts the inputs and the params there
     if variant.get("jit", False) and keras_backend() == "torch":

@@ -5,6 +5,9 @@ and emits per target ``{"target", "devices"}``, one result per case and device, 
 identification for peers, and ``{"target", "seconds"}``. Each hook gets its own process
 because Keras fixes its backend at import, and because one framework crashing or leaking memory
 must not take the others with it.
+
+A worker keeps JAX's compilations in its persistent cache (`jax_compilation_cache`), so that the
+targets and the runs that compile the same program share it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,9 +27,28 @@ from normkit.conformance.compare import compare, quantities
 from normkit.conformance.result import Result
 from normkit.conformance.targets import Hook
 
+CACHE_DIR_ENV = "NORMKIT_JAX_CACHE_DIR"
+
+
+def jax_compilation_cache() -> str:
+    """Where JAX keeps this worker's compilations, set in the environment JAX reads when it is
+    imported: ``$NORMKIT_JAX_CACHE_DIR``, by default ``normkit/jax`` in the user's cache folder
+    (``$XDG_CACHE_HOME``, else ``~/.cache``); every compilation is kept, however quick. An
+    empty ``NORMKIT_JAX_CACHE_DIR`` turns the cache off, and a ``JAX_COMPILATION_CACHE_DIR``
+    already set is left as it is. Returns the folder in use ("" for none)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = os.environ.get(CACHE_DIR_ENV, str(user_cache / "normkit" / "jax"))
+    if folder:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return folder
+
 
 def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
     """Run ``job``: one hook module, the targets that use it, each with its variant and cases."""
+    jax_compilation_cache()
     hook: Hook = importlib.import_module(job["hook"])
     seen = hook.devices()
     wanted = job.get("devices") or seen
