@@ -32,7 +32,10 @@ def module_kwargs(spec: NormSpec) -> dict[str, Any]:
     if spec.kind == "dyt":
         kwargs["alpha_init"] = spec.alpha_init
         return kwargs
-    kwargs.update(epsilon=spec.eps, eps_placement=spec.eps_placement)
+    kwargs.update(
+        epsilon=spec.eps, eps_placement=spec.eps_placement, gate=spec.gate,
+        gate_activation=spec.gate_activation, group_size=spec.group_size,
+    )
     if spec.kind == "partial_rms":
         kwargs["p"] = spec.p
     if spec.kind == "layer":

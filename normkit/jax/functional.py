@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -22,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from normkit.jax import _exact
+from normkit.jax import _exact, _gated
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
 __all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm"]
@@ -53,6 +54,7 @@ def normalize(
     scale: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
+    gate: jax.Array | None = None,
     alpha: jax.Array | None = None,
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
@@ -73,6 +75,10 @@ def normalize(
         initial value (effective scale 1). With ``offset_dtype="param"``, ``scale_offset + w``
         is rounded to ``scale``'s dtype.
       bias: ``b``, of the same shape; None means zero.
+      gate: ``z``, a float array of ``x``'s shape, required exactly when ``spec.gate`` is set:
+        ``y(x * a(z))`` (``gate="before"``) or ``y(x) * a(z)`` (``"after"``), ``a`` computed
+        in float32 (float64 for float64 inputs). Gated and grouped specs (``group_size``) take
+        neither ``axis_name`` nor ``mask``.
       alpha: DyT's ``alpha``, shape ``()`` or ``(1,)``; None means ``spec.alpha_init`` (a
         constant). Only for ``kind="dyt"``.
       dtype: the dtype to compute in; ``x`` is cast to it first. None: ``x.dtype``.
@@ -109,6 +115,15 @@ def normalize(
             "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
         )
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
+    gate = _checked_gate(gate, x, spec)
+    if spec.gate is not None or spec.group_size is not None:
+        if axis_name is not None or mask is not None:
+            raise ValueError(
+                "normalize: a gated or grouped spec (gate, group_size) takes neither axis_name "
+                "nor mask"
+            )
+        spec.group_count(math.prod(x.shape[a] for a in plan.axes))
+        return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, normalize)
     checked = None if mask is None else _checked_mask(mask, x, plan)
     return _run(plan, x, None, scale, bias, _alpha(plan, alpha), checked)  # type: ignore[return-value]
 
@@ -155,6 +170,11 @@ def add_norm(
         raise ValueError(
             "add_norm needs a spec with a residual rounding (residual='rounded', 'float32' or "
             "'float32_normalized'), got residual=None; use normalize"
+        )
+    if spec.group_size is not None:
+        raise ValueError(
+            f"add_norm: normkit.jax does not compute a residual with group_size={spec.group_size}"
+            " (normkit.torch does); add the residual and use normalize"
         )
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
@@ -230,6 +250,27 @@ def as_array(name: str, value: object) -> jax.Array:
             f"{name} must be an array of numbers or bools, got {type(value).__name__} "
             f"{value!r:.60}"
         ) from error
+
+
+def _checked_gate(gate: jax.Array | None, x: jax.Array, spec: NormSpec) -> jax.Array | None:
+    """The gate, given exactly when ``spec.gate`` is set: a float array of x's shape."""
+    if spec.gate is None:
+        if gate is not None:
+            raise ValueError(
+                "normalize: a gate was given but the spec has gate=None; build the spec with "
+                "gate='before' or 'after' to gate the norm"
+            )
+        return None
+    if gate is None:
+        raise ValueError(
+            f"normalize: the spec has gate={spec.gate!r}, which needs the gate array: "
+            "normalize(x, spec, scale, bias, gate=z)"
+        )
+    _check_float("gate", gate)
+    gate = as_array("gate", gate)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate has shape {gate.shape}, x has {x.shape}")
+    return gate
 
 
 def _check_float(name: str, value: jax.Array) -> None:

@@ -34,6 +34,8 @@ from normkit.spec import (
     Backward,
     Cast,
     EpsPlacement,
+    Gate,
+    GateActivation,
     Kind,
     NormSpec,
     OffsetDtype,
@@ -147,12 +149,19 @@ class _Layer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, residual: jax.Array | None = None, *, mask: jax.Array | None = None
+        self,
+        x: jax.Array,
+        residual: jax.Array | None = None,
+        *,
+        gate: jax.Array | None = None,
+        mask: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``y`` for ``x`` (over the reduction axes), or with a ``residual`` spec ``(y, h)`` for
-        ``h = x + residual``. ``mask`` (Flax's, keyword-only): the statistics over the elements
-        where it is True (`normkit.jax.functional.normalize`). ``y`` has Flax's dtype: ``dtype``
-        when set, else ``result_type(x, params)`` (``output_dtype`` overrides)."""
+        ``h = x + residual``. ``gate`` (keyword-only, required exactly with a gated spec): the
+        gated norm of ``x`` and ``gate``. ``mask`` (Flax's, keyword-only): the statistics over
+        the elements where it is True (`normkit.jax.functional.normalize`). ``y`` has Flax's
+        dtype: ``dtype`` when set, else ``result_type(x, params)`` (``output_dtype``
+        overrides)."""
         spec = self.spec
         check_residual(type(self).__name__, spec, residual)
         x = functional.as_array("x", x)
@@ -161,13 +170,18 @@ class _Layer(nn.Module):
         axis_name = getattr(self, "axis_name", None)
         if residual is None:
             return functional.normalize(
-                x, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name,
-                mask=mask,
+                x, spec, scale, bias, gate=gate, alpha=alpha, dtype=self.dtype,
+                axis_name=axis_name, mask=mask,
             )
         if mask is not None:
             raise ValueError(
                 f"{type(self).__name__} has residual={spec.residual!r}: mask is supported "
                 "without a residual only"
+            )
+        if gate is not None:
+            raise ValueError(
+                f"{type(self).__name__} has residual={spec.residual!r}: a gated norm has no "
+                "residual"
             )
         return functional.add_norm(
             x, residual, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name
@@ -184,6 +198,9 @@ class _Norm(_Layer):
     axis_name: str | None = None
     axis_index_groups: Any = None
     use_fast_variance: bool = True
+    gate: Gate | None = None
+    gate_activation: GateActivation | None = None
+    group_size: int | None = None
 
     def _axes(self) -> tuple[int | tuple[int, ...], tuple[int, ...]]:
         return flax_axis(self.axis, self.reduction_axes, self.feature_axes)
@@ -199,6 +216,9 @@ class _Norm(_Layer):
             variance=flax_variance(
                 self.kind, getattr(self, "variance", None), self.use_fast_variance
             ),
+            gate=self.gate,
+            gate_activation=self.gate_activation,
+            group_size=self.group_size,
         )
 
 
@@ -239,6 +259,9 @@ class RMSNorm(_Norm):
         ``"input"`` with it), ``"input"`` or ``"promote"``.
       backward: ``"exact"`` (default: the analytic VJP) or ``"autograd"`` (JAX differentiates
         the eager formula, rounding as eager model code does in half precision).
+      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
+        (default None: no gate, the whole row); a gated module is called as
+        ``module(x, gate=z)``.
 
     Examples:
       >>> import jax

@@ -39,6 +39,8 @@ from normkit.spec import (
     Backward,
     Cast,
     EpsPlacement,
+    Gate,
+    GateActivation,
     Kind,
     NormSpec,
     OffsetDtype,
@@ -119,13 +121,20 @@ class _Norm(nnx.Module):
         return jnp.asarray(init(key, self.shape, self.param_dtype))
 
     def __call__(
-        self, x: jax.Array, residual: jax.Array | None = None, *, mask: jax.Array | None = None
+        self,
+        x: jax.Array,
+        residual: jax.Array | None = None,
+        *,
+        gate: jax.Array | None = None,
+        mask: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``y`` for ``x`` (over ``spec.axis``), or with a ``residual`` spec ``(y, h)`` for
-        ``h = x + residual``. ``mask`` (Flax's, keyword-only): the statistics over the elements
-        where it is True (`normkit.jax.functional.normalize`). With Flax's ``dtype``, x and the
-        parameters are cast to it first (Flax's ``promote_dtype``) and ``y`` has it; without,
-        ``y`` has ``result_type(x, params)`` (``output_dtype`` overrides)."""
+        ``h = x + residual``. ``gate`` (keyword-only, required exactly with a gated spec): the
+        gated norm of ``x`` and ``gate``. ``mask`` (Flax's, keyword-only): the statistics over
+        the elements where it is True (`normkit.jax.functional.normalize`). With Flax's
+        ``dtype``, x and the parameters are cast to it first (Flax's ``promote_dtype``) and
+        ``y`` has it; without, ``y`` has ``result_type(x, params)`` (``output_dtype``
+        overrides)."""
         check_residual(type(self).__name__, self.spec, residual)
         x = functional.as_array("x", x)
         features = feature_positions(self.spec, as_axes(self.feature_axes), x.ndim)
@@ -141,13 +150,18 @@ class _Norm(nnx.Module):
         )
         if residual is None:
             return functional.normalize(
-                x, self.spec, scale, bias, alpha=alpha, dtype=self.dtype,
+                x, self.spec, scale, bias, gate=gate, alpha=alpha, dtype=self.dtype,
                 axis_name=self.axis_name, mask=mask,
             )
         if mask is not None:
             raise ValueError(
                 f"{type(self).__name__} has residual={self.spec.residual!r}: mask is supported "
                 "without a residual only"
+            )
+        if gate is not None:
+            raise ValueError(
+                f"{type(self).__name__} has residual={self.spec.residual!r}: a gated norm has no "
+                "residual"
             )
         return functional.add_norm(
             x, residual, self.spec, scale, bias, alpha=alpha, dtype=self.dtype,
@@ -186,6 +200,9 @@ class _Statistic(_Norm):
         offset_dtype: OffsetDtype,
         output_dtype: OutputDtype | None,
         backward: Backward,
+        gate: Gate | None,
+        gate_activation: GateActivation | None,
+        group_size: int | None,
     ) -> None:
         check_axis_index_groups(axis_index_groups)
         spec_axis = flax_axis(axis, reduction_axes, feature_axes)[0]
@@ -196,7 +213,7 @@ class _Statistic(_Norm):
             scale=use_scale, scale_offset=scale_offset, bias=use_bias, cast=cast,
             variance=flax_variance(kind, variance, use_fast_variance), residual=residual,
             offset_dtype=offset_dtype, output_dtype=flax_output_dtype(output_dtype, dtype),
-            backward=backward,
+            backward=backward, gate=gate, gate_activation=gate_activation, group_size=group_size,
         )
         super().__init__(
             spec, num_features, feature_axes=feature_axes, dtype=dtype, param_dtype=param_dtype,
@@ -249,6 +266,9 @@ class RMSNorm(_Statistic):
         with it), ``"input"`` or ``"promote"``.
       backward: ``"exact"`` (default: the analytic VJP) or ``"autograd"`` (JAX differentiates
         the eager formula, rounding as eager model code does in half precision).
+      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
+        (default None: no gate, the whole row); a gated module is called as
+        ``module(x, gate=z)``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -283,6 +303,9 @@ class RMSNorm(_Statistic):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype | None = None,
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
     ) -> None:
         super().__init__(
             "rms", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
@@ -291,7 +314,8 @@ class RMSNorm(_Statistic):
             axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance, rngs=rngs,
             axis=axis, eps_placement=eps_placement, scale_offset=scale_offset, cast=cast,
             variance=None, residual=residual, offset_dtype=offset_dtype,
-            output_dtype=output_dtype, backward=backward,
+            output_dtype=output_dtype, backward=backward, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
         )
 
 
@@ -331,6 +355,9 @@ class PartialRMSNorm(_Statistic):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype | None = None,
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
     ) -> None:
         super().__init__(
             "partial_rms", num_features, p=p, epsilon=epsilon, dtype=dtype,
@@ -340,7 +367,7 @@ class PartialRMSNorm(_Statistic):
             use_fast_variance=use_fast_variance, rngs=rngs, axis=axis,
             eps_placement=eps_placement, scale_offset=scale_offset, cast=cast, variance=None,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
-            backward=backward,
+            backward=backward, gate=gate, gate_activation=gate_activation, group_size=group_size,
         )
 
 
@@ -385,6 +412,9 @@ class LayerNorm(_Statistic):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype | None = None,
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
     ) -> None:
         super().__init__(
             "layer", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
@@ -393,7 +423,8 @@ class LayerNorm(_Statistic):
             axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance, rngs=rngs,
             axis=axis, eps_placement=eps_placement, scale_offset=scale_offset, cast=cast,
             variance=variance, residual=residual, offset_dtype=offset_dtype,
-            output_dtype=output_dtype, backward=backward,
+            output_dtype=output_dtype, backward=backward, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
         )
 
 

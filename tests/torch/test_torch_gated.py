@@ -4,6 +4,7 @@ the parameters; the module, its optional gate, and each Hugging Face gated class
 
 import importlib
 import itertools
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -50,10 +51,15 @@ def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a.astype(np.float64)).to(dtype).requires_grad_(True)
 
 
-def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, magnitude=None):
+def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, magnitude=None,
+           x_dtype: torch.dtype | None = None):
+    """``got`` within the tolerance of its dtype; ``y`` with ``cast="before_scale"`` and a half
+    x in ulps of x's dtype, where ``y_hat`` is rounded (`normkit.conformance.compare`)."""
     dtype = str(got.dtype).removeprefix("torch.")
     if name == "y":
         assert dtype == np.dtype(want.dtype).name, (dtype, want.dtype)
+        if spec.cast == "before_scale" and x_dtype in (torch.bfloat16, torch.float16):
+            dtype = str(x_dtype).removeprefix("torch.")
     tolerances.assert_close(
         got.detach().double().numpy(), want, dtype, "forward" if name == "y" else "grad",
         spec.cast, what=f"{name} of {spec!r}", magnitude=magnitude,
@@ -66,7 +72,7 @@ def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, magni
 def test_functional_matches_the_reference(spec, dtype, output_dtype):
     spec = spec.replace(output_dtype=output_dtype)
     torch_dtype, np_dtype = DTYPES[dtype]
-    rng = np.random.default_rng(hash((repr(spec), dtype)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{_id(spec)}-{dtype}-{output_dtype}".encode()))
     x = (2 * rng.standard_normal((6, 16)) + 0.5).astype(np_dtype)
     z = (2 * rng.standard_normal((6, 16))).astype(np_dtype)
     w = (1 + 0.2 * rng.standard_normal(16)).astype(np.float32)
@@ -86,7 +92,7 @@ def test_functional_matches_the_reference(spec, dtype, output_dtype):
         want = reference.normalize(x, spec, w, b)
         grads = reference.normalize_vjp(x, dy, spec, w, b)
     magnitude = reference.scaled_magnitude(x, spec, w, gate=z if spec.gate else None)
-    _check("y", y, want, spec, magnitude)
+    _check("y", y, want, spec, magnitude, torch_dtype)
     _check("dx", xt.grad, grads.dx, spec)
     _check("dweight", wt.grad, grads.dscale, spec)
     if b is not None:
@@ -107,7 +113,7 @@ def test_grouped_autograd_backward_follows_the_eager_rounding_model(kind, dtype)
     y.backward(torch.from_numpy(dy.astype(np.float64)).to(torch_dtype))
     grads = reference.normalize_vjp(x, dy, spec, w)
     magnitude = reference.scaled_magnitude(x, spec, w)
-    _check("y", y, reference.normalize(x, spec, w), spec, magnitude)
+    _check("y", y, reference.normalize(x, spec, w), spec, magnitude, torch_dtype)
     _check("dx", xt.grad, grads.dx, spec)
     _check("dweight", wt.grad, grads.dscale, spec)
 
