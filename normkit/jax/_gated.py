@@ -88,7 +88,16 @@ def gated_or_grouped(
             w.astype(acc) + spec.scale_offset
         )
     b = None if bias is None else bias.reshape(n).astype(acc)
-    affine_dtype = jnp.result_type(x.dtype, *(p.dtype for p in (scale, bias) if p is not None))
+    # The affine step's dtype, as the reference's: x's promoted with the effective scale's (w's,
+    # at least float32 where the offset is added in float32) and b's; None takes no part.
+    kinds = [x.dtype]
+    if scale is not None:
+        kinds.append(scale.dtype)
+        if spec.scale_offset and spec.offset_dtype == "float32":
+            kinds.append(jnp.float32)
+    if bias is not None:
+        kinds.append(bias.dtype)
+    affine_dtype = jnp.result_type(*kinds)
 
     def affine_and_gate(rounded: Callable[[jax.Array, jnp.dtype], jax.Array] | None) -> jax.Array:
         u = y_hat if rounded is None else rounded(y_hat, x.dtype)

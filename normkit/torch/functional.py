@@ -471,10 +471,7 @@ def _normalize_trailing(
         h = None
         if res_rows is not None:
             values, h = _add(rows, res_rows, spec.residual, acc)
-        affine = x.dtype  # the affine step's dtype: x's promoted with the parameters'
-        for param in (weight, bias):
-            if param is not None:
-                affine = torch.promote_types(affine, param.dtype)
+        affine = _affine_dtype(x.dtype, spec, weight, bias)
         y = _gated.norm_rows(
             values, None if gate is None else gate.reshape(rows.shape), spec, min(k, group),
             g, b_acc, x.dtype, affine, out, eager=recorded,
@@ -496,6 +493,20 @@ def _normalize_trailing(
         x.dtype, out, spec.variance == "fast",
     )
     return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
+
+
+def _affine_dtype(
+    dtype: torch.dtype, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.dtype:
+    """The affine step's dtype, as the reference's: x's promoted with the effective scale's
+    (w's, or at least float32 where the offset is added in float32) and the bias's; the initial
+    parameters (None) take no part."""
+    if weight is not None:
+        scale = weight.dtype
+        if spec.scale_offset and spec.offset_dtype == "float32":
+            scale = torch.promote_types(scale, torch.float32)
+        dtype = torch.promote_types(dtype, scale)
+    return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
 
 
 def _recorded() -> bool:
