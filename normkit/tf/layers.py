@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -16,12 +17,15 @@ from normkit.spec import (
     Backward,
     Cast,
     EpsPlacement,
+    Gate,
+    GateActivation,
     NormSpec,
     OffsetDtype,
     OutputDtype,
     Residual,
     Variance,
 )
+from normkit.tf import _gated
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
@@ -372,6 +376,7 @@ class _Norm(keras.layers.Layer):
         self.gamma: Any = None
         self.beta: Any = None
         self.alpha: Any = None
+        self._grouped: Any = None  # the inner norm of gated and grouped specs (`build`)
 
     @property
     def spec(self) -> NormSpec:
@@ -440,6 +445,10 @@ class _Norm(keras.layers.Layer):
                 "sizes to create the weights"
             )
         self._param_shape = param_shape
+        if self._spec.gate is not None or self._spec.group_size is not None:
+            self._spec.group_count(math.prod(param_shape))
+            # Each group's statistic, with this layer's guards and exact gradient.
+            self._grouped = from_spec(_gated.inner_spec(self._spec), autocast=False)
         dtype = self.param_dtype
         if self._spec.kind == "dyt":
             self.alpha = self.add_weight(
@@ -528,9 +537,10 @@ class _Norm(keras.layers.Layer):
             f"input of dtype {dtype} needs {names}"
         )
 
-    def call(self, inputs: Any, residual: Any = None) -> Any:
+    def call(self, inputs: Any, residual: Any = None, gate: Any = None) -> Any:
         """The spec applied to ``inputs`` (a floating tensor), in the output dtype above; with a
-        residual spec, ``(y, h)`` for ``h = inputs + residual``."""
+        residual spec, ``(y, h)`` for ``h = inputs + residual``; with a gated spec, the gated
+        norm of ``inputs`` and ``gate`` (``layer(x, gate=z)``)."""
         spec = self._spec
         dtype = self._input_dtype(inputs.dtype)
         spec.check_eps(dtype)
@@ -538,6 +548,19 @@ class _Norm(keras.layers.Layer):
         added = self._residual_dtype(shape, residual, dtype)
         work = "float64" if dtype == "float64" else "float32"
         x = _cast_to(inputs, dtype, work)
+        self._check_gate(shape, gate)
+        if spec.gate is not None or spec.group_size is not None:
+            if added is not None:
+                raise ValueError(
+                    f"{self.name}: normkit.tf does not compute a residual with "
+                    f"group_size={spec.group_size} (normkit.torch does); add the residual first"
+                )
+            scale = None if self.gamma is None else self._effective_scale(work, None)
+            bias = None if self.beta is None else self._param(self.beta, work, None)
+            return _gated.gated_or_grouped(
+                x, gate, spec, dtype, work, scale, bias, self._affine_dtype(dtype),
+                self._output_dtype(dtype), self._grouped,
+            )
         if added is None:
             exact = keras.backend.standardize_dtype(inputs.dtype) == dtype
             return self._normalize(x, dtype, work, inputs if exact else x)
@@ -552,6 +575,26 @@ class _Norm(keras.layers.Layer):
             # The rounded h's value; the gradient reaches the sum unrounded: dx = dh + dnorm.
             normalized = total + ops.stop_gradient(_rounded(total, dtype) - total)
         return self._normalize(normalized, dtype, work, normalized), h
+
+    def _check_gate(self, shape: tuple[Any, ...], gate: Any) -> None:
+        """A gate exactly when the spec has one: a floating tensor of the input's shape."""
+        if self._spec.gate is None:
+            if gate is not None:
+                raise ValueError(
+                    f"{self.name}: a gate was given but the spec has gate=None; build the layer "
+                    "with gate='before' or 'after' to gate the norm"
+                )
+            return
+        if gate is None:
+            raise ValueError(
+                f"{self.name} has gate={self._spec.gate!r}: call it with the gate, "
+                "layer(x, gate=z)"
+            )
+        name = keras.backend.standardize_dtype(gate.dtype)
+        if not keras.backend.is_float_dtype(name):
+            raise TypeError(f"{self.name}: the gate has dtype {name}; it must be floating")
+        if tuple(gate.shape) != shape:
+            raise ValueError(f"{self.name}: the gate has shape {tuple(gate.shape)}, x has {shape}")
 
     def _normalize(self, x: Any, dtype: str, work: str, source: Any) -> Any:
         """The spec on ``x`` (in the ``work`` dtype) with the dtype policy of ``dtype`` inputs;
@@ -791,7 +834,7 @@ class _Norm(keras.layers.Layer):
         # The incoming cotangent is rounded to a, as the cast from a to the output dtype does.
         return _rounded(y, a), acc
 
-    def compute_output_spec(self, inputs: Any, residual: Any = None) -> Any:
+    def compute_output_spec(self, inputs: Any, residual: Any = None, gate: Any = None) -> Any:
         dtype = self._input_dtype(inputs.dtype)
         self._spec.check_eps(dtype)
         shape = tuple(inputs.shape)
@@ -979,6 +1022,9 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
         kwargs["p"] = spec.p
     if spec.kind == "layer":
         kwargs["variance"] = spec.variance
+    for name in ("gate", "gate_activation", "group_size"):
+        if getattr(spec, name) is not None:
+            kwargs[name] = getattr(spec, name)
     return kwargs
 
 
@@ -1029,6 +1075,8 @@ class RMSNorm(_ScaleBias):
         (after the policy's cast) and the variables.
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
+        (default None: no gate, the whole row); a gated layer is called as ``layer(x, gate=z)``.
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
         ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
@@ -1058,6 +1106,9 @@ class RMSNorm(_ScaleBias):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -1065,7 +1116,8 @@ class RMSNorm(_ScaleBias):
             type(self).__name__,
             kind="rms", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
             scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
-            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
         )
         super().__init__(spec, param_dtype, **kwargs)
 
@@ -1102,6 +1154,8 @@ class PartialRMSNorm(_ScaleBias):
         (after the policy's cast) and the variables.
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
+        (default None: no gate, the whole row); a gated layer is called as ``layer(x, gate=z)``.
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
         ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
@@ -1123,6 +1177,9 @@ class PartialRMSNorm(_ScaleBias):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -1130,7 +1187,8 @@ class PartialRMSNorm(_ScaleBias):
             type(self).__name__,
             kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
             scale=scale, scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
-            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward,
+            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
         )
         super().__init__(spec, param_dtype, **kwargs)
 
@@ -1178,6 +1236,8 @@ class LayerNorm(_Norm):
         (after the policy's cast) and the variables.
       backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
         ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
+      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
+        (default None: no gate, the whole row); a gated layer is called as ``layer(x, gate=z)``.
       param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
       **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
         ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
@@ -1215,6 +1275,9 @@ class LayerNorm(_Norm):
         offset_dtype: OffsetDtype = "float32",
         output_dtype: OutputDtype = "input",
         backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
         param_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -1230,7 +1293,8 @@ class LayerNorm(_Norm):
             kind="layer", eps=epsilon, eps_placement=eps_placement, axis=axis, scale=scale,
             scale_offset=scale_offset, bias=center, cast=cast, variance=variance,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
-            backward=backward,
+            backward=backward, gate=gate, gate_activation=gate_activation,
+            group_size=group_size,
         )
         gamma_init = keras.initializers.get(gamma_initializer)
         if scale_offset and not isinstance(gamma_init, keras.initializers.Ones):
