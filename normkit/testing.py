@@ -242,7 +242,7 @@ class _CheckedFn:
         self, inputs: Inputs
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """``(x, dy, scale, bias)`` for a bridge, from the case's inputs."""
-        x, dy, scale, bias, residual, dh, alpha = inputs
+        x, dy, scale, bias, residual, dh, alpha = inputs[:7]
         if self.residual:
             assert residual is not None and dh is not None
             x = np.stack([x, residual])

@@ -22,6 +22,8 @@ MATRIX_DTYPES = (*CASE_DTYPES, "float64")
 """Every input dtype of the matrix."""
 PARTIAL_P = 0.25
 FEATURES = (*EXTENDED_DEFAULTS, "dyt", "float64")
+# The NormSpec fields that came after the case ids (all None by default).
+_NEWER_FIELDS = ("gate", "gate_activation", "group_size")
 """What a case may exercise beyond the original matrix (`Case.features`)."""
 
 
@@ -37,10 +39,14 @@ class Case:
 
     @property
     def id(self) -> str:
-        """A stable identifier, also the seed of the inputs."""
-        text = json.dumps(
-            [self.spec.to_dict(), list(self.shape), self.dtype, self.param_dtype], sort_keys=True
-        )
+        """A stable identifier, also the seed of the inputs. Spec fields added since the ids
+        were first drawn are left out while at their defaults, so a case keeps its inputs when
+        the spec grows."""
+        fields = {
+            name: value for name, value in self.spec.to_dict().items()
+            if not (name in _NEWER_FIELDS and value is None)
+        }
+        text = json.dumps([fields, list(self.shape), self.dtype, self.param_dtype], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property
@@ -99,7 +105,8 @@ class Case:
         Then, drawn after those (so a spec without them keeps its inputs), with a residual:
         ``residual`` (standard normal, x's dtype) and ``dh`` (standard normal, in ``h``'s dtype:
         float32 for ``residual="float32"`` with a half x); for DyT: ``alpha = alpha_init (1 +
-        0.1 N(0, 1))``, shape ``(1,)``, in the parameter dtype.
+        0.1 N(0, 1))``, shape ``(1,)``, in the parameter dtype; for a gated spec: ``gate``
+        (``1.5 N(0, 1)``, x's dtype).
         """
         rng = np.random.default_rng(int(self.id, 16))
         dtype = dtypes.DTYPE_NAMES[self.dtype]
@@ -122,7 +129,10 @@ class Case:
             assert spec.alpha_init is not None
             drawn = spec.alpha_init * (1.0 + 0.1 * rng.standard_normal(1))
             alpha = dtypes.round_to(drawn, param_dtype)
-        return Inputs(x, dy, scale, bias, residual, dh, alpha)
+        gate = None
+        if spec.gate is not None:
+            gate = dtypes.round_to(1.5 * rng.standard_normal(self.shape), dtype)
+        return Inputs(x, dy, scale, bias, residual, dh, alpha, gate)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -185,6 +195,8 @@ Shapes = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 EXTENDED_SHAPES: Shapes = (((5, 7), (-1,)), ((4, 2, 64), (-2, -1)))
 """The shapes of the families of the extended fields: odd, and multi-axis with n = 128."""
 QUICK_EXTENDED_SHAPES: Shapes = (((5, 7), (-1,)),)
+GROUPED_SHAPES: Shapes = (((5, 8), (-1,)), ((4, 2, 64), (-2, -1)))
+"""The shapes of the grouped family (n divisible by its group size 4); the first one quick."""
 
 # A family member: a spec, and the (input dtype, cast, parameter dtype) it runs on.
 Setting = tuple[str, str, str]
@@ -274,6 +286,36 @@ def _autograd_family(quick: bool) -> list[Member]:
     ]
 
 
+def _gate_family(quick: bool) -> list[Member]:
+    """The gate before and after the norm, SiLU and sigmoid, each cast order: the Mamba2,
+    Qwen3-Next and Kimi Linear conventions among them."""
+    mamba2 = NormSpec(gate="before", cast="before_scale", output_dtype="promote")
+    qwen3_next = NormSpec(gate="after", cast="before_scale")
+    kimi = NormSpec(gate="after", gate_activation="sigmoid")
+    if quick:
+        return [(qwen3_next, ((_BF16, _BEFORE, _F32),)), (kimi, ((_F32, _AFTER, _F32),))]
+    return [
+        (mamba2, ((_BF16, _BEFORE, _F32), (_F32, _BEFORE, _F32))),
+        (qwen3_next, ((_BF16, _BEFORE, _BF16), (_F16, _BEFORE, _F32))),
+        (kimi, ((_BF16, _AFTER, _F32), (_F64, _AFTER, _F32))),
+        (NormSpec("layer", gate="before", gate_activation="sigmoid"), ((_F32, _AFTER, _F32),)),
+        (NormSpec("partial_rms", p=0.5, gate="after"), ((_BF16, _AFTER, _F32),)),
+    ]
+
+
+def _group_family(quick: bool) -> list[Member]:
+    """The statistic per group of 4 (`GROUPED_SHAPES`), RMS and LayerNorm, gated (Mamba2's
+    n_groups) and not."""
+    grouped = NormSpec(group_size=4)
+    if quick:
+        return [(grouped, ((_BF16, _BEFORE, _F32),))]
+    return [
+        (grouped, ((_F32, _AFTER, _F32), (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))),
+        (NormSpec("layer", group_size=4), ((_F16, _AFTER, _F32),)),
+        (NormSpec(gate="before", group_size=4, cast="before_scale"), ((_BF16, _BEFORE, _F32),)),
+    ]
+
+
 FAMILIES = {
     "residual": _residual_family,
     "variance": _variance_family,
@@ -281,6 +323,8 @@ FAMILIES = {
     "output_dtype": _promote_family,
     "dyt": _dyt_family,
     "backward": _autograd_family,
+    "gate": _gate_family,
+    "group_size": _group_family,
 }
 """The extended fields' own small families of cases, each `(quick) -> [(spec, settings)]`."""
 
@@ -321,7 +365,12 @@ def matrix(
         for spec, settings in family(quick):
             if spec.kind not in kinds:
                 continue
-            for (dtype, cast, param_dtype), (shape, axis) in itertools.product(settings, shapes):
+            family_shapes = shapes
+            if spec.group_size is not None:
+                family_shapes = GROUPED_SHAPES[:1] if quick else GROUPED_SHAPES
+            for (dtype, cast, param_dtype), (shape, axis) in itertools.product(
+                settings, family_shapes
+            ):
                 if dtype in case_dtypes:
                     changed = spec.replace(cast=cast, axis=axis)
                     cases.append(Case(changed, shape, dtype, param_dtype))

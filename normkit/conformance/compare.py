@@ -15,9 +15,10 @@ from normkit import dtypes, reference, tolerances
 from normkit.spec import NormSpec
 
 BASE_QUANTITIES = ("y", "dx", "dscale", "dbias")
+GATE_QUANTITIES = ("dgate",)
 RESIDUAL_QUANTITIES = ("h", "dresidual")
 DYT_QUANTITIES = ("dalpha",)
-QUANTITIES = (*BASE_QUANTITIES, *RESIDUAL_QUANTITIES, *DYT_QUANTITIES)
+QUANTITIES = (*BASE_QUANTITIES, *GATE_QUANTITIES, *RESIDUAL_QUANTITIES, *DYT_QUANTITIES)
 """Every quantity name, in the order `quantities` gives them."""
 
 FORWARD_QUANTITIES = ("y", "h")
@@ -29,9 +30,11 @@ __all__ = [
 
 def quantities(spec: NormSpec) -> tuple[str, ...]:
     """The names of what a hook returns for ``spec``, in order: ``("y", "dx", "dscale",
-    "dbias")``, then ``("h", "dresidual")`` when ``spec.residual`` is set, then ``("dalpha",)``
-    for ``kind="dyt"``."""
+    "dbias")``, then ``("dgate",)`` when ``spec.gate`` is set, ``("h", "dresidual")`` when
+    ``spec.residual`` is, then ``("dalpha",)`` for ``kind="dyt"``."""
     found: tuple[str, ...] = BASE_QUANTITIES
+    if spec.gate is not None:
+        found += GATE_QUANTITIES
     if spec.residual is not None:
         found += RESIDUAL_QUANTITIES
     if spec.kind == "dyt":
@@ -42,7 +45,7 @@ def quantities(spec: NormSpec) -> tuple[str, ...]:
 class Inputs(NamedTuple):
     """The arrays of one case: ``x`` and the cotangent ``dy``, the parameters (None: absent or
     at their initial value), and with a residual ``residual`` and the cotangent ``dh`` of ``h``,
-    for DyT ``alpha`` (None: ``spec.alpha_init``)."""
+    for DyT ``alpha`` (None: ``spec.alpha_init``), for a gated spec the ``gate``."""
 
     x: np.ndarray
     dy: np.ndarray
@@ -51,6 +54,7 @@ class Inputs(NamedTuple):
     residual: np.ndarray | None = None
     dh: np.ndarray | None = None
     alpha: np.ndarray | None = None
+    gate: np.ndarray | None = None
 
 
 def _param_dtype(inputs: Inputs) -> np.dtype:
@@ -76,6 +80,8 @@ def expected_dtypes(spec: NormSpec, inputs: Inputs) -> dict[str, np.dtype]:
         "dscale": own(inputs.scale),
         "dbias": own(inputs.bias),
     }
+    if spec.gate is not None and inputs.gate is not None:
+        found["dgate"] = np.asarray(inputs.gate).dtype
     if spec.residual is not None:
         kept = dtypes.float64 if x.dtype == dtypes.float64 else dtypes.float32
         found["h"] = kept if spec.residual == "float32" else x.dtype
@@ -89,9 +95,14 @@ def expected(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
     """The reference's value of each of ``quantities(spec)`` (None for an absent parameter):
     `reference.normalize` and `reference.normalize_vjp`, or `reference.add_normalize` and
     `reference.add_normalize_vjp` for a spec with a residual; ``dalpha`` of shape ``(1,)``."""
-    x, dy, scale, bias, residual, dh, alpha = inputs
+    x, dy, scale, bias, residual, dh, alpha, gate = inputs
     found: dict[str, np.ndarray | None]
-    if spec.residual is not None:
+    if spec.gate is not None:
+        if gate is None:
+            raise ValueError(f"the spec has gate={spec.gate!r}: the inputs need one")
+        y = reference.gated_normalize(x, gate, spec, scale, bias)
+        found = {"y": y, **reference.gated_normalize_vjp(x, gate, dy, spec, scale, bias)._asdict()}
+    elif spec.residual is not None:
         if residual is None:
             raise ValueError(f"the spec has residual={spec.residual!r}: the inputs need one")
         y, h = reference.add_normalize(x, residual, spec, scale, bias, alpha)
@@ -130,7 +141,9 @@ def tolerance(
     half_cast = dtypes.is_half(x.dtype) and spec.cast == "before_scale"
     if name == "y" and half_cast:
         values = _normalized(spec, inputs)
-        return x.dtype, reference.scaled_magnitude(values, spec, inputs.scale, inputs.alpha)
+        return x.dtype, reference.scaled_magnitude(
+            values, spec, inputs.scale, inputs.alpha, gate=inputs.gate
+        )
     if name in ("dx", "dresidual") and spec.residual is not None and inputs.dh is not None:
         return want_dtype, np.abs(inputs.dh.astype(np.float64))
     if name == "dscale" and half_cast and spec.backward == "autograd":

@@ -26,7 +26,7 @@ __all__ = ["Build", "Harness", "initial_params", "check_inputs"]
 Build = Callable[..., VjpFn]
 """``build(spec, shape, param_dtype, *, dtype, device, **variant) -> fn``: the function of
 ``spec``'s layer for inputs of ``shape`` and ``dtype`` on ``device``, parameters of
-``param_dtype``; ``fn(x[, residual], **params)`` with params named ``scale``, ``bias``,
+``param_dtype``; ``fn(x[, residual or gate], **params)`` with params named ``scale``, ``bias``,
 ``alpha`` (those the spec has). It raises NotImplementedError for a case the layer cannot run
 (a SKIP), ValueError for a variant that does not apply."""
 
@@ -126,12 +126,14 @@ class Harness:
         residual: np.ndarray | None = None,
         dh: np.ndarray | None = None,
         alpha: np.ndarray | None = None,
+        gate: np.ndarray | None = None,
         device: str = "cpu",
         **variant: Any,
     ) -> HookOutputs:
-        """The target's ``(y, dx, dscale, dbias)``, then ``(h, dresidual)`` with a residual,
-        then ``(dalpha,)`` for DyT, as numpy arrays in the dtypes it produced (None for a
-        parameter the spec lacks): the backward of ``sum(dy * y) + sum(dh * h)``.
+        """The target's ``(y, dx, dscale, dbias)``, then ``(dgate,)`` with a gate,
+        ``(h, dresidual)`` with a residual, then ``(dalpha,)`` for DyT, as numpy arrays in the
+        dtypes it produced (None for a parameter the spec lacks): the backward of
+        ``sum(dy * y) + sum(dh * h)``.
 
         The contract is `normkit.conformance.targets.Hook`'s: ``scale``, ``bias``, ``alpha``
         None take their initial values, in the dtype of the parameters given (float32 without
@@ -141,6 +143,13 @@ class Harness:
         given, device = device, device_name(device)
         x, dy = np.asarray(x), np.asarray(dy)
         check_inputs(spec, x, dy, scale, bias, residual, dh, alpha)
+        if (gate is None) != (spec.gate is None):
+            raise ValueError(
+                f"a gate is given exactly when the spec has one; the spec has "
+                f"gate={spec.gate!r}, gate given: {gate is not None}"
+            )
+        if gate is not None and np.shape(gate) != np.shape(x):
+            raise ValueError(f"gate has shape {np.shape(gate)}, expected x's, {np.shape(x)}")
         params = initial_params(spec, x.shape, scale, bias, alpha)
         param_dtype = next(iter(params.values())).dtype if params else np.dtype(np.float32)
         # built first: a target that cannot run on a device says so (a SKIP) wherever it runs
@@ -152,11 +161,15 @@ class Harness:
         cotangents: tuple[np.ndarray, ...] = (dy,)
         if residual is not None and dh is not None:
             primals, cotangents = (x, np.asarray(residual)), (dy, np.asarray(dh))
+        if gate is not None:  # fn(x, gate): a second input, no second output
+            primals = (x, np.asarray(gate))
         jit = bool(variant.get("jit", self.jit))
         outputs, dprimals, dparams = self.bridge.vjp(
             fn, primals, cotangents, params, device, jit=jit
         )
         ordered = [outputs[0], dprimals[0], dparams.get("scale"), dparams.get("bias")]
+        if spec.gate is not None:
+            ordered.append(dprimals[1])
         if spec.residual is not None:
             ordered += [outputs[1], dprimals[1]]
         if spec.kind == "dyt":

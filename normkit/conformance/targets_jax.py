@@ -31,26 +31,28 @@ def build(
     spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
     device: str, **variant: Any,
 ) -> VjpFn:
-    """``fn(x[, residual], **params)`` for ``api=`` ``"linen"`` (`normkit.jax.from_spec`, the
-    default), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or ``"functional"``
-    (`normkit.jax.functional.normalize` and ``add_norm``); ``jit=False`` takes the VJP eagerly
-    (default: one jitted program)."""
+    """``fn(x[, residual or gate], **params)`` for ``api=`` ``"linen"``
+    (`normkit.jax.from_spec`, the default), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or
+    ``"functional"`` (`normkit.jax.functional.normalize` and ``add_norm``); ``jit=False`` takes
+    the VJP eagerly (default: one jitted program)."""
     del dtype, device  # the layers take the input's, where the bridge puts it
     api: Api = variant.get("api", "linen")
     if api == "functional":
 
-        def apply_functional(x: Any, residual: Any = None, **p: Any) -> Any:
+        def apply_functional(x: Any, second: Any = None, **p: Any) -> Any:
             args = (spec, p.get("scale"), p.get("bias"))
-            if residual is None:
-                return functional.normalize(x, *args, alpha=p.get("alpha"))
-            return functional.add_norm(x, residual, *args, alpha=p.get("alpha"))
+            if spec.residual is None:
+                return functional.normalize(x, *args, gate=second, alpha=p.get("alpha"))
+            return functional.add_norm(x, second, *args, alpha=p.get("alpha"))
 
         return apply_functional
     if api == "linen":
         module = nkjax.from_spec(spec, param_dtype=param_dtype)
 
-        def apply_linen(x: Any, residual: Any = None, **p: Any) -> Any:
-            return module.apply({"params": p}, x, residual)
+        def apply_linen(x: Any, second: Any = None, **p: Any) -> Any:
+            if spec.gate is not None:
+                return module.apply({"params": p}, x, gate=second)
+            return module.apply({"params": p}, x, second)
 
         return apply_linen
     with _BRIDGE.float64_scope(param_dtype):
@@ -58,9 +60,11 @@ def build(
             nkjax.nnx.from_spec(spec, spec.param_shape(shape), param_dtype=param_dtype)
         )
 
-    def apply_nnx(x: Any, residual: Any = None, **p: Any) -> Any:
+    def apply_nnx(x: Any, second: Any = None, **p: Any) -> Any:
         state = nnx.State({name: nnx.Param(value) for name, value in p.items()})
-        return nnx.merge(graphdef, state)(x, residual)
+        if spec.gate is not None:
+            return nnx.merge(graphdef, state)(x, gate=second)
+        return nnx.merge(graphdef, state)(x, second)
 
     return apply_nnx
 

@@ -59,8 +59,8 @@ def build(
     spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
     device: str, **variant: Any,
 ) -> VjpFn:
-    """``fn(x[, residual], **params)``: ``from_spec(spec)`` called statelessly with the params
-    as its variables' values.
+    """``fn(x[, residual or gate], **params)``: ``from_spec(spec)`` called statelessly with the
+    params as its variables' values.
 
     Variants: ``jit=True`` compiles the VJP (``tf.function(jit_compile=True)`` on TensorFlow,
     ``jax.jit`` on JAX; the torch backend has none). ``policy=`` a Keras dtype policy name;
@@ -84,10 +84,12 @@ def build(
     order = [(named[id(v)], tuple(v.shape)) for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
 
-    def fn(x: Any, residual: Any = None, **params: Any) -> Any:
+    def fn(x: Any, second: Any = None, **params: Any) -> Any:
         _check_one_dtype(params)
         values = [keras.ops.reshape(params[name], size) for name, size in order]
-        return layer.stateless_call(values, frozen, x, residual)[0]
+        if spec.gate is not None:
+            return layer.stateless_call(values, frozen, x, gate=second)[0]
+        return layer.stateless_call(values, frozen, x, second)[0]
 
     return fn
 

@@ -31,7 +31,7 @@ def build(
     spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
     device: str, **variant: Any,
 ) -> VjpFn:
-    """``fn(x[, residual], **params)``: normkit.torch for ``spec``.
+    """``fn(x[, residual or gate], **params)``: normkit.torch for ``spec``.
 
     Variants: ``api="module"`` (`from_spec`, the default when ``spec.axis`` is the trailing axes
     of the input) or ``api="functional"`` (`normalize` / `add_norm`, the default otherwise);
@@ -70,18 +70,20 @@ def build(
             trailing_spec, spec.param_shape(shape), device, torch_dtype, kernel=kernel
         )
 
-        def call(x: torch.Tensor, residual: torch.Tensor | None = None, **params: Any) -> Any:
+        def call(x: torch.Tensor, second: torch.Tensor | None = None, **params: Any) -> Any:
             weights = {_WEIGHTS[name]: value for name, value in params.items()}
-            inputs = (x,) if residual is None else (x, residual)
+            if spec.gate is not None:
+                return torch.func.functional_call(module, weights, (x,), {"gate": second})
+            inputs = (x,) if second is None else (x, second)
             return torch.func.functional_call(module, weights, inputs)
 
     else:
 
-        def call(x: torch.Tensor, residual: torch.Tensor | None = None, **params: Any) -> Any:
+        def call(x: torch.Tensor, second: torch.Tensor | None = None, **params: Any) -> Any:
             weight, bias, alpha = (params.get(name) for name in _WEIGHTS)
-            if residual is None:
-                return normalize(x, spec, weight, bias, alpha=alpha, kernel=kernel)
-            return add_norm(x, residual, spec, weight, bias, alpha=alpha, kernel=kernel)
+            if second is None or spec.residual is None:
+                return normalize(x, spec, weight, bias, gate=second, alpha=alpha, kernel=kernel)
+            return add_norm(x, second, spec, weight, bias, alpha=alpha, kernel=kernel)
 
     if not variant.get("compiled", False):
         return call

@@ -77,9 +77,11 @@ def _run_case(
     hook: Hook, name: str, variant: dict[str, Any], case: Case, device: str, outdir: str | None
 ) -> Result:
     inputs = case.arrays()
-    x, dy, scale, bias, residual, dh, alpha = inputs
+    x, dy, scale, bias, residual, dh, alpha, gate = inputs
     # the contract's keywords, only where the spec has them: a plain spec's call is unchanged
     extra: dict[str, Any] = {}
+    if case.spec.gate is not None:
+        extra["gate"] = gate
     if case.spec.residual is not None:
         extra.update(residual=residual, dh=dh)
     if case.spec.kind == "dyt":

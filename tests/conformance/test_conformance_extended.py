@@ -187,8 +187,8 @@ def test_pairwise_reads_the_new_quantities(extended_report):
 
 def test_each_family_exercises_its_field_in_full_and_quick():
     full, quick = matrix(), matrix(quick=True)
-    assert len(full) == len({c.id for c in full}) == 968
-    assert len(quick) == len({c.id for c in quick}) == 80
+    assert len(full) == len({c.id for c in full}) == 994
+    assert len(quick) == len({c.id for c in quick}) == 83
     for cases in (full, quick):
         by_feature = {f: [c for c in cases if f in c.features] for f in FEATURES}
         assert all(by_feature.values()), [f for f, found in by_feature.items() if not found]
@@ -210,8 +210,13 @@ def test_each_family_exercises_its_field_in_full_and_quick():
         autograd
     )
     assert {c.dtype for c in full if c.spec.variance == "fast"} == set(MATRIX_DTYPES)
+    gated = {(c.spec.gate, c.spec.gate_activation, c.dtype) for c in full if c.spec.gate}
+    assert {("before", "silu"), ("after", "silu"), ("after", "sigmoid")} <= {g[:2] for g in gated}
+    assert {g[2] for g in gated} == set(MATRIX_DTYPES)
+    grouped = [c for c in full if c.spec.group_size]
+    assert {c.spec.kind for c in grouped} == {"rms", "layer"} and any(c.spec.gate for c in grouped)
     extended = [c for c in full if set(c.features) - {"float64"}]
-    assert len(extended) == 104  # small beside the 864 of the original matrix in four dtypes
+    assert len(extended) == 130  # small beside the 864 of the original matrix in four dtypes
 
 
 def test_the_families_are_deterministic_and_labelled():
