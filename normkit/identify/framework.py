@@ -11,7 +11,7 @@ import numpy as np
 from normkit.backends import bridge, device_name
 from normkit.identify.forward import Identification, identify_forward
 
-__all__ = ["identify"]
+__all__ = ["bridged_forward", "identify"]
 
 
 def identify(
@@ -39,17 +39,27 @@ def identify(
     (``notes``). Raises ValueError if ``fn`` does not behave like any kind, or
     the device is not one the framework sees.
     """
+    call = fn if params else (lambda x, scale, bias: fn(x))
+    forward = bridged_forward(call, shape, backend, device)
+    return identify_forward(forward, math.prod(shape), accepts_params=params, dtypes=dtypes)
+
+
+def bridged_forward(
+    fn: Callable[..., Any], shape: Sequence[int], backend: str, device: str
+) -> Callable[[np.ndarray, np.ndarray | None, np.ndarray | None], np.ndarray]:
+    """``forward(x, scale, bias)`` on numpy rows ``x`` of shape ``(..., rows, n)``: ``fn(x,
+    scale, bias)`` of ``backend`` on ``device``, the rows reshaped to ``shape`` and the
+    parameters to it, y as ``(rows, n)``. ValueError for a device the framework does not see."""
     framework = bridge(backend)
     device = device_name(device)
     if device not in framework.devices():
         raise ValueError(f"device {device!r} is not one {backend} sees: {framework.devices()}")
     shape = tuple(shape)
     n = math.prod(shape)
-    call = fn if params else (lambda x, scale, bias: fn(x))
 
     def forward(x: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray:
         scale, bias = (None if a is None else a.reshape(shape) for a in (scale, bias))
-        y = framework.forward(call, x.reshape((x.shape[0], *shape)), scale, bias, device)
-        return y.reshape(x.shape[0], n)
+        y = framework.forward(fn, x.reshape((*x.shape[:-1], *shape)), scale, bias, device)
+        return y.reshape(x.shape[-2], n)
 
-    return identify_forward(forward, n, accepts_params=params, dtypes=dtypes)
+    return forward

@@ -20,9 +20,9 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from normkit.backends import bridge, device_name
 from normkit.dtypes import as_float_dtype, round_to
 from normkit.identify.forward import Identification, identify_forward
+from normkit.identify.framework import bridged_forward
 from normkit.spec import GATE_ACTIVATIONS, Gate, GateActivation
 
 __all__ = ["GatedForward", "identify_gated", "identify_gated_forward"]
@@ -194,22 +194,15 @@ def identify_gated(
     """`identify` for a gated norm of a framework: ``fn(x, gate) -> y``, or
     ``fn(x, gate, scale, bias) -> y`` with ``params=True``; ``gate`` has x's shape and dtype.
     Arguments and results as in `normkit.identify.identify`."""
-    framework = bridge(backend)
-    device = device_name(device)
-    if device not in framework.devices():
-        raise ValueError(f"device {device!r} is not one {backend} sees: {framework.devices()}")
-    shape = tuple(shape)
-    n = math.prod(shape)
-
     def call(xz: Any, scale: Any, bias: Any) -> Any:  # x and the gate stacked on a first axis
         return fn(xz[0], xz[1], scale, bias) if params else fn(xz[0], xz[1])
+
+    stacked = bridged_forward(call, shape, backend, device)
 
     def forward(
         x: np.ndarray, z: np.ndarray, scale: np.ndarray | None, bias: np.ndarray | None
     ) -> np.ndarray:
-        scale, bias = (None if a is None else a.reshape(shape) for a in (scale, bias))
-        stacked = np.stack([x, z.astype(x.dtype)]).reshape((2, x.shape[0], *shape))
-        y = framework.forward(call, stacked, scale, bias, device)
-        return y.reshape(x.shape[0], n)
+        return stacked(np.stack([x, z.astype(x.dtype)]), scale, bias)
 
+    n = math.prod(shape)
     return identify_gated_forward(forward, n, accepts_params=params, dtypes=dtypes)
