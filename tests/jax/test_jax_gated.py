@@ -2,7 +2,6 @@
 activation, grouping, cast order and output dtype, forward and the gradients of x, the gate and
 the parameters; the linen and NNX modules, and the errors."""
 
-import itertools
 import zlib
 
 import jax
@@ -15,28 +14,9 @@ from flax import nnx
 from normkit import NormSpec, reference, tolerances
 from normkit.jax import functional, linen
 from normkit.jax import nnx as nk_nnx
+from tests.helpers import gated
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def _specs():
-    for kind, gate, activation, group, cast in itertools.product(
-        ["rms", "layer", "partial_rms"], [None, "before", "after"], ["silu", "sigmoid"],
-        [None, 4], ["after_scale", "before_scale"],
-    ):
-        if (gate is None and activation == "sigmoid") or (kind == "partial_rms" and group):
-            continue
-        if gate is None and group is None:
-            continue
-        yield NormSpec(
-            kind, p=0.5 if kind == "partial_rms" else None, gate=gate,
-            gate_activation=activation if gate else None, group_size=group, cast=cast,
-            bias=kind == "layer",
-        )
-
-
-def _id(spec: NormSpec) -> str:
-    return f"{spec.kind}-{spec.gate}-{spec.gate_activation}-g{spec.group_size}-{spec.cast}"
 
 
 def _check(name, got, want, spec, x_dtype, magnitude=None):
@@ -55,30 +35,31 @@ def _check(name, got, want, spec, x_dtype, magnitude=None):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("output_dtype", ["input", "promote"])
-@pytest.mark.parametrize("spec", list(_specs()), ids=_id)
+@pytest.mark.parametrize("spec", gated.specs(), ids=gated.spec_id)
 def test_functional_matches_the_reference(spec, dtype, output_dtype):
     spec = spec.replace(output_dtype=output_dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{_id(spec)}-{dtype}-{output_dtype}".encode()))
+    seed = zlib.crc32(f"{gated.spec_id(spec)}-{dtype}-{output_dtype}".encode())
+    rng = np.random.default_rng(seed)
     x = (2 * rng.standard_normal((6, 16)) + 0.5).astype(DTYPES[dtype])
     z = (2 * rng.standard_normal((6, 16))).astype(DTYPES[dtype])
     w = (1 + 0.2 * rng.standard_normal(16)).astype(np.float32)
     b = (0.2 * rng.standard_normal(16)).astype(np.float32) if spec.bias else None
-    gated = spec.gate is not None
+    has_gate = spec.gate is not None
 
     def f(x, z, w, b):
-        return functional.normalize(x, spec, w, b, gate=z if gated else None)
+        return functional.normalize(x, spec, w, b, gate=z if has_gate else None)
 
     y, vjp = jax.vjp(f, x, z, w, b)
     dy = rng.standard_normal(y.shape).astype(np.dtype(y.dtype))
     dx, dz, dw, db = vjp(jnp.asarray(dy))
-    if gated:
+    if has_gate:
         want = reference.gated_normalize(x, z, spec, w, b)
         grads = reference.gated_normalize_vjp(x, z, dy, spec, w, b)
         _check("dgate", dz, grads.dgate, spec, x.dtype)
     else:
         want = reference.normalize(x, spec, w, b)
         grads = reference.normalize_vjp(x, dy, spec, w, b)
-    magnitude = reference.scaled_magnitude(x, spec, w, gate=z if gated else None)
+    magnitude = reference.scaled_magnitude(x, spec, w, gate=z if has_gate else None)
     _check("y", y, want, spec, x.dtype, magnitude)
     _check("dx", dx, grads.dx, spec, x.dtype)
     _check("dscale", dw, grads.dscale, spec, x.dtype)

@@ -2,7 +2,6 @@
 grouping, cast order and output dtype, forward and the gradients of x, the gate and the
 weights; under jit_compile; the layers' config round trip and the errors."""
 
-import itertools
 import zlib
 
 import keras
@@ -12,32 +11,13 @@ import pytest
 
 from normkit import NormSpec, reference, tolerances
 from normkit.tf import from_spec
+from tests.helpers import gated
 
 tf = pytest.importorskip("tensorflow")
 if keras.backend.backend() != "tensorflow":
     pytest.skip("these tests take gradients with TensorFlow", allow_module_level=True)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-def _specs():
-    for kind, gate, activation, group, cast in itertools.product(
-        ["rms", "layer", "partial_rms"], [None, "before", "after"], ["silu", "sigmoid"],
-        [None, 4], ["after_scale", "before_scale"],
-    ):
-        if (gate is None and activation == "sigmoid") or (kind == "partial_rms" and group):
-            continue
-        if gate is None and group is None:
-            continue
-        yield NormSpec(
-            kind, p=0.5 if kind == "partial_rms" else None, gate=gate,
-            gate_activation=activation if gate else None, group_size=group, cast=cast,
-            bias=kind == "layer",
-        )
-
-
-def _id(spec: NormSpec) -> str:
-    return f"{spec.kind}-{spec.gate}-{spec.gate_activation}-g{spec.group_size}-{spec.cast}"
 
 
 def _check(name, got, want, spec, x_dtype, magnitude=None):
@@ -56,10 +36,11 @@ def _check(name, got, want, spec, x_dtype, magnitude=None):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("output_dtype", ["input", "promote"])
-@pytest.mark.parametrize("spec", list(_specs()), ids=_id)
+@pytest.mark.parametrize("spec", gated.specs(), ids=gated.spec_id)
 def test_layer_matches_the_reference(spec, dtype, output_dtype):
     spec = spec.replace(output_dtype=output_dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{_id(spec)}-{dtype}-{output_dtype}".encode()))
+    seed = zlib.crc32(f"{gated.spec_id(spec)}-{dtype}-{output_dtype}".encode())
+    rng = np.random.default_rng(seed)
     x = (2 * rng.standard_normal((6, 16)) + 0.5).astype(DTYPES[dtype])
     z = (2 * rng.standard_normal((6, 16))).astype(DTYPES[dtype])
     w = (1 + 0.2 * rng.standard_normal(16)).astype(np.float32)

@@ -3,7 +3,6 @@ activation, grouping, cast order and output dtype, forward and the gradients of 
 the parameters; the module, its optional gate, and each Hugging Face gated class."""
 
 import importlib
-import itertools
 import zlib
 
 import ml_dtypes
@@ -15,6 +14,7 @@ from normkit import NormSpec, reference, tolerances
 from normkit.port.gated_classes import GATED_CLASSES
 from normkit.torch import GatedRMSNorm, from_spec
 from normkit.torch.functional import normalize
+from tests.helpers import gated
 
 DTYPES = {
     "float32": (torch.float32, np.float32),
@@ -22,29 +22,6 @@ DTYPES = {
     "float16": (torch.float16, np.float16),
     "float64": (torch.float64, np.float64),
 }
-
-
-def _specs():
-    for kind, gate, activation, group, cast in itertools.product(
-        ["rms", "layer", "partial_rms"], [None, "before", "after"], ["silu", "sigmoid"],
-        [None, 4], ["after_scale", "before_scale"],
-    ):
-        if (gate is None and activation == "sigmoid") or (kind == "partial_rms" and group):
-            continue
-        if gate is None and group is None:
-            continue  # the plain norms have their own tests
-        yield NormSpec(
-            kind, p=0.5 if kind == "partial_rms" else None, gate=gate,
-            gate_activation=activation if gate else None, group_size=group, cast=cast,
-            bias=kind == "layer",
-        )
-
-
-SPECS = list(_specs())
-
-
-def _id(spec: NormSpec) -> str:
-    return f"{spec.kind}-{spec.gate}-{spec.gate_activation}-g{spec.group_size}-{spec.cast}"
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -68,11 +45,12 @@ def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, magni
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("output_dtype", ["input", "promote"])
-@pytest.mark.parametrize("spec", SPECS, ids=_id)
+@pytest.mark.parametrize("spec", gated.specs(), ids=gated.spec_id)
 def test_functional_matches_the_reference(spec, dtype, output_dtype):
     spec = spec.replace(output_dtype=output_dtype)
     torch_dtype, np_dtype = DTYPES[dtype]
-    rng = np.random.default_rng(zlib.crc32(f"{_id(spec)}-{dtype}-{output_dtype}".encode()))
+    seed = zlib.crc32(f"{gated.spec_id(spec)}-{dtype}-{output_dtype}".encode())
+    rng = np.random.default_rng(seed)
     x = (2 * rng.standard_normal((6, 16)) + 0.5).astype(np_dtype)
     z = (2 * rng.standard_normal((6, 16))).astype(np_dtype)
     w = (1 + 0.2 * rng.standard_normal(16)).astype(np.float32)
