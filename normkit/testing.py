@@ -365,6 +365,15 @@ def _stack(y: Any, h: Any, backend: str) -> Any:
     return tf.stack([y, h])
 
 
+def _no_gradient(checked: _CheckedFn, why: str) -> AssertionError:
+    return AssertionError(
+        f"{_fn_name(checked.fn)} ({checked.label}): no gradient could be taken through its "
+        f"output ({why}); y must be computed from x (and scale, bias) by differentiable "
+        f"{checked.backend} operations, with no detach, numpy round trip or stop_gradient; pass "
+        "grad=False to check the forward only"
+    )
+
+
 def _run(
     bridge: Any, checked: _CheckedFn, inputs: Inputs, grad: bool, device: str
 ) -> tuple[np.ndarray | None, ...]:
@@ -393,12 +402,9 @@ def _run(
             ) from err
         if not checked.returned:
             raise  # fn's own error, with its own traceback
-        raise AssertionError(
-            f"{name}: no gradient could be taken through its output "
-            f"({type(err).__name__}: {first_line}); y must be computed from x (and scale, bias) "
-            f"by differentiable {checked.backend} operations, with no detach, numpy round trip "
-            "or stop_gradient; pass grad=False to check the forward only"
-        ) from err
+        raise _no_gradient(checked, f"{type(err).__name__}: {first_line}") from err
+    if dx is None:  # the framework found no path from y back to x
+        raise _no_gradient(checked, "none reaches x")
     found = checked.unpack(y, dx, dparams.get("scale"), dparams.get("bias"), inputs)
     return tuple(found.get(q) for q in quantities(checked.spec))
 

@@ -111,7 +111,7 @@ def test_an_output_with_no_gradient_path_to_x_fails_naming_it():
         return after_scale(x.detach(), weight, bias)
 
     with pytest.raises(AssertionError, match=r"x_detached \(float32\[5, 7\]\): no gradient could "
-                       r"be taken through its output \(AttributeError: .*\); y must be computed "
+                       r"be taken through its output \(none reaches x\); y must be computed "
                        "from x .* by differentiable torch operations"):
         assert_conforms(x_detached, SPEC, backend="torch", params=True, **F32)
 

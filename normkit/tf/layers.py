@@ -721,8 +721,13 @@ class _Norm(keras.layers.Layer):
             # a traced cond outputs every intermediate either branch's gradient reads (the plain
             # branch's x r for the scale's gradient, whole tensors), where XLA would fuse their
             # recomputation into the backward's passes.
+            # RMSNorm with eps inside keeps autodiff in Keras' order (bit-identical training):
+            # a recomputed plain branch differentiates x through the statistics passed in,
+            # another order of the same sums.
             recompute = (lambda f: f) if affine is None else _recomputed
-            guarded_branch, plain_branch = recompute(guarded), recompute(plain)
+            keras_order = spec.kind == "rms" and spec.eps_placement == "inside"
+            guarded_branch = recompute(guarded)
+            plain_branch = plain if keras_order else recompute(plain)
             return ops.cond(
                 any_bad,
                 lambda: guarded_branch(source, *params),

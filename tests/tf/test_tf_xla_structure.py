@@ -55,7 +55,14 @@ LAYER = (LayerNorm, keras.layers.LayerNormalization)
     "ours, theirs, dtype",
     [
         (*RMS, "float32"),
-        (*RMS, "bfloat16"),
+        pytest.param(
+            *RMS, "bfloat16",
+            marks=pytest.mark.xfail(strict=True, reason=(
+                "RMSNorm is differentiated by autodiff through Keras' operations (bit-identical "
+                "training); the branch's float32 copy of a bfloat16 input is then an array the "
+                "backward reads"
+            )),
+        ),
         (*LAYER, "float32"),
         (*LAYER, "bfloat16"),
     ],
