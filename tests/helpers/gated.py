@@ -1,8 +1,11 @@
-"""The gated and grouped specs every adapter's gated test runs, and their test ids."""
+"""The gated and grouped specs every adapter's gated test runs, their test ids, and the check
+of one output or gradient against the reference."""
 
 import itertools
 
-from normkit import NormSpec
+import numpy as np
+
+from normkit import NormSpec, dtypes, tolerances
 
 
 def specs() -> list[NormSpec]:
@@ -28,3 +31,19 @@ def specs() -> list[NormSpec]:
 
 def spec_id(spec: NormSpec) -> str:
     return f"{spec.kind}-{spec.gate}-{spec.gate_activation}-g{spec.group_size}-{spec.cast}"
+
+
+def check(name, got, got_dtype, want, spec, x_dtype, magnitude=None):
+    """``got`` (float64 values of an array of ``got_dtype``, a dtype name) within the tolerance
+    of its dtype; ``y`` has the reference's dtype and, with ``cast="before_scale"`` and a half
+    x, is read in ulps of x's dtype, where ``y_hat`` is rounded (`normkit.conformance.compare`).
+    """
+    dtype = dtypes.DTYPE_NAMES[got_dtype]
+    if name == "y":
+        assert dtype == np.dtype(want.dtype), (got_dtype, want.dtype)
+        if spec.cast == "before_scale" and dtypes.is_half(np.dtype(x_dtype)):
+            dtype = np.dtype(x_dtype)
+    tolerances.assert_close(
+        got, want, dtype, "forward" if name == "y" else "grad", spec.cast,
+        what=f"{name} of {spec!r}", magnitude=magnitude,
+    )

@@ -21,17 +21,8 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def _check(name, got, want, spec, x_dtype, magnitude=None):
-    """``got`` within the tolerance of its dtype; ``y`` with ``cast="before_scale"`` and a half
-    x in ulps of x's dtype, where ``y_hat`` is rounded (`normkit.conformance.compare`)."""
-    dtype = np.dtype(got.dtype.name if got.dtype.name != "bfloat16" else ml_dtypes.bfloat16)
-    if name == "y":
-        assert dtype == np.dtype(want.dtype), (got.dtype, want.dtype)
-        if spec.cast == "before_scale" and np.dtype(x_dtype).itemsize == 2:
-            dtype = np.dtype(x_dtype)
-    tolerances.assert_close(
-        tf.cast(got, "float64").numpy(), want, dtype, "forward" if name == "y" else "grad",
-        spec.cast, what=f"{name} of {spec!r}", magnitude=magnitude,
-    )
+    gated.check(name, tf.cast(got, "float64").numpy(), got.dtype.name, want, spec, x_dtype,
+                magnitude)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

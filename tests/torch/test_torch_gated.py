@@ -29,18 +29,9 @@ def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, magnitude=None,
-           x_dtype: torch.dtype | None = None):
-    """``got`` within the tolerance of its dtype; ``y`` with ``cast="before_scale"`` and a half
-    x in ulps of x's dtype, where ``y_hat`` is rounded (`normkit.conformance.compare`)."""
-    dtype = str(got.dtype).removeprefix("torch.")
-    if name == "y":
-        assert dtype == np.dtype(want.dtype).name, (dtype, want.dtype)
-        if spec.cast == "before_scale" and x_dtype in (torch.bfloat16, torch.float16):
-            dtype = str(x_dtype).removeprefix("torch.")
-    tolerances.assert_close(
-        got.detach().double().numpy(), want, dtype, "forward" if name == "y" else "grad",
-        spec.cast, what=f"{name} of {spec!r}", magnitude=magnitude,
-    )
+           x_dtype: torch.dtype = torch.float32):
+    gated.check(name, got.detach().double().numpy(), str(got.dtype).removeprefix("torch."),
+                want, spec, DTYPES[str(x_dtype).removeprefix("torch.")][1], magnitude)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
