@@ -439,11 +439,16 @@ def _normalize_trailing(
         chosen != "composite"
         and all(p is None or p.dtype in kernel_dtypes for p in (weight, bias))
         and (res_rows is None or res_rows.dtype == x.dtype)
+        and (gate is None or gate.dtype == x.dtype)
     ):
-        options = dict(
-            kind=spec.kind, k=k, eps=spec.eps, outside=spec.eps_placement == "outside",
-            scale_offset=spec.scale_offset, cast=spec.cast,
+        options: dict[str, object] = dict(
+            kind=spec.kind, k=min(k, group), eps=spec.eps,
+            outside=spec.eps_placement == "outside", scale_offset=spec.scale_offset,
+            cast=spec.cast,
         )
+        if spec.gate is not None or spec.group_size is not None:
+            gate_rows = None if gate is None else gate.reshape(rows.shape).contiguous()
+            options.update(_kernel_gating(x.dtype, gate_rows, spec, group, weight, bias))
         chosen_module = kernels.module(chosen)
         if res_rows is None:
             y = chosen_module.norm_rows(rows.contiguous(), w, b, **options)
@@ -493,6 +498,30 @@ def _normalize_trailing(
         x.dtype, out, spec.variance == "fast",
     )
     return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
+
+
+def _kernel_gating(
+    dtype: torch.dtype,
+    gate: torch.Tensor | None,
+    spec: NormSpec,
+    group: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> dict[str, object]:
+    """The kernels' keywords for a gated or grouped spec: the statistic over each ``group``
+    contiguous elements; the ``gate`` rows (x's ``dtype``) applied ``gate_position`` with
+    ``activation``; ``round_affine``: whether ``u = y_hat g + b`` is rounded to x's dtype
+    before a gate after the norm (the affine dtype of ``"before_scale"`` with parameters in
+    x's half dtype)."""
+    affine = _affine_dtype(dtype, spec, weight, bias)
+    return dict(
+        group=group,
+        gate=gate,
+        gate_position=spec.gate,
+        activation=spec.gate_activation or "silu",
+        round_affine=spec.gate == "after" and spec.cast == "before_scale"
+        and affine == dtype and dtype in _HALF,
+    )
 
 
 def _affine_dtype(
