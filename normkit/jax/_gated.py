@@ -1,26 +1,23 @@
-"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) in JAX.
+"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) in JAX, in the order
+of steps of `normkit._gating`.
 
 The statistic is `normkit.jax.functional.normalize`'s (its analytic VJP and its guards for
 rows that overflow or underflow) over groups of ``group_size`` elements, in the compute dtype;
 the gate and the affine step are jnp ops around it, so JAX differentiates them, in the compute
 dtype, with one rounding to each input's dtype. The roundings of the dtype policy shape the
-forward value only (`_with_value`), as in the reference::
-
-    v = x * a(z)  (gate="before")  else x            in the compute dtype
-    y_hat = per-group normalization of v             rounded to x's dtype for "before_scale"
-    u = y_hat * (scale_offset + w) + b               rounded to the affine dtype for
-                                                      "before_scale" with gate="after"
-    y = u * a(z)  (gate="after")   else u            rounded to the output dtype
+forward value only (`_with_value`), as in the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from normkit import _gating
 from normkit.spec import NormSpec
 
 __all__ = ["gated_or_grouped"]
@@ -76,11 +73,8 @@ def gated_or_grouped(
         assert a is not None
         v = v * a
     group = spec.group_size or n
-    inner = NormSpec(
-        spec.kind, eps=spec.eps, eps_placement=spec.eps_placement, p=spec.p, axis=-1,
-        scale=False, bias=False, variance=spec.variance,
-    )
-    y_hat = normalize(v.reshape((*lead_shape, n // group, group)), inner).reshape(v.shape)
+    groups = v.reshape((*lead_shape, n // group, group))
+    y_hat = normalize(groups, _gating.group_spec(spec)).reshape(v.shape)
     g = None  # no scale, or its initial value: an effective scale of 1
     if scale is not None:
         w = scale.reshape(n)
@@ -99,18 +93,10 @@ def gated_or_grouped(
         kinds.append(bias.dtype)
     affine_dtype = jnp.result_type(*kinds)
 
-    def affine_and_gate(rounded: Callable[[jax.Array, jnp.dtype], jax.Array] | None) -> jax.Array:
-        u = y_hat if rounded is None else rounded(y_hat, x.dtype)
-        if g is not None:
-            u = u * g
-        if b is not None:
-            u = u + b
-        if spec.gate == "after":
-            assert a is not None
-            u = (u if rounded is None else rounded(u, affine_dtype)) * a
-        return u
-
-    y = affine_and_gate(None)
+    affine_and_gate = functools.partial(
+        _gating.affine_and_gate, y_hat, g, b, a, spec, x.dtype, affine_dtype
+    )
+    y = affine_and_gate()
     if spec.cast == "before_scale" and x.dtype != acc:
         value = affine_and_gate(lambda t, to: t.astype(to).astype(acc))
         y = _with_value(y, jax.lax.stop_gradient(value))

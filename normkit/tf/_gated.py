@@ -1,42 +1,31 @@
-"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) in ``keras.ops``.
+"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) in ``keras.ops``, in
+the order of steps of `normkit._gating`.
 
 The statistic is an inner normkit layer's (its guards for rows that overflow or underflow, its
 exact gradient) over groups of ``group_size`` elements, in the compute dtype; the gate and the
 affine step are ops around it, differentiated by the backend in the compute dtype. The roundings
 of the dtype policy shape the forward value only (``y + stop_gradient(value - y)``, as the
-layers' before-scale cast does), so the gradient is the reference's::
-
-    v = x * a(z)  (gate="before")  else x            in the compute dtype
-    y_hat = per-group normalization of v             rounded to x's dtype for "before_scale"
-    u = y_hat * (scale_offset + w) + b               rounded to the affine dtype for
-                                                      "before_scale" with gate="after"
-    y = u * a(z)  (gate="after")   else u            rounded to the output dtype
+layers' before-scale cast does), so the gradient is the reference's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 from keras import ops
 
+from normkit import _gating
 from normkit.spec import NormSpec
 
-__all__ = ["gated_or_grouped", "inner_spec"]
+__all__ = ["gated_or_grouped"]
 
 
 def activation(z: Any, name: str) -> Any:
     """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``."""
     return z * ops.sigmoid(z) if name == "silu" else ops.sigmoid(z)
-
-
-def inner_spec(spec: NormSpec) -> NormSpec:
-    """The ungated norm without parameters that normalizes each group, over the last axis."""
-    return NormSpec(
-        spec.kind, eps=spec.eps, eps_placement=spec.eps_placement, p=spec.p, axis=-1,
-        scale=False, bias=False, variance=spec.variance,
-    )
 
 
 def gated_or_grouped(
@@ -53,8 +42,8 @@ def gated_or_grouped(
 ) -> Any:
     """``spec`` on ``x`` (in ``work``, with the policy of ``dtype`` inputs) and ``gate`` (None
     without one), y in ``out``. ``scale`` is ``scale_offset + w`` and ``bias`` ``b``, both in
-    ``work`` and shaped as the normalized axes, or None; ``normalize(v)`` is `inner_spec`'s norm
-    of ``v`` (in ``work``) over its last axis."""
+    ``work`` and shaped as the normalized axes, or None; ``normalize(v)`` is the norm of
+    `normkit._gating.group_spec` on ``v`` (in ``work``) over its last axis."""
     axes = spec.resolve_axes(len(x.shape))
     lead = [a for a in range(len(x.shape)) if a not in axes]
     order = (*lead, *axes)
@@ -74,17 +63,10 @@ def gated_or_grouped(
     g = None if scale is None else ops.reshape(scale, (n,))
     b = None if bias is None else ops.reshape(bias, (n,))
 
-    def affine_and_gate(rounded: Callable[[Any, str], Any] | None) -> Any:
-        u = y_hat if rounded is None else rounded(y_hat, dtype)
-        if g is not None:
-            u = u * g
-        if b is not None:
-            u = u + b
-        if spec.gate == "after":
-            u = (u if rounded is None else rounded(u, affine_dtype)) * a
-        return u
-
-    y = affine_and_gate(None)
+    affine_and_gate = functools.partial(
+        _gating.affine_and_gate, y_hat, g, b, a, spec, dtype, affine_dtype
+    )
+    y = affine_and_gate()
     if spec.cast == "before_scale" and dtype != work:
         value = affine_and_gate(lambda t, to: ops.cast(ops.cast(t, to), work))
         y = y + ops.stop_gradient(value - y)

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from normkit import dtypes, reference
+from normkit import _gating, dtypes, reference
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -448,7 +448,7 @@ class _Norm(keras.layers.Layer):
         if self._spec.gate is not None or self._spec.group_size is not None:
             self._spec.group_count(math.prod(param_shape))
             # Each group's statistic, with this layer's guards and exact gradient.
-            self._grouped = from_spec(_gated.inner_spec(self._spec), autocast=False)
+            self._grouped = from_spec(_gating.group_spec(self._spec), autocast=False)
         dtype = self.param_dtype
         if self._spec.kind == "dyt":
             self.alpha = self.add_weight(

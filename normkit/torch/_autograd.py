@@ -1,7 +1,8 @@
 """The normkit kernel for PyTorch: custom autograd.Functions with analytic backwards.
 
-`NormFunction` computes the normalization kinds, `DytFunction` DyT, and `RoundThrough` rounds
-the sum of a ``residual="rounded"`` add while its gradient passes unrounded.
+`NormFunction` computes the normalization kinds and `DytFunction` DyT; `WithValue` takes a
+forward value with the gradient of another expression, and `RoundThrough`, one of its kind,
+rounds the sum of a ``residual="rounded"`` add while its gradient passes unrounded.
 
 Inputs are 2-D: rows of the ``n`` normalized elements. The forward saves only the input and one
 statistic per row, ``r = r(s)`` (float32, or float64 for float64 input); the backward recomputes
@@ -252,47 +253,6 @@ def _rounded_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return round_through(y, dtype) if torch.compiler.is_compiling() else y.to(dtype).to(y.dtype)
 
 
-def _forward(
-    x: torch.Tensor,
-    g: torch.Tensor | None,
-    b: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    cast: str,
-    dtype: torch.dtype | None = None,
-    out: torch.dtype | None = None,
-    fast: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, r)`` for rows ``x`` with effective scale ``g`` and bias ``b`` (both in acc dtype).
-
-    ``dtype``: the input dtype whose policy applies (default x's; the float32 values of a
-    residual sum follow their half input's); ``out``: y's dtype (default ``dtype``); ``fast``:
-    LayerNorm's ``variance="fast"``.
-    """
-    dtype = x.dtype if dtype is None else dtype
-    out = dtype if out is None else out
-    acc = _acc_dtype(dtype)
-    if fast:
-        centered, s = _fast_statistic(x, acc)
-        r = _rstd(s, eps, outside)
-        y = centered * r
-    else:
-        if _in_place(x) and kind != "layer" and dtype == x.dtype:
-            result = _forward_in_place(x, g, b, k, eps, outside)
-            if result is not None:
-                return result[0].to(out), result[1]
-        rows = _scaled_statistic(x, kind, k, eps, outside)
-        r = _rstd(rows.s, rows.eps, outside)
-        y = rows.c * r
-        if rows.sigma is not None:
-            r = r * rows.sigma
-    if dtype != acc and cast == "before_scale":
-        y = _rounded_to(y, dtype)
-    return _affine(y, g, b).to(out), r.squeeze(-1)
-
-
 def _forward_in_place(
     x: torch.Tensor,
     g: torch.Tensor | None,
@@ -301,8 +261,8 @@ def _forward_in_place(
     eps: float,
     outside: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`_forward` for the RMS kinds on float32/float64 rows, the affine step in place; None
-    when a row needs scaling (`_scaled_statistic`)."""
+    """`NormFunction.forward` for the RMS kinds on float32/float64 rows, the affine step in
+    place; None when a row needs scaling (`_scaled_statistic`)."""
     head = x[:, :k]
     r = torch.linalg.vecdot(head, head).unsqueeze(-1).div_(k)
     if outside:
@@ -438,9 +398,9 @@ class NormFunction(torch.autograd.Function):
     scale ``scale_offset + w`` and ``b`` the bias, both in the acc dtype (float32, float64 for
     float64 ``x``) or None; ``kind`` is a `NormSpec` kind, ``k`` its ``stat_size(n)``,
     ``outside`` whether eps is added outside the square root, ``cast`` the half-precision cast
-    order; ``dtype`` the input dtype whose policy applies (default x's), ``out`` y's dtype
-    (default ``dtype``), ``fast`` LayerNorm's ``variance="fast"`` (whose gradient is that of the
-    exact statistic). Returns ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable; the
+    order; ``dtype`` the input dtype whose policy applies (default x's; the float32 values of a
+    residual sum follow their half input's), ``out`` y's dtype (default ``dtype``), ``fast``
+    LayerNorm's ``variance="fast"`` (whose gradient is that of the exact statistic). Returns ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable; the
     gradient of ``x`` has x's dtype.
     """
 
@@ -460,7 +420,26 @@ class NormFunction(torch.autograd.Function):
         out: torch.dtype | None = None,
         fast: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(x, g, b, kind, k, eps, outside, cast, dtype, out, fast)
+        dtype = x.dtype if dtype is None else dtype
+        out = dtype if out is None else out
+        acc = _acc_dtype(dtype)
+        if fast:
+            centered, s = _fast_statistic(x, acc)
+            r = _rstd(s, eps, outside)
+            y = centered * r
+        else:
+            if _in_place(x) and kind != "layer" and dtype == x.dtype:
+                result = _forward_in_place(x, g, b, k, eps, outside)
+                if result is not None:
+                    return result[0].to(out), result[1]
+            rows = _scaled_statistic(x, kind, k, eps, outside)
+            r = _rstd(rows.s, rows.eps, outside)
+            y = rows.c * r
+            if rows.sigma is not None:
+                r = r * rows.sigma
+        if dtype != acc and cast == "before_scale":
+            y = _rounded_to(y, dtype)
+        return _affine(y, g, b).to(out), r.squeeze(-1)
 
     @staticmethod
     def setup_context(
@@ -561,18 +540,15 @@ class GradInFormat(torch.autograd.Function):
         return grad.contiguous(memory_format=ctx.memory_format), None
 
 
-class RoundThrough(torch.autograd.Function):
-    """``x`` rounded to ``dtype`` (kept in x's dtype); the gradient passes through unrounded.
-
-    The ``residual="rounded"`` sum: its value is the rounded one, but the gradients flowing into
-    it are added in the compute dtype and rounded once, as the reference's VJP does.
-    """
+class WithValue(torch.autograd.Function):
+    """``value`` in the forward pass, the gradient of ``exact`` in the backward: the rounded
+    result of the dtype policy, differentiated as the reference does, without its roundings."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return _rounded_to(x, dtype)
+    def forward(exact: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -581,3 +557,15 @@ class RoundThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class RoundThrough(WithValue):
+    """``x`` rounded to ``dtype`` (kept in x's dtype); the gradient passes through unrounded.
+
+    The ``residual="rounded"`` sum: its value is the rounded one, but the gradients flowing into
+    it are added in the compute dtype and rounded once, as the reference's VJP does.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        return _rounded_to(x, dtype)

@@ -1,4 +1,5 @@
-"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) on rows (rows, n).
+"""The gated and grouped norms (`NormSpec.gate`, `NormSpec.group_size`) on rows (rows, n), in
+the order of steps of `normkit._gating`.
 
 The statistic is `NormFunction`'s (its exact backward and its rescaling of rows that overflow
 or underflow) taken over groups of ``group_size`` elements; the gate and the affine step are
@@ -6,49 +7,24 @@ torch ops around it, so autograd carries the gradients of x, the gate and the pa
 through them in the compute dtype, rounded once to each input's dtype. The roundings of the
 dtype policy shape the forward value only (`WithValue`), as in the reference. In a graph being
 recorded (``eager``) the statistic is the eager op sequence of `normkit.torch._eager` and the
-roundings are plain casts, which autograd differentiates::
-
-    v = x * a(z)  (gate="before")  else x            in the compute dtype
-    y_hat = per-group normalization of v             rounded to x's dtype for "before_scale"
-    u = y_hat * g + b                                 rounded to the affine dtype for
-                                                      "before_scale" with gate="after"
-    y = u * a(z)  (gate="after")   else u            rounded to the output dtype
+roundings are plain casts, which autograd differentiates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
 
 import torch
 
+from normkit import _gating
 from normkit.spec import NormSpec
 from normkit.torch import _eager
-from normkit.torch._autograd import NormFunction, _acc_dtype, _rounded_to
+from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to
 
 
 def activation(z: torch.Tensor, name: str) -> torch.Tensor:
     """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``."""
     return torch.nn.functional.silu(z) if name == "silu" else torch.sigmoid(z)
-
-
-class WithValue(torch.autograd.Function):
-    """``value`` in the forward pass, the gradient of ``exact`` in the backward: the rounded
-    result of the dtype policy, differentiated as the reference does, without its roundings."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(exact: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return value
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 def norm_rows(
@@ -90,22 +66,13 @@ def norm_rows(
         )
     y_hat = y_hat.reshape(v.shape)
 
-    def affine_and_gate(rounded: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None):
-        """u = y_hat g + b, and u a(z) after the norm; ``rounded`` at the rounding points."""
-        u = y_hat if rounded is None else rounded(y_hat, dtype)
-        if g is not None:
-            u = u * g
-        if b is not None:
-            u = u + b
-        if spec.gate == "after":
-            assert a is not None
-            u = (u if rounded is None else rounded(u, affine_dtype)) * a
-        return u
-
+    affine_and_gate = functools.partial(
+        _gating.affine_and_gate, y_hat, g, b, a, spec, dtype, affine_dtype
+    )
     if spec.cast != "before_scale" or dtype == acc:
-        return affine_and_gate(None).to(out)
+        return affine_and_gate().to(out)
     if eager:
         return affine_and_gate(lambda t, to: t.to(to).to(acc)).to(out)
     with torch.no_grad():
         value = affine_and_gate(_rounded_to)
-    return WithValue.apply(affine_and_gate(None), value).to(out)
+    return WithValue.apply(affine_and_gate(), value).to(out)
