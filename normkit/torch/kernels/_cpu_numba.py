@@ -36,6 +36,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 RMS, PARTIAL_RMS, LAYER = 0, 1, 2
+NO_GATE, GATE_BEFORE, GATE_AFTER = 0, 1, 2
 ROW_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.uint16}
 
 _FAST_LOW = 1e-30
@@ -58,6 +59,23 @@ def signatures(dtype: str) -> tuple[str, str]:
     backward_sig = (
         f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], {vec}, "
         f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64, int64)"
+    )
+    return forward_sig, backward_sig
+
+
+def gated_signatures(dtype: str) -> tuple[str, str]:
+    """The numba signatures of `gated_forward` and `gated_backward` for rows of ``dtype``."""
+    rows = f"{np.dtype(ROW_DTYPES[dtype]).name}[:, ::1]"
+    vec = "float32[::1]"
+    table = "float32[:, ::1]"
+    forward_sig = (
+        f"void({rows}, {rows}, {vec}, {vec}, {rows}, {table}, int64, int64, int64, float64, "
+        "boolean, boolean, int64, boolean, boolean, int64, int64)"
+    )
+    backward_sig = (
+        f"void({rows}, {rows}, {table}, {rows}, {vec}, {vec}, {rows}, {rows}, {table}, {table}, "
+        f"{vec}, {vec}, int64, int64, int64, float64, boolean, int64, boolean, boolean, "
+        "boolean, int64, int64)"
     )
     return forward_sig, backward_sig
 
@@ -390,6 +408,19 @@ def _exact_moments(row: np.ndarray, kind: int, k: int) -> tuple[float, float]:
 
 
 @njit(cache=True)
+def _moments(x: np.ndarray, kind: int, k: int, exact: bool) -> tuple[float, float]:
+    """``(mean, s)`` of a row: with ``exact`` summed in float64 throughout (`_exact_moments`),
+    else in float32 chunks (LayerNorm in two passes, `_layer_moments`)."""
+    if exact:
+        # y_hat is rounded once, as the reference rounds it, only from a statistic exact to
+        # float64: float32 chunk sums move y_hat across rounding midpoints of the half dtype.
+        return _exact_moments(x, kind, k)
+    if kind == LAYER:
+        return _layer_moments(x)
+    return 0.0, _row_sum(x[:k], True) / k
+
+
+@njit(cache=True)
 def _rstd(s: float, eps: float, outside: bool) -> float:
     if outside:
         return 1.0 / (np.sqrt(s) + eps)
@@ -474,18 +505,10 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     """``y = (x - mean) * r * g + b`` for one row; returns ``r``. The statistic is read first
     (a loop that only reads, so its machine code, and the order of its sums, cannot depend on
     where the arrays lie), then ``y`` is written from the row, now in the cache.
-    With ``before_scale`` the normalized value is rounded to the row's dtype before the
+    With ``before_scale`` the normalized value is rounded to ``y``'s dtype before the
     affine step; without ``biased`` (`_biased`) the common case does not read ``b``."""
     n = x.size
-    if before_scale:
-        # y_hat is rounded once, as the reference rounds it, only from a statistic exact to
-        # float64: float32 chunk sums move y_hat across rounding midpoints of the half dtype.
-        mean, s = _exact_moments(x, kind, k)
-    elif kind == LAYER:
-        mean, s = _layer_moments(x)
-    else:
-        mean = 0.0
-        s = _row_sum(x[:k], True) / k
+    mean, s = _moments(x, kind, k, before_scale)
     r = _rstd(s, eps, outside)
     if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
@@ -493,13 +516,13 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     elif _fast(r) and (mean == 0.0 or _fast(mean)):
         # y_hat in float64, rounded once: its rounding is that of the reference.
         for j in range(n):
-            v = _round_like(x, (np.float64(_load(x, j)) - mean) * r)
+            v = _round_like(y, (np.float64(_load(x, j)) - mean) * r)
             _store(y, j, v * g[j] + b[j])
     else:
         for j in range(n):
             v = (np.float64(_load(x, j)) - mean) * r
             if before_scale:
-                v = np.float64(_round_like(x, v))
+                v = np.float64(_round_like(y, v))
             _store(y, j, np.float32(v * g[j] + b[j]))
     return r
 
@@ -604,8 +627,9 @@ def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
 @njit(cache=True)
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
-                  outside: bool, need_b: bool) -> None:
-    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``. The row's sums
+                  outside: bool, need_b: bool) -> tuple[float, float]:
+    """``dx`` of one row; adds ``dy * y_hat`` to ``dg`` and ``dy`` to ``db``; returns the row's
+    ``(mean, r)`` (float64, the mean 0 for the RMS kinds). The row's sums
     are read first (loops that only read), then ``dx`` is written from the cached row.
 
     The forward's float32 ``r`` serves where it determines ``r'(s)`` (eps inside, r in
@@ -652,6 +676,7 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
         d0 = np.float64(_load(dy, 0)) * g[0]
         dx0 = _first_of_one(np.float64(_load(x, 0)), d0, tail, r, eps, outside)
         _store(dx, 0, np.float32(dx0))
+    return mean, r
 
 
 @njit(cache=True)
@@ -691,6 +716,209 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
             for i in range(blk * block, min(rows, blk * block + block)):
                 _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
                               outside, need_b)
+            blk = _claim(claimed)
+    if need_g:
+        _add_rows(dg, dg_total)
+    if need_b:
+        _add_rows(db, db_total)
+
+
+# ---- gated and grouped rows ------------------------------------------------------------------
+# A group is a sub-row with its own statistic (``r[i, group]``) and its slice of g and b; the
+# ungated row functions above serve each group. The gate's activation ``a(z)`` (and ``a'(z)``
+# in the backward) is taken once per row into a float32 row buffer of the task, as is the
+# norm's input ``v = x a(z)`` for ``gate="before"`` (float32, the rounding point of the
+# reference's policy); a loop of the row then reads them from the cache.
+
+
+@njit(cache=True)
+def _activate(z: np.ndarray, a: np.ndarray, slope: np.ndarray, sigmoid: bool, with_slope: bool
+              ) -> None:
+    """``a = act(z)`` and, ``with_slope``, ``slope = act'(z)`` in float32, from ``e = e^-|z|``
+    (no overflow, no cancellation)::
+
+        sigmoid(z) = 1 / (1 + e) for z >= 0, else e / (1 + e); sigmoid(-z) the other one
+        silu(z) = z sigmoid(z)         silu'(z) = sigmoid(z) (1 + z sigmoid(-z))
+                                       sigmoid'(z) = sigmoid(z) sigmoid(-z)
+    """
+    one = np.float32(1.0)
+    for j in range(a.size):
+        zj = _load(z, j)
+        e = np.exp(-abs(zj))
+        near = one / (one + e)
+        far = e / (one + e)
+        sig, sig_neg = (near, far) if zj >= 0.0 else (far, near)
+        if sigmoid:
+            a[j] = sig
+            if with_slope:
+                slope[j] = sig * sig_neg
+        else:
+            a[j] = zj * sig
+            if with_slope:
+                slope[j] = sig * (one + zj * sig_neg)
+
+
+@njit(cache=True)
+def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, b: np.ndarray,
+                    kind: int, k: int, eps: float, outside: bool, before_scale: bool,
+                    round_affine: bool) -> float:
+    """``y = (y_hat g + b) a`` for one row (or group), ``y_hat = (x - mean) r``; returns ``r``.
+    With ``before_scale`` ``y_hat`` is rounded to ``y``'s dtype, with ``round_affine`` also
+    ``u = y_hat g + b``, each once from float64, as in the reference."""
+    mean, s = _moments(x, kind, k, before_scale)
+    r = _rstd(s, eps, outside)
+    if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
+        m_hi, m_lo = _split(mean)
+        r32 = np.float32(r)
+        for j in range(x.size):
+            _store(y, j, (((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j]) * a[j])
+    else:
+        for j in range(x.size):
+            v = (np.float64(_load(x, j)) - mean) * r
+            if before_scale:
+                v = np.float64(_round_like(y, v))
+            u = v * g[j] + b[j]
+            if round_affine:
+                u = np.float64(_round_like(y, u))
+            _store(y, j, _round_like(y, u * a[j]))
+    return r
+
+
+@njit(cache=True)
+def _gated_forward_row(x: np.ndarray, z: np.ndarray, y: np.ndarray, g: np.ndarray,
+                       b: np.ndarray, r: np.ndarray, a: np.ndarray, v: np.ndarray, kind: int,
+                       k: int, group: int, eps: float, outside: bool, before_scale: bool,
+                       gate: int, sigmoid: bool, round_affine: bool, biased: bool) -> None:
+    """One row: ``y`` per group of ``group`` elements, each group's ``r`` into ``r``;
+    ``gate="before"`` normalizes ``v = x a(z)``, ``"after"`` multiplies ``u`` by ``a(z)``."""
+    if gate != NO_GATE:
+        _activate(z, a, a, sigmoid, False)
+    if gate == GATE_BEFORE:
+        for j in range(x.size):
+            v[j] = _load(x, j) * a[j]
+    for i in range(r.size):
+        lo = i * group
+        hi = lo + group
+        if gate == GATE_BEFORE:
+            r[i] = _forward_row(v[lo:hi], y[lo:hi], g[lo:hi], b[lo:hi], kind, k, eps, outside,
+                                before_scale, biased)
+        elif gate == GATE_AFTER:
+            r[i] = _gate_after_row(x[lo:hi], y[lo:hi], a[lo:hi], g[lo:hi], b[lo:hi], kind, k,
+                                   eps, outside, before_scale, round_affine)
+        else:
+            r[i] = _forward_row(x[lo:hi], y[lo:hi], g[lo:hi], b[lo:hi], kind, k, eps, outside,
+                                before_scale, biased)
+
+
+@njit(parallel=True, cache=True)
+def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray,
+                  r: np.ndarray, kind: int, k: int, group: int, eps: float, outside: bool,
+                  before_scale: bool, gate: int, sigmoid: bool, round_affine: bool, block: int,
+                  workers: int) -> None:
+    """`forward` for a gated or grouped spec: ``r`` is (rows, groups); ``z`` the gate rows
+    (``x``'s shape; (rows, 0) and unread for `NO_GATE`), ``gate`` its position, ``sigmoid``
+    the activation (else SiLU), ``round_affine`` as in `_gate_after_row`. Blocks are claimed
+    as in `forward`; a row's values depend on that row alone."""
+    rows, n = x.shape
+    blocks = (rows + block - 1) // block
+    biased = _biased(b)
+    claimed = np.zeros(1, np.int64)
+    for _ in prange(min(workers, blocks)):
+        buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
+        blk = _claim(claimed)
+        while blk < blocks:
+            for i in range(blk * block, min(rows, blk * block + block)):
+                _gated_forward_row(x[i], z[i], y[i], g, b, r[i], buffers[0], buffers[1], kind,
+                                   k, group, eps, outside, before_scale, gate, sigmoid,
+                                   round_affine, biased)
+            blk = _claim(claimed)
+
+
+@njit(cache=True)
+def _gate_after_gradient(x: np.ndarray, dy: np.ndarray, dz: np.ndarray, slope: np.ndarray,
+                         g: np.ndarray, b: np.ndarray, r: float, mean: float) -> None:
+    """``dz = dy u a'(z)``, ``u = (x - mean) r g + b`` (unrounded): in float32 with the mean
+    split, in float64 where the row's scalars are not float32-safe (`_fast`)."""
+    if _fast(r) and (mean == 0.0 or _fast(mean)):
+        m_hi, m_lo = _split(mean)
+        r32 = np.float32(r)
+        for j in range(x.size):
+            u = ((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j]
+            _store(dz, j, _load(dy, j) * u * slope[j])
+    else:
+        for j in range(x.size):
+            u = (np.float64(_load(x, j)) - mean) * r * g[j] + b[j]
+            _store(dz, j, _round_like(dz, np.float64(_load(dy, j)) * u * slope[j]))
+
+
+@njit(cache=True)
+def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
+                        dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
+                        dg: np.ndarray, db: np.ndarray, a: np.ndarray, slope: np.ndarray,
+                        v: np.ndarray, e: np.ndarray, kind: int, k: int, group: int,
+                        eps: float, outside: bool, gate: int, sigmoid: bool, need_b: bool
+                        ) -> None:
+    """``dx`` and ``dz`` of one row, adding to ``dg`` and ``db``; with ``J`` the norm's VJP per
+    group (`_backward_row`)::
+
+        gate="before":  e = J(v)^T dy, v = x a(z)     dx = e a(z)   dz = e x a'(z)
+        gate="after":   dx = J(x)^T (dy a(z))         dz = dy (y_hat g + b) a'(z)
+
+    and ``dg``, ``db`` those of the norm at its input for its cotangent."""
+    if gate != NO_GATE:
+        _activate(z, a, slope, sigmoid, True)
+    if gate == GATE_BEFORE:
+        for j in range(x.size):
+            v[j] = _load(x, j) * a[j]
+    elif gate == GATE_AFTER:
+        for j in range(x.size):
+            v[j] = _load(dy, j) * a[j]
+    for i in range(r.size):
+        lo = i * group
+        hi = lo + group
+        if gate == GATE_BEFORE:
+            _backward_row(v[lo:hi], r[i], dy[lo:hi], e[lo:hi], g[lo:hi], dg[lo:hi], db[lo:hi],
+                          kind, k, eps, outside, need_b)
+        elif gate == GATE_AFTER:
+            mean, r_used = _backward_row(x[lo:hi], r[i], v[lo:hi], dx[lo:hi], g[lo:hi],
+                                         dg[lo:hi], db[lo:hi], kind, k, eps, outside, need_b)
+            _gate_after_gradient(x[lo:hi], dy[lo:hi], dz[lo:hi], slope[lo:hi], g[lo:hi],
+                                 b[lo:hi], r_used, mean)
+        else:
+            _backward_row(x[lo:hi], r[i], dy[lo:hi], dx[lo:hi], g[lo:hi], dg[lo:hi], db[lo:hi],
+                          kind, k, eps, outside, need_b)
+    if gate == GATE_BEFORE:
+        for j in range(x.size):
+            _store(dx, j, e[j] * a[j])
+            _store(dz, j, e[j] * _load(x, j) * slope[j])
+
+
+@njit(parallel=True, cache=True)
+def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray,
+                   b: np.ndarray, dx: np.ndarray, dz: np.ndarray, dg: np.ndarray,
+                   db: np.ndarray, dg_total: np.ndarray, db_total: np.ndarray, kind: int,
+                   k: int, group: int, eps: float, outside: bool, gate: int, sigmoid: bool,
+                   need_g: bool, need_b: bool, block: int, workers: int) -> None:
+    """`backward` for a gated or grouped spec (`gated_forward`'s arguments, and its ``r``):
+    also ``dz``, the gate's gradient ((rows, 0) and unwritten for `NO_GATE`); ``b`` the bias,
+    which ``dz`` reads after the norm. The parameters' gradients are summed per block of rows
+    as in `backward`."""
+    rows, n = x.shape
+    blocks = (rows + block - 1) // block
+    claimed = np.zeros(1, np.int64)
+    for _ in prange(min(workers, blocks)):
+        scratch = np.empty((2, n), np.float32)
+        buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
+        blk = _claim(claimed)
+        while blk < blocks:
+            dg_rows = dg[blk] if need_g else scratch[0]
+            db_rows = db[blk] if need_b else scratch[1]
+            dg_rows[:] = 0.0
+            db_rows[:] = 0.0
+            for i in range(blk * block, min(rows, blk * block + block)):
+                _gated_backward_row(x[i], z[i], r[i], dy[i], dx[i], dz[i], g, b, dg_rows,
+                                    db_rows, buffers[0], buffers[1], buffers[2], buffers[3],
+                                    kind, k, group, eps, outside, gate, sigmoid, need_b)
             blk = _claim(claimed)
     if need_g:
         _add_rows(dg, dg_total)

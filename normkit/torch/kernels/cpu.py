@@ -32,7 +32,7 @@ import torch
 
 from normkit.torch._autograd import NormFunction, _shape_only
 
-__all__ = ["CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
+__all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
 KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -48,21 +48,26 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
 
 
-def load(dtype: torch.dtype = torch.float32) -> ModuleType | None:
+def load(dtype: torch.dtype = torch.float32, gated: bool = False) -> ModuleType | None:
     """The numba kernels, compiled for rows of ``dtype`` (or loaded from the disk cache), or
-    None, with `unavailable_reason` set, if numba cannot be imported or fails to compile."""
-    if _state["reason"] is None and dtype not in _state["compiled"]:
+    None, with `unavailable_reason` set, if numba cannot be imported or fails to compile.
+    ``gated``: the kernels of gated and grouped specs (``gated_forward``, ``gated_backward``),
+    compiled on their first use only."""
+    key = (dtype, "gated") if gated else dtype
+    if _state["reason"] is None and key not in _state["compiled"]:
         with _lock:
-            if _state["reason"] is None and dtype not in _state["compiled"]:
+            if _state["reason"] is None and key not in _state["compiled"]:
                 try:
                     _configure_numba()
                     from normkit.torch.kernels import _cpu_numba
 
-                    forward_sig, backward_sig = _cpu_numba.signatures(_NAMES[dtype])
-                    _cpu_numba.forward.compile(forward_sig)
-                    _cpu_numba.backward.compile(backward_sig)
+                    kernels = ("gated_forward", "gated_backward") if gated else (
+                        "forward", "backward")
+                    signatures = _cpu_numba.gated_signatures if gated else _cpu_numba.signatures
+                    for name, signature in zip(kernels, signatures(_NAMES[dtype]), strict=True):
+                        getattr(_cpu_numba, name).compile(signature)
                     _state["module"] = _cpu_numba
-                    _state["compiled"].add(dtype)
+                    _state["compiled"].add(key)
                 except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
                     _state["reason"] = f"{type(exc).__name__}: {exc}"
     return _state["module"] if _state["reason"] is None else None
@@ -85,8 +90,8 @@ def _configure_numba() -> None:
             numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 
 
-def _kernels(dtype: torch.dtype, strict: bool) -> ModuleType | None:
-    module = load(dtype)
+def _kernels(dtype: torch.dtype, strict: bool, gated: bool = False) -> ModuleType | None:
+    module = load(dtype, gated)
     if module is None:
         message = (
             f"normkit's CPU kernel is unavailable ({unavailable_reason()}); "
@@ -375,6 +380,232 @@ def _cpu_norm_backward_vmap(
     return result
 
 
+# ---- gated and grouped specs -----------------------------------------------------------------
+
+GATES = {None: 0, "before": 1, "after": 2}
+
+
+def _composite_gated(
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
+    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
+    activation: str, round_affine: bool,
+) -> torch.Tensor:
+    """``y`` of `cpu_gated_norm` by the composite path (`normkit.torch._gated.norm_rows`): the
+    fallback without numba, and a differentiable graph for double backward."""
+    from normkit.spec import NormSpec
+    from normkit.torch import _gated
+
+    n = x.shape[-1]
+    spec = NormSpec(
+        kind,  # type: ignore[arg-type]
+        eps=eps, eps_placement="outside" if outside else "inside",
+        p=k / n if kind == "partial_rms" else None, cast=cast,  # type: ignore[arg-type]
+        gate=gate_position, gate_activation=activation if gate_position else None,  # type: ignore[arg-type]
+        group_size=group if group < n else None,
+    )
+    affine = x.dtype if round_affine else torch.float32
+    return _gated.norm_rows(x, z, spec, k, g, b, x.dtype, affine, x.dtype, eager=False)
+
+
+def _gated_norm(
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
+    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
+    activation: str, round_affine: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)`` of a gated or grouped spec on rows ``x`` (rows, n): the statistic of each
+    group of ``group`` elements (``r`` is (rows, n // group), float32), the gate rows ``z``
+    (x's shape and dtype; None without a gate) applied ``gate_position`` with ``activation``;
+    ``round_affine`` rounds ``u = y_hat g + b`` to x's dtype before a gate after the norm."""
+    rows, n = x.shape
+    r = torch.zeros(rows, n // group, dtype=torch.float32)
+    module = _kernels(x.dtype, strict, gated=True)
+    if module is None:
+        y = _composite_gated(x, z, g, b, kind, k, group, eps, outside, cast, gate_position,
+                             activation, round_affine)
+        return y, r  # the fallback's backward does not read r
+    x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
+    gate = x.new_empty(rows, 0) if z is None else _plain(z)
+    y = _output_like(x)
+    with _lock:
+        import numba
+
+        threads = _threads()
+        numba.set_num_threads(threads)
+        module.gated_forward(
+            _rows(x), _rows(gate), _rows(g), _rows(b), _rows(y), _rows(r), KINDS[kind], k, group,
+            eps, outside, cast == "before_scale", GATES[gate_position], activation == "sigmoid",
+            round_affine, BLOCK_ROWS, threads,
+        )
+    return y, r
+
+
+cpu_gated_norm = torch.library.custom_op(
+    "normkit::cpu_gated_norm", _gated_norm, mutates_args=(), device_types="cpu"
+)
+
+
+@cpu_gated_norm.register_fake
+def _cpu_gated_norm_fake(
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
+    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
+    activation: str, round_affine: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = x.shape
+    return torch.empty_like(x), x.new_empty(rows, n // group, dtype=torch.float32)
+
+
+def _gated_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor,
+    b: torch.Tensor, kind: str, k: int, group: int, eps: float, outside: bool, cast: str,
+    gate_position: str | None, activation: str, round_affine: bool, need_g: bool,
+    need_b: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dz, dg, db)`` of `cpu_gated_norm` for the cotangent ``dy``: dx and dz in x's
+    dtype (dz (rows, 0) without a gate), dg and db float32 (zeros unless ``need_g`` /
+    ``need_b``)."""
+    module = _kernels(x.dtype, strict, gated=True)
+    if module is None:
+        return _composite_gated_vjp(dy, x, z, g, b, kind, k, group, eps, outside, cast,
+                                    gate_position, activation, round_affine)
+    x, dy, r, g, b = _plain(x), _plain(dy), _plain(r), _plain(g), _plain(b)  # alive in the call
+    rows, n = x.shape
+    gate = x.new_empty(rows, 0) if z is None else _plain(z)
+    dx = _output_like(x)
+    dz = _output_like(gate)
+    blocks = math.ceil(rows / BLOCK_ROWS)
+    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
+    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
+    dg = torch.zeros(n, dtype=torch.float32)
+    db = torch.zeros(n, dtype=torch.float32)
+    with _lock:
+        import numba
+
+        threads = _threads()
+        numba.set_num_threads(threads)
+        module.gated_backward(
+            _rows(x), _rows(gate), _rows(r), _rows(dy), _rows(g), _rows(b), _rows(dx), _rows(dz),
+            _rows(dg_blocks), _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, group,
+            eps, outside, GATES[gate_position], activation == "sigmoid", need_g, need_b,
+            BLOCK_ROWS, threads,
+        )
+    return dx, dz, dg, db
+
+
+cpu_gated_norm_backward = torch.library.custom_op(
+    "normkit::cpu_gated_norm_backward", _gated_norm_backward, mutates_args=(),
+    device_types="cpu",
+)
+
+
+@cpu_gated_norm_backward.register_fake
+def _cpu_gated_norm_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor,
+    b: torch.Tensor, kind: str, k: int, group: int, eps: float, outside: bool, cast: str,
+    gate_position: str | None, activation: str, round_affine: bool, need_g: bool,
+    need_b: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dz = x.new_empty(x.shape[0], 0) if z is None else torch.empty_like(z)
+    return torch.empty_like(x), dz, torch.empty_like(g), torch.empty_like(g)
+
+
+def _composite_gated_vjp(
+    dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor,
+    *options: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dz, dg, db)`` through `_composite_gated`, as a differentiable graph; dz (rows, 0)
+    without a gate."""
+    if z is None:
+        vjp = torch.func.vjp(
+            lambda xc, gc, bc: _composite_gated(xc, None, gc, bc, *options), x, g, b
+        )[1]
+        dx, dg, db = vjp(dy)
+        return dx, x.new_empty(x.shape[0], 0), dg, db
+    vjp = torch.func.vjp(lambda *args: _composite_gated(*args, *options), x, z, g, b)[1]
+    dx, dz, dg, db = vjp(dy)
+    return dx, dz, dg, db
+
+
+class CpuGatedNormFunction(torch.autograd.Function):
+    """`cpu_gated_norm` with its backward, as `CpuNormFunction` for the ungated ops:
+    ``apply(x, z, g, b, kind, k, group, eps, outside, cast, gate_position, activation,
+    round_affine, strict)``; under ``create_graph`` the gradient is the composite path's."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, *options: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        op = _gated_norm if _eager(x) else cpu_gated_norm
+        y, r = op(x, z, g, b, *options)
+        return y, r
+
+    @staticmethod
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        x, z, g, b, *options = inputs
+        ctx.save_for_backward(x, z, output[1], g, b)
+        ctx.mark_non_differentiable(output[1])
+        ctx.options = options
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, z, r, g, b = ctx.saved_tensors
+        *options, strict = ctx.options
+        need_x, need_z, need_g, need_b = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():
+            dx, dz, dg, db = _composite_gated_vjp(dy, x, z, g, b, *options)
+        else:
+            op: Callable[..., tuple[torch.Tensor, ...]] = (
+                _gated_norm_backward if _eager(x) else cpu_gated_norm_backward
+            )
+            dx, dz, dg, db = op(dy, x, z, r, g, b, *options, need_g, need_b, strict)
+        return (
+            dx if need_x else None, dz if need_z else None, dg if need_g else None,
+            db if need_b else None, *(None,) * len(ctx.options),
+        )
+
+
+@torch.library.register_vmap("normkit::cpu_gated_norm")
+def _cpu_gated_norm_vmap(
+    info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, z: torch.Tensor | None,
+    g: torch.Tensor, b: torch.Tensor, *options: Any,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+    x_dim, z_dim, g_dim, b_dim = in_dims[:4]
+    if x_dim is not None and (z is None or z_dim is not None) and g_dim is None and b_dim is None:
+        moved = x.movedim(x_dim, 0)
+        flat = moved.reshape(-1, moved.shape[-1])
+        gate = None if z is None else z.movedim(z_dim, 0).reshape(flat.shape)
+        y, r = cpu_gated_norm(flat, gate, g, b, *options)
+        return (y.reshape(moved.shape), r.reshape(*moved.shape[:-1], r.shape[-1])), (0, 0)
+
+    def one(xi: torch.Tensor, zi: torch.Tensor | None, gi: torch.Tensor, bi: torch.Tensor
+            ) -> Any:
+        return cpu_gated_norm(xi, zi, gi, bi, *options)
+
+    result: tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]] = _batched(
+        info, in_dims[:4], one, (x, z, g, b)
+    )
+    return result
+
+
+@torch.library.register_vmap("normkit::cpu_gated_norm_backward")
+def _cpu_gated_norm_backward_vmap(
+    info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor,
+    z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor, b: torch.Tensor, *options: Any,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    def one(*args: Any) -> Any:
+        return cpu_gated_norm_backward(*args, *options)
+
+    result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
+        info, in_dims[:6], one, (dy, x, z, r, g, b)
+    )
+    return result
+
+
 def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -386,12 +617,21 @@ def norm_rows(
     outside: bool,
     scale_offset: float,
     cast: str,
+    group: int | None = None,
+    gate: torch.Tensor | None = None,
+    gate_position: str | None = None,
+    activation: str = "silu",
+    round_affine: bool = False,
     strict: bool = False,
 ) -> torch.Tensor:
     """``y`` for rows ``x`` (rows, n): the `normkit.torch.kernels` interface, on the CPU kernel.
 
     ``weight`` and ``bias`` (n,) of any float dtype or None; the effective scale is
     ``scale_offset + float32(weight)``. Their gradients come back in their own dtype.
+    A gated or grouped spec: the statistic per ``group`` contiguous elements (None: the row);
+    ``gate`` (rows, n) in x's dtype, ``a(gate)`` (``activation``, ``"silu"`` or ``"sigmoid"``)
+    multiplying x before the norm or its output after it (``gate_position``);
+    ``round_affine`` rounds ``y_hat g + b`` to x's dtype before a gate after the norm.
     """
     n = x.shape[-1]
     if weight is None:
@@ -403,5 +643,13 @@ def norm_rows(
     # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
     # kernel's common loop then skips it
     b = torch.full((n,), -0.0, dtype=torch.float32) if bias is None else bias.to(torch.float32)
-    y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
+    if (gate is None) != (gate_position is None):
+        raise ValueError(f"gate_position={gate_position!r} needs gate rows, and only it")
+    if gate_position is None and group in (None, n):
+        y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
+        return y
+    y = CpuGatedNormFunction.apply(
+        x, gate, g, b, kind, k, group or n, eps, outside, cast, gate_position, activation,
+        round_affine, strict,
+    )[0]
     return y
