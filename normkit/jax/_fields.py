@@ -1,6 +1,6 @@
 """The translation between a `NormSpec` and the modules' keyword arguments (normkit's and
-Flax's), the layout of Flax's parameters over its feature axes, and the check of a module's
-residual argument against its spec."""
+Flax's), the layout of Flax's parameters over its feature axes, and what the linen and NNX
+modules do on a call: the check of the residual argument against the spec, then the norm."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from normkit.jax import functional
 from normkit.spec import NormSpec, OutputDtype, Variance
 
 Axes: TypeAlias = int | Sequence[int]
@@ -57,6 +58,38 @@ def check_residual(layer: str, spec: NormSpec, residual: object) -> None:
             "residual='rounded', 'float32' or 'float32_normalized' to add one before the norm "
             "(Flax's mask is keyword-only here: layer(x, mask=mask))"
         )
+
+
+def normalize_or_add(
+    layer: str,
+    spec: NormSpec,
+    x: jax.Array,
+    residual: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+    *,
+    gate: jax.Array | None,
+    mask: jax.Array | None,
+    dtype: DTypeLike | None,
+    axis_name: str | None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """A module's output: `functional.normalize` of ``x`` (with ``gate`` and ``mask``), or for a
+    ``residual``, ``(y, h)`` of `functional.add_norm`, which takes neither (ValueError)."""
+    if residual is None:
+        return functional.normalize(
+            x, spec, scale, bias, gate=gate, alpha=alpha, dtype=dtype, axis_name=axis_name,
+            mask=mask,
+        )
+    if mask is not None:
+        raise ValueError(
+            f"{layer} has residual={spec.residual!r}: mask is supported without a residual only"
+        )
+    if gate is not None:
+        raise ValueError(f"{layer} has residual={spec.residual!r}: a gated norm has no residual")
+    return functional.add_norm(
+        x, residual, spec, scale, bias, alpha=alpha, dtype=dtype, axis_name=axis_name
+    )
 
 
 # --- Flax's arguments --------------------------------------------------------------------------

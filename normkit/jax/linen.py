@@ -26,6 +26,7 @@ from normkit.jax._fields import (
     flax_output_dtype,
     flax_variance,
     module_kwargs,
+    normalize_or_add,
     spread,
 )
 from normkit.spec import (
@@ -167,24 +168,9 @@ class _Layer(nn.Module):
         x = functional.as_array("x", x)
         self._check_flax_dtype(x)
         scale, bias, alpha = self._params(spec, x)
-        axis_name = getattr(self, "axis_name", None)
-        if residual is None:
-            return functional.normalize(
-                x, spec, scale, bias, gate=gate, alpha=alpha, dtype=self.dtype,
-                axis_name=axis_name, mask=mask,
-            )
-        if mask is not None:
-            raise ValueError(
-                f"{type(self).__name__} has residual={spec.residual!r}: mask is supported "
-                "without a residual only"
-            )
-        if gate is not None:
-            raise ValueError(
-                f"{type(self).__name__} has residual={spec.residual!r}: a gated norm has no "
-                "residual"
-            )
-        return functional.add_norm(
-            x, residual, spec, scale, bias, alpha=alpha, dtype=self.dtype, axis_name=axis_name
+        return normalize_or_add(
+            type(self).__name__, spec, x, residual, scale, bias, alpha, gate=gate, mask=mask,
+            dtype=self.dtype, axis_name=getattr(self, "axis_name", None),
         )
 
 

@@ -31,6 +31,7 @@ from normkit.jax._fields import (
     flax_output_dtype,
     flax_variance,
     module_kwargs,
+    normalize_or_add,
     spread,
 )
 from normkit.spec import (
@@ -148,24 +149,9 @@ class _Norm(nnx.Module):
         scale, bias = (
             None if p is None else spread(p, self.spec, features, x.shape) for p in (scale, bias)
         )
-        if residual is None:
-            return functional.normalize(
-                x, self.spec, scale, bias, gate=gate, alpha=alpha, dtype=self.dtype,
-                axis_name=self.axis_name, mask=mask,
-            )
-        if mask is not None:
-            raise ValueError(
-                f"{type(self).__name__} has residual={self.spec.residual!r}: mask is supported "
-                "without a residual only"
-            )
-        if gate is not None:
-            raise ValueError(
-                f"{type(self).__name__} has residual={self.spec.residual!r}: a gated norm has no "
-                "residual"
-            )
-        return functional.add_norm(
-            x, residual, self.spec, scale, bias, alpha=alpha, dtype=self.dtype,
-            axis_name=self.axis_name,
+        return normalize_or_add(
+            type(self).__name__, self.spec, x, residual, scale, bias, alpha, gate=gate,
+            mask=mask, dtype=self.dtype, axis_name=self.axis_name,
         )
 
 
