@@ -157,17 +157,32 @@ def _check_float(t: torch.Tensor, what: str) -> None:
         )
 
 
-def _check_param(
-    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
-) -> None:
-    if value is None:
-        return
-    if not present:
-        field = "scale" if name == "weight" else name
-        raise ValueError(f"{name} was given but the spec has {field}=False")
-    _check_float(value, name)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+def _param_shape(
+    x: torch.Tensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[int, ...]:
+    """The shape of ``spec``'s parameters for ``x``, which a given ``weight`` and ``bias`` must
+    have (ValueError; also for one the spec lacks), in a supported dtype (TypeError)."""
+    shape = spec.param_shape(tuple(x.shape))
+    for name, value, present in (("weight", weight, spec.scale), ("bias", bias, bool(spec.bias))):
+        if value is None:
+            continue
+        if not present:
+            field = "scale" if name == "weight" else name
+            raise ValueError(f"{name} was given but the spec has {field}=False")
+        _check_float(value, name)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    return shape
+
+
+def _check_not_partial(x: DTensor) -> None:
+    """ValueError for a Partial placement of ``x``: its values are not yet summed."""
+    for mesh_dim, p in enumerate(x.placements):
+        if p.is_partial():
+            raise ValueError(
+                f"x has the placement {p} on mesh dim {mesh_dim}: redistribute it to Replicate "
+                "or Shard before normalizing"
+            )
 
 
 def _apply(
@@ -248,9 +263,7 @@ def normalize_sharded(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_float(x, "x")
     axes = _axes(spec, x.dim())
-    param_shape = spec.param_shape(tuple(x.shape))
-    _check_param(weight, "weight", spec.scale, param_shape)
-    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    param_shape = _param_shape(x, spec, weight, bias)
     if not dist.is_initialized():
         raise RuntimeError(
             "normalize_sharded needs torch.distributed initialized "
@@ -318,15 +331,8 @@ def localize(
     _check_float(x, "x")
     if shards_normalized_axis(x, spec):
         raise ValueError("x is sharded on a normalized dim: use normalize_sharded")
-    for mesh_dim, p in enumerate(x.placements):
-        if p.is_partial():
-            raise ValueError(
-                f"x has the placement {p} on mesh dim {mesh_dim}: redistribute it to Replicate "
-                "or Shard before normalizing"
-            )
-    param_shape = spec.param_shape(tuple(x.shape))
-    _check_param(weight, "weight", spec.scale, param_shape)
-    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    _check_not_partial(x)
+    _param_shape(x, spec, weight, bias)
     if residual is not None and (
         not isinstance(residual, DTensor)
         or residual.device_mesh != x.device_mesh
@@ -349,25 +355,19 @@ def _normalize_dtensor(
     _check_float(x, "x")
     axes = _axes(spec, x.dim())
     mesh = x.device_mesh
+    _check_not_partial(x)
     sharded: list[tuple[int, int]] = []  # (mesh dim, tensor dim) of the normalized axis
     for mesh_dim, p in enumerate(x.placements):
         if isinstance(p, Shard) and p.dim % x.dim() in axes:
             if type(p) is not Shard:
                 raise ValueError(f"x's placement {p} on a normalized dim is not supported")
             sharded.append((mesh_dim, p.dim % x.dim()))
-        elif p.is_partial():
-            raise ValueError(
-                f"x has the placement {p} on mesh dim {mesh_dim}: redistribute it to Replicate "
-                "or Shard before normalizing"
-            )
     if len(sharded) > 1:
         raise ValueError(
             f"x is sharded on normalized dims over {len(sharded)} mesh dims {sharded}; "
             "normkit reduces the statistic over one mesh dim"
         )
-    param_shape = spec.param_shape(tuple(x.shape))
-    _check_param(weight, "weight", spec.scale, param_shape)
-    _check_param(bias, "bias", bool(spec.bias), param_shape)
+    param_shape = _param_shape(x, spec, weight, bias)
     size = math.prod(param_shape)
     group, offset = None, 0
     block: tuple[int, int, int] | None = None  # (param dim, start, length) of this rank's block
