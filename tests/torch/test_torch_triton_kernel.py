@@ -352,9 +352,9 @@ def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # Traces forward and backward with fake tensors (what torch.compile does) and captures the
-# forward with dynamo's fullgraph; then compiles kernel variants with every feature on through
-# Triton's whole compiler (to PTX and a cubin for sm_90, with the ptxas bundled in triton's
-# wheel). None of it needs a GPU.
+# forward with dynamo's fullgraph; then compiles kernel variants with every feature on, and
+# grouped ones with each gate, through Triton's whole compiler (to PTX and a cubin for sm_90,
+# with the ptxas bundled in triton's wheel). None of it needs a GPU.
 _TRACE_AND_COMPILE = """
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -394,23 +394,37 @@ def options(names, pointers, scalars, constexprs):
     signature = {name: pointers.get(name, scalars.get(name, "constexpr")) for name in names}
     return signature, constexprs
 
-forward = ["X", "RES", "W", "B", "Y", "H", "R", "n", "k", "eps", "scale_offset", "LAYER",
-           "OUTSIDE", "HAS_W", "HAS_B", "BEFORE_SCALE", "RESIDUAL", "SINGLE", "BLOCK"]
-backward = ["X", "RES", "R", "DY", "DH", "W", "DX", "DW_PART", "DB_PART", "rows", "n", "k",
-            "eps", "scale_offset", "LAYER", "OUTSIDE", "HAS_W", "NEED_DW", "NEED_DB", "HAS_DH",
-            "RESIDUAL", "SINGLE", "BLOCK"]
-scalars = {"n": "i32", "k": "i32", "rows": "i32", "eps": "fp32", "scale_offset": "fp32"}
-half = {name: "*bf16" for name in ("X", "RES", "B", "Y", "DY", "DH", "DX")}
+forward = ["X", "RES", "Z", "W", "B", "Y", "H", "R", "n", "k", "groups", "eps", "scale_offset",
+           "LAYER", "OUTSIDE", "HAS_W", "HAS_B", "BEFORE_SCALE", "RESIDUAL", "GROUPED", "GATE_IN",
+           "GATE_OUT", "ROUND_AFFINE", "SINGLE", "BLOCK"]
+backward = ["X", "RES", "Z", "R", "DY", "DH", "W", "B", "DX", "DZ", "DW_PART", "DB_PART", "rows",
+            "n", "k", "groups", "eps", "scale_offset", "LAYER", "OUTSIDE", "HAS_W", "HAS_B",
+            "NEED_DW", "NEED_DB", "HAS_DH", "RESIDUAL", "GROUPED", "GATE_IN", "GATE_OUT", "SINGLE",
+            "BLOCK"]
+scalars = {"n": "i32", "k": "i32", "rows": "i32", "groups": "i32", "eps": "fp32",
+           "scale_offset": "fp32"}
+half = {name: "*bf16" for name in ("X", "RES", "Z", "B", "Y", "DY", "DH", "DX", "DZ")}
 floats = {name: "*fp32" for name in ("W", "H", "R", "DW_PART", "DB_PART")}
+ungated = dict(GROUPED=False, GATE_IN="none", GATE_OUT="none")
 cases = []
 for single, block in ((True, 1024), (False, 4096)):
     cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars, dict(
         LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True, RESIDUAL=3,
-        SINGLE=single, BLOCK=block))))
+        ROUND_AFFINE=False, SINGLE=single, BLOCK=block, **ungated))))
     for layer in (True, False):
         cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
-            dict(LAYER=layer, OUTSIDE=layer, HAS_W=True, NEED_DW=True, NEED_DB=True,
-                 HAS_DH=True, RESIDUAL=3 if layer else 0, SINGLE=single, BLOCK=block))))
+            dict(LAYER=layer, OUTSIDE=layer, HAS_W=True, HAS_B=False, NEED_DW=True,
+                 NEED_DB=True, HAS_DH=True, RESIDUAL=3 if layer else 0, SINGLE=single,
+                 BLOCK=block, **ungated))))
+    # Grouped, with a gate before (SiLU) and after (sigmoid) the norm.
+    for gate_in, gate_out in (("silu", "none"), ("none", "sigmoid")):
+        gating = dict(GROUPED=True, GATE_IN=gate_in, GATE_OUT=gate_out)
+        cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars,
+            dict(LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True,
+                 RESIDUAL=0, ROUND_AFFINE=True, SINGLE=single, BLOCK=block, **gating))))
+        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
+            dict(LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, NEED_DW=True, NEED_DB=True,
+                 HAS_DH=False, RESIDUAL=0, SINGLE=single, BLOCK=block, **gating))))
 cases.append((kernels._sum_parts_kernel, *options(
     ["PART", "OUT", "parts", "n", "BLOCK_P", "BLOCK_N"], {"PART": "*fp32", "OUT": "*bf16"},
     {"parts": "i32", "n": "i32"}, dict(BLOCK_P=32, BLOCK_N=256))))
@@ -435,7 +449,7 @@ def test_the_ops_trace_and_every_kernel_compiles_without_a_gpu() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traced" in done.stdout
-    assert "compiled 7" in done.stdout
+    assert "compiled 15" in done.stdout
 
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

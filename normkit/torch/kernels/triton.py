@@ -1,37 +1,46 @@
 """Triton kernels for every `NormSpec` kind and option, forward and backward, on rows.
 
-`norm_rows` computes ``normkit.reference.normalize`` on rows ``x`` of shape (rows, n);
-`add_norm_rows` first adds a residual (``h = x + residual``, rounded as ``residual_rounding``
-says) and returns ``(y, h)``. Both are differentiable torch custom ops (`torch.library.triton_op`),
-so ``torch.compile(fullgraph=True)`` traces through them and CUDA graphs can capture them. With
-``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU tensors.
+`norm_rows` computes ``normkit.reference.normalize`` (``gated_normalize`` with a gate) on rows
+``x`` of shape (rows, n); `add_norm_rows` first adds a residual (``h = x + residual``, rounded as
+``residual_rounding`` says) and returns ``(y, h)``. Both are differentiable through one torch
+custom op (`torch.library.triton_op`), so ``torch.compile(fullgraph=True)`` traces through them
+and CUDA graphs can capture them. With ``TRITON_INTERPRET=1`` set before triton is imported,
+the same kernels run on CPU tensors.
 
-Per row, in float32 (``sigma`` is 1 except on rows whose statistic overflows float32, where it is
-the power of two that brings ``max|x|`` into [2, 4); ``xs = sigma x``)::
+The kernels work on sub-rows: the groups of ``group`` contiguous elements (the whole row
+without groups), each with its own statistic and saved r(s), reading the weight and bias at
+its group's offset in the row. Per sub-row, in float32 (``sigma`` is 1 except on sub-rows whose
+statistic overflows float32, where it is the power of two that brings ``max|v|`` into [2, 4);
+``xs = sigma v``, ``v = x a(z)`` with gate="before", else x)::
 
     rms, partial_rms:  c = xs                       s = sum(c[:k] ** 2) / k
     layer:             c = (xs - m) - m2            s = (sum(c0 ** 2) - sum(c0) m2) / n
                        (m = sum(xs) / n, c0 = xs - m, m2 = sum(c0) / n: two passes and a
                        correction, so a large mean costs no precision)
     rs = 1 / sqrt(s + eps sigma^2)   or   1 / (sqrt(s) + eps sigma)     r(s) = sigma rs
-    y_hat = c rs,  y = y_hat (scale_offset + w) + b   (y_hat rounded first with "before_scale")
+    y_hat = c rs,  u = y_hat (scale_offset + w) + b   (y_hat rounded first with "before_scale")
+    y = u a(z)  with gate="after" (u rounded first with ``round_affine``),  else y = u
 
-Backward, with ``d = dy (scale_offset + w)`` and ``u = y_hat`` (inside) or ``c / sqrt(s)``
-(outside, 0 where s = 0; scale-free, so a row whose s is below ``2**-103``, where its squares
-may have underflowed, takes it from ``x`` scaled by the power of two that brings ``max|x|``
-into [2, 4), or by ``2**127`` where ``max|x|`` is subnormal)::
+with ``a(z) = silu(z) = z sigmoid(z)`` or ``sigmoid(z)``. Backward, with ``dy_u = dy a(z)``
+(gate="after", else dy), ``d = dy_u (scale_offset + w)`` and ``q = y_hat`` (inside) or
+``c / sqrt(s)`` (outside, 0 where s = 0; scale-free, so a sub-row whose s is below ``2**-103``,
+where its squares may have underflowed, takes it from ``v`` scaled by the power of two that
+brings ``max|v|`` into [2, 4), or by ``2**127`` where ``max|v|`` is subnormal)::
 
-    rms, partial_rms:  dx = sigma rs (d - [i < k] u sum(d y_hat) / k)
-    layer:             dx = sigma rs (d - mean(d) - u sum(d y_hat) / n)
-    k = 1, element 0:  dx_0 = sigma rs^3 (eps sigma^2 d_0 - xs_0 T)    (inside)
-                       dx_0 = sigma rs^2 (eps sigma d_0 - sign(xs_0) T)  (outside)
+    rms, partial_rms:  e = sigma rs (d - [i < k] q sum(d y_hat) / k)
+    layer:             e = sigma rs (d - mean(d) - q sum(d y_hat) / n)
+    k = 1, element 0:  e_0 = sigma rs^3 (eps sigma^2 d_0 - xs_0 T)    (inside)
+                       e_0 = sigma rs^2 (eps sigma d_0 - sign(xs_0) T)  (outside)
                        with T = sum_{j >= 1} xs_j d_j, free of cancellation
-    dw = sum over rows of dy y_hat,  db = sum over rows of dy
+    gate="before":     dx = e a(z),  dz = e x a'(z)
+    gate="after":      dx = e,       dz = dy (y_hat (scale_offset + w) + b) a'(z)
+    dw = sum over rows of dy_u y_hat,  db = sum over rows of dy_u
 
-Rows up to `MAX_FUSED_BLOCK` elements are held whole by one program; longer rows loop over
+Sub-rows up to `MAX_FUSED_BLOCK` elements are held whole by one program; longer ones loop over
 blocks of `LOOP_BLOCK` (each lane of a block accumulates its own sum, then a tree reduction).
-Weight and bias gradients are summed per program into a (programs, n) float32 buffer, then
-reduced across programs by a second small kernel.
+Weight and bias gradients are summed per program into a float32 buffer of (programs / groups,
+n), each backward program taking the sub-rows of one group, then reduced across programs by a
+second small kernel.
 """
 
 from __future__ import annotations
@@ -51,9 +60,14 @@ except ImportError as error:
         "pip install normkit[triton]"
     ) from error
 
+from normkit.spec import NormSpec
+from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction
 
-__all__ = ["LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS", "add_norm_rows", "norm_rows"]
+__all__ = [
+    "ACTIVATIONS", "GATE_POSITIONS", "LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS",
+    "add_norm_rows", "norm_rows",
+]
 
 MAX_FUSED_BLOCK = 16384
 """Rows of at most this many elements are held whole in one program; longer rows loop."""
@@ -63,6 +77,8 @@ RESIDUAL_ROUNDINGS: tuple[str, ...] = ("rounded", "float32", "float32_normalized
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KINDS = ("rms", "partial_rms", "layer")
 _CASTS = ("after_scale", "before_scale")
+GATE_POSITIONS: tuple[str | None, ...] = (None, "before", "after")
+ACTIVATIONS: tuple[str, ...] = ("silu", "sigmoid")
 # Below this, a saved r(s) can only come from a rescaled (or inf/NaN) row: a finite float32
 # statistic is below 2**128, so r(s) >= 2**-64 without rescaling.
 _RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
@@ -89,14 +105,49 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_row(X, RES, offs, mask, RESIDUAL: tl.constexpr):
-    """The row values the statistic reads, in float32: x, or h = x + residual as rounded."""
+def _load_sum(X, RES, offs, mask, RESIDUAL: tl.constexpr):
+    """The row values in float32: x, or h = x + residual as rounded."""
     h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL != 0:
         h += tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)
         if RESIDUAL == 1:
             h = _round(h, X.dtype.element_ty).to(tl.float32)
     return h
+
+
+@triton.jit
+def _activation(z, ACTIVATION: tl.constexpr):
+    """(a(z), a'(z)) in float32, sigmoid(z) and sigmoid(-z) both from ``e = exp(-|z|)`` (no
+    overflow, no cancellation in 1 - sigmoid(z))::
+
+        sigmoid(z) = 1 / (1 + e^-z)     sigmoid' = sigmoid(z) sigmoid(-z)
+        silu(z) = z sigmoid(z)          silu' = sigmoid(z) (1 + z sigmoid(-z))
+    """
+    e = tl.exp(-tl.abs(z))
+    positive = z >= 0
+    sig = tl.div_rn(tl.where(positive, 1.0, e), 1.0 + e)
+    sig_neg = tl.div_rn(tl.where(positive, e, 1.0), 1.0 + e)
+    if ACTIVATION == "sigmoid":
+        return sig, sig * sig_neg
+    else:
+        return z * sig, sig * (1.0 + z * sig_neg)
+
+
+@triton.jit
+def _gate_factors(Z, offs, mask, ACTIVATION: tl.constexpr):
+    """(a(z), a'(z)) of the gate at ``offs``; (1, 0) for ACTIVATION "none", no gate."""
+    if ACTIVATION == "none":
+        return 1.0, 0.0
+    else:
+        return _activation(tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+
+
+@triton.jit
+def _load_row(X, RES, Z, offs, mask, RESIDUAL: tl.constexpr, GATE_IN: tl.constexpr):
+    """The values the statistic reads, in float32: v = h a(z) with GATE_IN (the activation of
+    gate="before"), else h (`_load_sum`)."""
+    a, _ = _gate_factors(Z, offs, mask, GATE_IN)
+    return _load_sum(X, RES, offs, mask, RESIDUAL) * a
 
 
 @triton.jit
@@ -141,21 +192,21 @@ def _moments_block(x, cols, n, k, LAYER: tl.constexpr):
 
 
 @triton.jit
-def _moments_looped(X, RES, row_off, sigma, n, k, LAYER: tl.constexpr, RESIDUAL: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _moments_looped(X, RES, Z, row_off, sigma, n, k, LAYER: tl.constexpr,
+                    RESIDUAL: tl.constexpr, GATE_IN: tl.constexpr, BLOCK: tl.constexpr):
     """(m, m2, s) of the row at ``row_off`` scaled by ``sigma``, stepping by BLOCK."""
     cols = tl.arange(0, BLOCK)
     if LAYER:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n, BLOCK):
             mask = start + cols < n
-            acc += _load_row(X, RES, row_off + start + cols, mask, RESIDUAL) * sigma
+            acc += _load_row(X, RES, Z, row_off + start + cols, mask, RESIDUAL, GATE_IN) * sigma
         m = tl.sum(acc, axis=0) / n
         acc_c = tl.zeros([BLOCK], dtype=tl.float32)
         acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n, BLOCK):
             mask = start + cols < n
-            xs = _load_row(X, RES, row_off + start + cols, mask, RESIDUAL) * sigma
+            xs = _load_row(X, RES, Z, row_off + start + cols, mask, RESIDUAL, GATE_IN) * sigma
             c0 = tl.where(mask, xs - m, 0.0)
             acc_c += c0
             acc_sq += c0 * c0
@@ -169,48 +220,52 @@ def _moments_looped(X, RES, row_off, sigma, n, k, LAYER: tl.constexpr, RESIDUAL:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, k, BLOCK):
             mask = start + cols < k
-            xs = _load_row(X, RES, row_off + start + cols, mask, RESIDUAL) * sigma
+            xs = _load_row(X, RES, Z, row_off + start + cols, mask, RESIDUAL, GATE_IN) * sigma
             acc += xs * xs
         s = tl.sum(acc, axis=0) / k
     return m, m2, s
 
 
 @triton.jit
-def _absmax_looped(X, RES, row_off, k, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _absmax_looped(X, RES, Z, row_off, k, RESIDUAL: tl.constexpr, GATE_IN: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """max |x| over the first k elements of the row, those the statistic reads."""
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, k, BLOCK):
         mask = start + cols < k
-        acc = tl.maximum(acc, tl.abs(_load_row(X, RES, row_off + start + cols, mask, RESIDUAL)))
+        values = _load_row(X, RES, Z, row_off + start + cols, mask, RESIDUAL, GATE_IN)
+        acc = tl.maximum(acc, tl.abs(values))
     return tl.max(acc, axis=0)
 
 
 @triton.jit
-def _statistic(X, RES, row_off, x, cols, n, k, LAYER: tl.constexpr, RESIDUAL: tl.constexpr,
-               SINGLE: tl.constexpr, BLOCK: tl.constexpr):
+def _statistic(X, RES, Z, row_off, x, cols, n, k, LAYER: tl.constexpr, RESIDUAL: tl.constexpr,
+               GATE_IN: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr):
     """(sigma, m, m2, s) of a row: the moments, rescaled by sigma where they overflow.
 
     sigma comes from the elements the statistic reads (the first k; k = n for layer), so an
     infinity after them leaves the statistic as it is. SINGLE: ``x`` is the whole row in
-    registers; else the row is read from X (and RES).
+    registers; else the row is read from X (and RES, Z).
     """
     sigma = tl.full([], 1.0, tl.float32)
     if SINGLE:
         m, m2, s = _moments_block(x, cols, n, k, LAYER)
     else:
-        m, m2, s = _moments_looped(X, RES, row_off, sigma, n, k, LAYER, RESIDUAL, BLOCK)
+        m, m2, s = _moments_looped(X, RES, Z, row_off, sigma, n, k, LAYER, RESIDUAL, GATE_IN,
+                                   BLOCK)
     if (s >= _INF) | (s != s):
         if SINGLE:
             amax = tl.max(tl.where(cols < k, tl.abs(x), 0.0), axis=0)
         else:
-            amax = _absmax_looped(X, RES, row_off, k, RESIDUAL, BLOCK)
+            amax = _absmax_looped(X, RES, Z, row_off, k, RESIDUAL, GATE_IN, BLOCK)
         if amax < _INF:
             sigma = _inv_pow2(amax)
             if SINGLE:
                 m, m2, s = _moments_block(x * sigma, cols, n, k, LAYER)
             else:
-                m, m2, s = _moments_looped(X, RES, row_off, sigma, n, k, LAYER, RESIDUAL, BLOCK)
+                m, m2, s = _moments_looped(X, RES, Z, row_off, sigma, n, k, LAYER, RESIDUAL,
+                                           GATE_IN, BLOCK)
     return sigma, m, m2, s
 
 
@@ -225,51 +280,75 @@ def _normalized(xs, m, m2, rs, LAYER: tl.constexpr):
 @triton.jit
 def _affine(y_hat, W, B, offs, mask, scale_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
             BEFORE_SCALE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    y = y_hat
+    """u = y_hat g + b in float32 (y_hat rounded to OUT_DTYPE first with BEFORE_SCALE)."""
+    u = y_hat
     if BEFORE_SCALE:
-        y = _round(y, OUT_DTYPE).to(tl.float32)
+        u = _round(u, OUT_DTYPE).to(tl.float32)
     if HAS_W:
-        y = y * (tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset)
+        u = u * (tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset)
     if HAS_B:
-        y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        u = u + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _output(y_hat, W, B, Z, param_offs, offs, mask, scale_offset, HAS_W: tl.constexpr,
+            HAS_B: tl.constexpr, BEFORE_SCALE: tl.constexpr, GATE_OUT: tl.constexpr,
+            ROUND_AFFINE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """y in OUT_DTYPE: u a(z) with GATE_OUT (the activation of gate="after"; u rounded to
+    OUT_DTYPE first with ROUND_AFFINE), else u (`_affine`)."""
+    y = _affine(y_hat, W, B, param_offs, mask, scale_offset, HAS_W, HAS_B, BEFORE_SCALE,
+                OUT_DTYPE)
+    if GATE_OUT != "none":
+        if ROUND_AFFINE:
+            y = _round(y, OUT_DTYPE).to(tl.float32)
+        a, _ = _gate_factors(Z, offs, mask, GATE_OUT)
+        y = y * a
     return _round(y, OUT_DTYPE)
 
 
 @triton.jit
 def _forward_kernel(
-    X, RES, W, B, Y, H, R, n, k, eps, scale_offset,
+    X, RES, Z, W, B, Y, H, R, n, k, groups, eps, scale_offset,
     LAYER: tl.constexpr, OUTSIDE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BEFORE_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, SINGLE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BEFORE_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, GROUPED: tl.constexpr,
+    GATE_IN: tl.constexpr, GATE_OUT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One row per program: y (and h when RESIDUAL != 0), and r(s) into R."""
+    """One sub-row of n per program: y (and h when RESIDUAL != 0), and r(s) into R. GROUPED:
+    the sub-rows are the ``groups`` groups of each row, reading W and B at their offset."""
+    tl.static_assert(RESIDUAL == 0 or GATE_IN == "none", "h is not v = h a(z): no residual")
     row = tl.program_id(0)
     row_off = tl.cast(row, tl.int64) * n
+    if GROUPED:
+        W += (row % groups) * n
+        B += (row % groups) * n
     cols = tl.arange(0, BLOCK)
     out_dtype = Y.dtype.element_ty
     if SINGLE:
         mask = cols < n
-        x = _load_row(X, RES, row_off + cols, mask, RESIDUAL)
-        sigma, m, m2, s = _statistic(X, RES, row_off, x, cols, n, k, LAYER, RESIDUAL, SINGLE,
-                                     BLOCK)
+        x = _load_row(X, RES, Z, row_off + cols, mask, RESIDUAL, GATE_IN)
+        sigma, m, m2, s = _statistic(X, RES, Z, row_off, x, cols, n, k, LAYER, RESIDUAL, GATE_IN,
+                                     SINGLE, BLOCK)
         rs = _rs(s, _eps_scaled(eps, sigma, OUTSIDE), OUTSIDE)
         y_hat = _normalized(x * sigma, m, m2, rs, LAYER)
-        y = _affine(y_hat, W, B, cols, mask, scale_offset, HAS_W, HAS_B, BEFORE_SCALE, out_dtype)
+        y = _output(y_hat, W, B, Z, cols, row_off + cols, mask, scale_offset, HAS_W, HAS_B,
+                    BEFORE_SCALE, GATE_OUT, ROUND_AFFINE, out_dtype)
         tl.store(Y + row_off + cols, y, mask=mask)
         if RESIDUAL != 0:
             tl.store(H + row_off + cols, _round(x, H.dtype.element_ty), mask=mask)
     else:
         zero = tl.zeros([BLOCK], dtype=tl.float32)
-        sigma, m, m2, s = _statistic(X, RES, row_off, zero, cols, n, k, LAYER, RESIDUAL, SINGLE,
-                                     BLOCK)
+        sigma, m, m2, s = _statistic(X, RES, Z, row_off, zero, cols, n, k, LAYER, RESIDUAL,
+                                     GATE_IN, SINGLE, BLOCK)
         rs = _rs(s, _eps_scaled(eps, sigma, OUTSIDE), OUTSIDE)
         for start in range(0, n, BLOCK):
             offs = start + cols
             mask = offs < n
-            x = _load_row(X, RES, row_off + offs, mask, RESIDUAL)
+            x = _load_row(X, RES, Z, row_off + offs, mask, RESIDUAL, GATE_IN)
             y_hat = _normalized(x * sigma, m, m2, rs, LAYER)
-            y = _affine(y_hat, W, B, offs, mask, scale_offset, HAS_W, HAS_B, BEFORE_SCALE,
-                        out_dtype)
+            y = _output(y_hat, W, B, Z, offs, row_off + offs, mask, scale_offset, HAS_W, HAS_B,
+                        BEFORE_SCALE, GATE_OUT, ROUND_AFFINE, out_dtype)
             tl.store(Y + row_off + offs, y, mask=mask)
             if RESIDUAL != 0:
                 tl.store(H + row_off + offs, _round(x, H.dtype.element_ty), mask=mask)
@@ -277,19 +356,20 @@ def _forward_kernel(
 
 
 @triton.jit
-def _row_factors(X, RES, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexpr,
-                 OUTSIDE: tl.constexpr, RESIDUAL: tl.constexpr, SINGLE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """(sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale) of a row for the backward.
+def _row_factors(X, RES, Z, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexpr,
+                 OUTSIDE: tl.constexpr, RESIDUAL: tl.constexpr, GATE_IN: tl.constexpr,
+                 SINGLE: tl.constexpr, BLOCK: tl.constexpr):
+    """(sigma, m, m2, rs, eps_s, q_sigma, q_m, q_m2, q_scale) of a (sub-)row for the backward,
+    ``x`` its values v the statistic reads.
 
-    eps outside's direction is ``u = ((x u_sigma - u_m) - u_m2) u_scale`` (``(x u_sigma)
-    u_scale`` for RMS), ``c / sqrt(s)`` in the units of `_statistic`, or of ``x`` scaled by
-    ``u_sigma`` where s is below `_TINY_S`. The saved r(s) is reused for RMS with eps inside,
+    eps outside's direction is ``q = ((x q_sigma - q_m) - q_m2) q_scale`` (``(x q_sigma)
+    q_scale`` for RMS), ``c / sqrt(s)`` in the units of `_statistic`, or of ``x`` scaled by
+    ``q_sigma`` where s is below `_TINY_S`. The saved r(s) is reused for RMS with eps inside,
     unless the row was rescaled.
     """
     if LAYER or OUTSIDE:
-        sigma, m, m2, s = _statistic(X, RES, row_off, x, cols, n, k, LAYER, RESIDUAL, SINGLE,
-                                     BLOCK)
+        sigma, m, m2, s = _statistic(X, RES, Z, row_off, x, cols, n, k, LAYER, RESIDUAL,
+                                     GATE_IN, SINGLE, BLOCK)
         eps_s = _eps_scaled(eps, sigma, OUTSIDE)
         rs = _rs(s, eps_s, OUTSIDE)
     else:
@@ -300,43 +380,43 @@ def _row_factors(X, RES, R, row, row_off, x, cols, n, k, eps, LAYER: tl.constexp
         eps_s = eps
         rs = tl.load(R + row)
         if (rs < _RESCALED_R) | (rs != rs):
-            sigma, m, m2, s = _statistic(X, RES, row_off, x, cols, n, k, LAYER, RESIDUAL, SINGLE,
-                                         BLOCK)
+            sigma, m, m2, s = _statistic(X, RES, Z, row_off, x, cols, n, k, LAYER, RESIDUAL,
+                                         GATE_IN, SINGLE, BLOCK)
             eps_s = _eps_scaled(eps, sigma, OUTSIDE)
             rs = _rs(s, eps_s, OUTSIDE)
-    u_sigma, u_m, u_m2, u_s = sigma, m, m2, s
+    q_sigma, q_m, q_m2, q_s = sigma, m, m2, s
     if OUTSIDE:
         if s < _TINY_S:
             if SINGLE:
                 amax = tl.max(tl.where(cols < k, tl.abs(x), 0.0), axis=0)
             else:
-                amax = _absmax_looped(X, RES, row_off, k, RESIDUAL, BLOCK)
-            u_sigma = _inv_pow2(tl.maximum(amax, _MIN_NORMAL))
+                amax = _absmax_looped(X, RES, Z, row_off, k, RESIDUAL, GATE_IN, BLOCK)
+            q_sigma = _inv_pow2(tl.maximum(amax, _MIN_NORMAL))
             if SINGLE:
-                u_m, u_m2, u_s = _moments_block(x * u_sigma, cols, n, k, LAYER)
+                q_m, q_m2, q_s = _moments_block(x * q_sigma, cols, n, k, LAYER)
             else:
-                u_m, u_m2, u_s = _moments_looped(X, RES, row_off, u_sigma, n, k, LAYER,
-                                                 RESIDUAL, BLOCK)
-    u_scale = tl.where(u_s > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(u_s > 0, u_s, 1.0))), 0.0)
-    return sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale
+                q_m, q_m2, q_s = _moments_looped(X, RES, Z, row_off, q_sigma, n, k, LAYER,
+                                                 RESIDUAL, GATE_IN, BLOCK)
+    q_scale = tl.where(q_s > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(q_s > 0, q_s, 1.0))), 0.0)
+    return sigma, m, m2, rs, eps_s, q_sigma, q_m, q_m2, q_scale
 
 
 @triton.jit
-def _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER: tl.constexpr,
+def _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER: tl.constexpr,
                OUTSIDE: tl.constexpr):
-    """u of the backward: y_hat (inside) or c / sqrt(s) (outside, `_row_factors`)."""
+    """q of the backward: y_hat (inside) or c / sqrt(s) (outside, `_row_factors`)."""
     if OUTSIDE:
-        return _normalized(x * u_sigma, u_m, u_m2, u_scale, LAYER)
+        return _normalized(x * q_sigma, q_m, q_m2, q_scale, LAYER)
     else:
         return y_hat
 
 
 @triton.jit
-def _dx_values(d, u, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
+def _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
     if LAYER:
-        return sigma * rs * (d - mean_d - u * (dot / n))
+        return sigma * rs * (d - mean_d - q * (dot / n))
     else:
-        return sigma * rs * (d - tl.where(cols < k, u * (dot / k), 0.0))
+        return sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
 
 
 @triton.jit
@@ -350,39 +430,65 @@ def _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
 
 
 @triton.jit
+def _store_dz(e, h, slope_in, dy, u, slope_out, DZ, offs, mask, GATE_IN: tl.constexpr,
+              GATE_OUT: tl.constexpr):
+    """dz = e h a'(z) with GATE_IN (``e`` the norm's input gradient); dy u a'(z) with GATE_OUT
+    (``u = y_hat g + b``, unrounded)."""
+    if GATE_IN != "none":
+        tl.store(DZ + offs, _round(e * h * slope_in, DZ.dtype.element_ty), mask=mask)
+    if GATE_OUT != "none":
+        tl.store(DZ + offs, _round(dy * u * slope_out, DZ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _backward_kernel(
-    X, RES, R, DY, DH, W, DX, DW_PART, DB_PART, rows, n, k, eps, scale_offset,
-    LAYER: tl.constexpr, OUTSIDE: tl.constexpr, HAS_W: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, HAS_DH: tl.constexpr, RESIDUAL: tl.constexpr, SINGLE: tl.constexpr,
+    X, RES, Z, R, DY, DH, W, B, DX, DZ, DW_PART, DB_PART, rows, n, k, groups, eps, scale_offset,
+    LAYER: tl.constexpr, OUTSIDE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, HAS_DH: tl.constexpr, RESIDUAL: tl.constexpr,
+    GROUPED: tl.constexpr, GATE_IN: tl.constexpr, GATE_OUT: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Rows pid, pid + P, ...: dx into DX; this program's dw/db sums into row pid of the parts."""
+    """Sub-rows pid, pid + P, ...: dx into DX (dz into DZ with a gate); this program's dw/db
+    sums at ``pid n`` in the parts. GROUPED: P is a multiple of ``groups``, so that all of a
+    program's sub-rows are group ``pid % groups`` of their rows, reading W (and B, which only
+    dz of GATE_OUT reads) at its offset."""
+    tl.static_assert(RESIDUAL == 0 or GATE_IN == "none", "h is not v = h a(z): no residual")
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     part_off = pid.to(tl.int64) * n
+    if GROUPED:
+        W += (pid % groups) * n
+        B += (pid % groups) * n
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < n
         g = tl.full([BLOCK], 1.0, tl.float32)
         if HAS_W:
             g = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + scale_offset
+        bias = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_B:
+            bias = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(pid, rows, programs):
             row_off = tl.cast(row, tl.int64) * n
-            x = _load_row(X, RES, row_off + cols, mask, RESIDUAL)
+            h = _load_sum(X, RES, row_off + cols, mask, RESIDUAL)
+            a_in, slope_in = _gate_factors(Z, row_off + cols, mask, GATE_IN)
+            a_out, slope_out = _gate_factors(Z, row_off + cols, mask, GATE_OUT)
+            x = h * a_in
             dy = tl.load(DY + row_off + cols, mask=mask, other=0.0).to(tl.float32)
-            sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale = _row_factors(
-                X, RES, R, row, row_off, x, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL, SINGLE,
-                BLOCK)
+            dy_u = dy * a_out
+            sigma, m, m2, rs, eps_s, q_sigma, q_m, q_m2, q_scale = _row_factors(
+                X, RES, Z, R, row, row_off, x, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL, GATE_IN,
+                SINGLE, BLOCK)
             xs = x * sigma
             c = tl.where(mask, _normalized(xs, m, m2, 1.0, LAYER), 0.0)
             y_hat = c * rs
-            u = _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER, OUTSIDE)
-            d = dy * g
+            q = _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER, OUTSIDE)
+            d = dy_u * g
             dot = tl.sum(d * c, axis=0) * rs
             mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
-            dx = _dx_values(d, u, cols, sigma, rs, dot, mean_d, n, k, LAYER)
+            dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER)
             if not LAYER:
                 if k == 1:
                     d0 = tl.sum(tl.where(cols == 0, d, 0.0), axis=0)
@@ -390,11 +496,14 @@ def _backward_kernel(
                     rest = tl.sum(tl.where(cols >= 1, d * xs, 0.0), axis=0)
                     first = _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE)
                     dx = tl.where(cols == 0, first, dx)
+            _store_dz(dx, h, slope_in, dy, y_hat * g + bias, slope_out, DZ, row_off + cols, mask,
+                      GATE_IN, GATE_OUT)
+            dx *= a_in
             if HAS_DH:
                 dx += tl.load(DH + row_off + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + row_off + cols, _round(dx, DX.dtype.element_ty), mask=mask)
-            dw_acc += dy * y_hat
-            db_acc += dy
+            dw_acc += dy_u * y_hat
+            db_acc += dy_u
         if NEED_DW:
             tl.store(DW_PART + part_off + cols, dw_acc, mask=mask)
         if NEED_DB:
@@ -403,18 +512,19 @@ def _backward_kernel(
         zero = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(pid, rows, programs):
             row_off = tl.cast(row, tl.int64) * n
-            sigma, m, m2, rs, eps_s, u_sigma, u_m, u_m2, u_scale = _row_factors(
-                X, RES, R, row, row_off, zero, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL,
-                SINGLE, BLOCK)
+            sigma, m, m2, rs, eps_s, q_sigma, q_m, q_m2, q_scale = _row_factors(
+                X, RES, Z, R, row, row_off, zero, cols, n, k, eps, LAYER, OUTSIDE, RESIDUAL,
+                GATE_IN, SINGLE, BLOCK)
             acc_dot = tl.zeros([BLOCK], dtype=tl.float32)
             acc_d = tl.zeros([BLOCK], dtype=tl.float32)
             acc_rest = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n, BLOCK):
                 offs = start + cols
                 mask = offs < n
-                xs = _load_row(X, RES, row_off + offs, mask, RESIDUAL) * sigma
+                xs = _load_row(X, RES, Z, row_off + offs, mask, RESIDUAL, GATE_IN) * sigma
                 c = tl.where(mask, _normalized(xs, m, m2, 1.0, LAYER), 0.0)
-                d = tl.load(DY + row_off + offs, mask=mask, other=0.0).to(tl.float32)
+                a_out, _ = _gate_factors(Z, row_off + offs, mask, GATE_OUT)
+                d = tl.load(DY + row_off + offs, mask=mask, other=0.0).to(tl.float32) * a_out
                 if HAS_W:
                     d *= tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
                 acc_dot += d * c
@@ -428,32 +538,42 @@ def _backward_kernel(
             for start in range(0, n, BLOCK):
                 offs = start + cols
                 mask = offs < n
-                x = _load_row(X, RES, row_off + offs, mask, RESIDUAL)
+                h = _load_sum(X, RES, row_off + offs, mask, RESIDUAL)
+                a_in, slope_in = _gate_factors(Z, row_off + offs, mask, GATE_IN)
+                a_out, slope_out = _gate_factors(Z, row_off + offs, mask, GATE_OUT)
+                x = h * a_in
                 xs = x * sigma
                 c = tl.where(mask, _normalized(xs, m, m2, 1.0, LAYER), 0.0)
                 y_hat = c * rs
-                u = _direction(x, y_hat, u_sigma, u_m, u_m2, u_scale, LAYER, OUTSIDE)
+                q = _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER, OUTSIDE)
                 dy = tl.load(DY + row_off + offs, mask=mask, other=0.0).to(tl.float32)
-                d = dy
+                dy_u = dy * a_out
+                g = tl.full([BLOCK], 1.0, tl.float32)
                 if HAS_W:
-                    d = dy * (tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-                              + scale_offset)
-                dx = _dx_values(d, u, offs, sigma, rs, dot, mean_d, n, k, LAYER)
+                    g = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
+                d = dy_u * g
+                dx = _dx_values(d, q, offs, sigma, rs, dot, mean_d, n, k, LAYER)
                 if not LAYER:
                     if k == 1:
                         d0 = tl.sum(tl.where(offs == 0, d, 0.0), axis=0)
                         xs0 = tl.sum(tl.where(offs == 0, xs, 0.0), axis=0)
                         first = _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE)
                         dx = tl.where(offs == 0, first, dx)
+                affine = y_hat * g
+                if HAS_B:
+                    affine += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+                _store_dz(dx, h, slope_in, dy, affine, slope_out, DZ, row_off + offs, mask,
+                          GATE_IN, GATE_OUT)
+                dx *= a_in
                 if HAS_DH:
                     dx += tl.load(DH + row_off + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + row_off + offs, _round(dx, DX.dtype.element_ty), mask=mask)
                 if NEED_DW:
                     part = DW_PART + part_off + offs
-                    tl.store(part, tl.load(part, mask=mask, other=0.0) + dy * y_hat, mask=mask)
+                    tl.store(part, tl.load(part, mask=mask, other=0.0) + dy_u * y_hat, mask=mask)
                 if NEED_DB:
                     part = DB_PART + part_off + offs
-                    tl.store(part, tl.load(part, mask=mask, other=0.0) + dy, mask=mask)
+                    tl.store(part, tl.load(part, mask=mask, other=0.0) + dy_u, mask=mask)
 
 
 @triton.jit
@@ -477,53 +597,18 @@ def _launch_config(n: int) -> tuple[bool, int, int]:
     return single, block, num_warps
 
 
-def _programs(x: torch.Tensor, rows: int) -> int:
-    """How many programs the backward runs: a few per multiprocessor on a GPU.
+def _programs(x: torch.Tensor, rows: int, groups: int) -> int:
+    """How many programs the backward runs: a few per multiprocessor on a GPU, a multiple of
+    ``groups`` so that each program takes one group of its rows.
 
-    Each takes at least two rows, so the (programs, n) float32 buffer of weight and bias
-    partial sums is at most half the size of the rows in float32.
+    Each takes at least two rows, so the (programs / groups, n) float32 buffer of weight and
+    bias partial sums is at most half the size of the rows in float32.
     """
     if x.device.type == "cuda":
         per_device = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
     else:
         per_device = 4
-    return max(1, min(rows // 2, per_device))
-
-
-def _forward(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    rounding: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, r): h is an empty tensor without a residual.
-
-    ``rounding``: 0 without a residual, else 1 + the index of the rounding in
-    `RESIDUAL_ROUNDINGS` (1 rounded, 2 float32, 3 float32_normalized).
-    """
-    rows, n = x.shape
-    y = torch.empty_like(x)
-    h_dtype = torch.float32 if rounding == 2 else x.dtype
-    h = torch.empty((rows, n) if rounding else (0,), dtype=h_dtype, device=x.device)
-    r = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    single, block, num_warps = _launch_config(n)
-    if rows:
-        wrap_triton(_forward_kernel)[(rows,)](
-            x, x if residual is None else residual, x if weight is None else weight,
-            x if bias is None else bias, y, y if not rounding else h, r, n, k, eps,
-            scale_offset, LAYER=kind == "layer", OUTSIDE=outside, HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            BEFORE_SCALE=cast == "before_scale" and x.dtype != torch.float32,
-            RESIDUAL=rounding, SINGLE=single, BLOCK=block, num_warps=num_warps,
-        )
-    return y, h, r
+    return groups * max(1, min(rows // 2, per_device // groups))
 
 
 def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -536,44 +621,100 @@ def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@triton_op("normkit::triton_norm_rows", mutates_args={})
+def _norm_rows_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    k: int,
+    eps: float,
+    outside: bool,
+    scale_offset: float,
+    cast: str,
+    rounding: int,
+    group: int,
+    gate_in: str,
+    gate_out: str,
+    round_affine: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, r): h is an empty tensor without a residual; r(s) per group in float32.
+
+    ``rounding``: 0 without a residual, else 1 + the index of the rounding in
+    `RESIDUAL_ROUNDINGS` (1 rounded, 2 float32, 3 float32_normalized). ``gate_in`` and
+    ``gate_out``: the activation of a gate before and after the norm, or ``"none"``.
+    """
+    rows, n = x.shape
+    groups = n // group
+    y = torch.empty_like(x)
+    h_dtype = torch.float32 if rounding == 2 else x.dtype
+    h = torch.empty((rows, n) if rounding else (0,), dtype=h_dtype, device=x.device)
+    r = torch.empty((rows * groups,), dtype=torch.float32, device=x.device)
+    single, block, num_warps = _launch_config(group)
+    if rows:
+        wrap_triton(_forward_kernel)[(rows * groups,)](
+            x, x if residual is None else residual, x if gate is None else gate,
+            x if weight is None else weight, x if bias is None else bias, y,
+            y if not rounding else h, r, group, k, groups, eps, scale_offset,
+            LAYER=kind == "layer", OUTSIDE=outside, HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            BEFORE_SCALE=cast == "before_scale" and x.dtype != torch.float32,
+            RESIDUAL=rounding, GROUPED=groups > 1, GATE_IN=gate_in, GATE_OUT=gate_out,
+            ROUND_AFFINE=round_affine, SINGLE=single, BLOCK=block, num_warps=num_warps,
+        )
+    return y, h, r
+
+
 @triton_op("normkit::triton_norm_rows_backward", mutates_args={})
 def _backward_op(
     x: torch.Tensor,
     residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
     r: torch.Tensor,
     dy: torch.Tensor,
     dh: torch.Tensor | None,
     weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     bias_dtype: torch.dtype | None,
     kind: str,
     k: int,
     eps: float,
     outside: bool,
     scale_offset: float,
+    group: int,
+    gate_in: str,
+    gate_out: str,
     rounding: int,
     dx_dtype: torch.dtype,
     need_dw: bool,
     need_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db); dw and db are empty where not needed."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dz, dw, db); dz is empty without a gate, dw and db where not needed. ``bias`` is
+    given with ``gate_out`` only (dz reads u = y_hat g + b); ``bias_dtype`` is db's."""
     rows, n = x.shape
+    groups = n // group
     dx = torch.empty((rows, n), dtype=dx_dtype, device=x.device)
-    programs = _programs(x, rows)
+    dz = torch.empty((0,) if gate is None else (rows, n), dtype=dx_dtype if gate is None
+                     else gate.dtype, device=x.device)
+    programs = _programs(x, rows, groups)
     need_dw = need_dw and weight is not None
     need_db = need_db and bias_dtype is not None
-    dw_part = torch.zeros((programs, n) if need_dw else (0,), dtype=torch.float32,
-                          device=x.device)
-    db_part = torch.zeros((programs, n) if need_db else (0,), dtype=torch.float32,
-                          device=x.device)
-    single, block, num_warps = _launch_config(n)
+    part_shape = (programs // groups, n)
+    dw_part = torch.zeros(part_shape if need_dw else (0,), dtype=torch.float32, device=x.device)
+    db_part = torch.zeros(part_shape if need_db else (0,), dtype=torch.float32, device=x.device)
+    single, block, num_warps = _launch_config(group)
     if rows:
         wrap_triton(_backward_kernel)[(programs,)](
-            x, x if residual is None else residual, r, dy, dy if dh is None else dh,
-            x if weight is None else weight, dx, dw_part if need_dw else dx,
-            db_part if need_db else dx, rows, n, k, eps, scale_offset,
-            LAYER=kind == "layer", OUTSIDE=outside, HAS_W=weight is not None,
-            NEED_DW=need_dw, NEED_DB=need_db, HAS_DH=dh is not None, RESIDUAL=rounding,
-            SINGLE=single, BLOCK=block, num_warps=num_warps,
+            x, x if residual is None else residual, x if gate is None else gate, r, dy,
+            dy if dh is None else dh, x if weight is None else weight,
+            x if bias is None else bias, dx, dx if gate is None else dz,
+            dw_part if need_dw else dx, db_part if need_db else dx, rows * groups, group, k,
+            groups, eps, scale_offset, LAYER=kind == "layer", OUTSIDE=outside,
+            HAS_W=weight is not None, HAS_B=bias is not None, NEED_DW=need_dw, NEED_DB=need_db,
+            HAS_DH=dh is not None, RESIDUAL=rounding, GROUPED=groups > 1, GATE_IN=gate_in,
+            GATE_OUT=gate_out, SINGLE=single, BLOCK=block, num_warps=num_warps,
         )
     if need_dw and weight is not None:
         dw = _sum_parts(dw_part, weight.dtype)
@@ -583,105 +724,44 @@ def _backward_op(
         db = _sum_parts(db_part, bias_dtype)
     else:
         db = torch.empty((0,), dtype=torch.float32, device=x.device)
-    return dx, dw, db
+    return dx, dz, dw, db
 
 
-@triton_op("normkit::triton_norm_rows", mutates_args={})
-def _norm_rows_op(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, r): the rows normalized, and r(s) per row in float32."""
-    y, _, r = _forward(x, None, weight, bias, kind, k, eps, outside, scale_offset, cast, 0)
-    return y, r
-
-
-@triton_op("normkit::triton_add_norm_rows", mutates_args={})
-def _add_norm_rows_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    rounding: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, r) for h = x + residual, rounded as ``rounding`` (1, 2, 3) says."""
-    return _forward(x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast,
-                    rounding)
-
-
-def _param_grads(
-    ctx: Any, dw: torch.Tensor, db: torch.Tensor, first: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    need_w, need_b = ctx.needs_input_grad[first : first + 2]
-    return (dw if need_w and ctx.has_w else None), (db if need_b and ctx.has_b else None)
-
-
-def _setup_norm(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, weight, bias, kind, k, eps, outside, scale_offset, _ = inputs
-    ctx.save_for_backward(x, output[1], weight)
-    ctx.mark_non_differentiable(output[1])
-    ctx.options = (kind, k, eps, outside, scale_offset)
-    ctx.has_w, ctx.has_b = weight is not None, bias is not None
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _backward_norm(
-    ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
-) -> tuple[torch.Tensor | None, ...]:
-    x, r, weight = ctx.saved_tensors
-    need_w, need_b = ctx.needs_input_grad[1:3]
-    dx, dw, db = _backward_op(
-        x, None, r, dy.contiguous(), None, weight, ctx.bias_dtype, *ctx.options, 0, x.dtype,
-        need_w, need_b,
-    )
-    grad_w, grad_b = _param_grads(ctx, dw, db, 1)
-    return dx, grad_w, grad_b, None, None, None, None, None, None
-
-
-def _setup_add_norm(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, residual, weight, bias, kind, k, eps, outside, scale_offset, _, rounding = inputs
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset = inputs[:10]
+    rounding, group, gate_in, gate_out = inputs[11:15]
     _, h, r = output
     # The float32_normalized rounding normalizes a sum it does not return: keep its terms.
-    if rounding == 3:
-        ctx.save_for_backward(x, residual, r, weight)
-    else:
-        ctx.save_for_backward(h, None, r, weight)
+    values, terms = (x, residual) if rounding in (0, 3) else (h, None)
+    ctx.save_for_backward(values, terms, gate, r, weight, None if gate_out == "none" else bias)
     ctx.mark_non_differentiable(r)
-    ctx.options = (kind, k, eps, outside, scale_offset)
-    ctx.rounding, ctx.dx_dtype = rounding, x.dtype
-    ctx.has_w, ctx.has_b = weight is not None, bias is not None
+    if not rounding:
+        ctx.mark_non_differentiable(h)
+    ctx.options = (kind, k, eps, outside, scale_offset, group, gate_in, gate_out,
+                   3 if rounding == 3 else 0)
+    ctx.has_residual, ctx.dx_dtype = residual is not None, x.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _backward_add_norm(
+def _backward(
     ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None, _dr: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, ...]:
-    x, residual, r, weight = ctx.saved_tensors
-    need_w, need_b = ctx.needs_input_grad[2:4]
-    rounding = 3 if ctx.rounding == 3 else 0
-    dx, dw, db = _backward_op(
-        x, residual, r, dy.contiguous(), None if dh is None else dh.contiguous(), weight,
-        ctx.bias_dtype, *ctx.options, rounding, ctx.dx_dtype, need_w, need_b,
+    values, terms, gate, r, weight, bias = ctx.saved_tensors
+    need_w, need_b = ctx.needs_input_grad[3:5]
+    dh = dh.contiguous() if ctx.has_residual and dh is not None else None
+    dx, dz, dw, db = _backward_op(
+        values, terms, gate, r, dy.contiguous(), dh, weight, bias, ctx.bias_dtype,
+        *ctx.options, ctx.dx_dtype, need_w, need_b,
     )
-    grad_w, grad_b = _param_grads(ctx, dw, db, 2)
-    return dx, dx, grad_w, grad_b, None, None, None, None, None, None, None
+    return (
+        dx, dx if ctx.has_residual else None, None if gate is None else dz,
+        dw if need_w and weight is not None else None,
+        db if need_b and ctx.bias_dtype is not None else None,
+        *[None] * 11,
+    )
 
 
-_norm_rows_op.register_autograd(_backward_norm, setup_context=_setup_norm)
-_add_norm_rows_op.register_autograd(_backward_add_norm, setup_context=_setup_add_norm)
+_norm_rows_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _check(
@@ -693,6 +773,7 @@ def _check(
     k: int,
     cast: str,
     residual_rounding: str | None,
+    group: int,
 ) -> None:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor (rows, n), got shape "
@@ -705,8 +786,12 @@ def _check(
     if cast not in _CASTS:
         raise ValueError(f"cast={cast!r} is invalid: expected one of {_CASTS}")
     n = x.shape[1]
-    if not (1 <= k <= n) or (kind != "partial_rms" and k != n):
-        raise ValueError(f"k={k} is invalid for kind={kind!r} on rows of n={n}")
+    if not 1 <= group <= n or n % group or (group != n and kind == "partial_rms"):
+        raise ValueError(f"group={group} is invalid for kind={kind!r} on rows of n={n}: "
+                         "expected a divisor of n, and n itself for partial_rms")
+    if not (1 <= k <= group) or (kind != "partial_rms" and k != group):
+        raise ValueError(f"k={k} is invalid for kind={kind!r} on rows of n={n} in groups of "
+                         f"{group}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
@@ -727,21 +812,81 @@ def _check(
             f"residual_rounding={residual_rounding!r} is invalid: expected one of "
             f"{RESIDUAL_ROUNDINGS}"
         )
-    if _degenerate(kind, n):
+    if _degenerate(kind, group):
         raise ValueError(
-            f"kind='layer' on rows of n={n} (n <= 2) has no fused residual kernel: "
+            f"kind='layer' on rows (or groups) of n={group} (n <= 2) has no fused residual "
+            "kernel: "
             "add the residual and normalize with the composite path"
         )
 
 
-def _degenerate(kind: str, n: int) -> bool:
-    """LayerNorm rows of n <= 2, whose gradient the composite path computes in float64."""
-    return kind == "layer" and n <= 2
+def _check_gate(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    gate_position: str | None,
+    activation: str,
+) -> None:
+    if gate_position not in GATE_POSITIONS:
+        raise ValueError(f"gate_position={gate_position!r} is invalid: expected one of "
+                         f"{GATE_POSITIONS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is invalid: expected one of {ACTIVATIONS}")
+    if (gate is None) != (gate_position is None):
+        raise ValueError(f"gate_position={gate_position!r} and a gate "
+                         f"{'missing' if gate is None else 'given'}: give both or neither")
+    if gate is None:
+        return
+    if gate.shape != x.shape or gate.dtype != x.dtype or not gate.is_contiguous():
+        raise ValueError(
+            f"gate must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got shape {tuple(gate.shape)}, {gate.dtype}"
+        )
+    if residual is not None:
+        raise ValueError("a gate with a residual is not defined (NormSpec refuses gate with "
+                         "residual)")
+
+
+def _degenerate(kind: str, group: int) -> bool:
+    """LayerNorm groups of n <= 2, whose gradient the composite path computes in float64."""
+    return kind == "layer" and group <= 2
+
+
+def _composite(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    k: int,
+    eps: float,
+    outside: bool,
+    scale_offset: float,
+    cast: str,
+    group: int,
+    gate_position: str | None,
+    activation: str,
+    round_affine: bool,
+) -> torch.Tensor:
+    """`norm_rows` on LayerNorm groups of n <= 2 (`_degenerate`), by the composite path."""
+    g = None if weight is None else weight.float() + scale_offset
+    b = None if bias is None else bias.float()
+    if gate is None and group == x.shape[1]:
+        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        return y
+    spec = NormSpec("layer").replace(
+        eps=eps, eps_placement="outside" if outside else "inside", cast=cast,
+        gate=gate_position, gate_activation=activation if gate_position else None,
+        group_size=group,
+    )
+    affine = x.dtype if round_affine else torch.float32
+    return _gated.norm_rows(x, gate, spec, k, g, b, x.dtype, affine, x.dtype, eager=False)
 
 
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     kind: str,
@@ -751,23 +896,30 @@ def _launch(
     scale_offset: float,
     cast: str,
     residual_rounding: str | None,
+    group: int | None,
+    gate_position: str | None,
+    activation: str,
+    round_affine: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, h)`` of `norm_rows` (h None) or `add_norm_rows`: the checks, then the op."""
-    _check(x, residual, weight, bias, kind, k, cast, residual_rounding)
+    group = x.shape[-1] if group is None else group
+    _check(x, residual, weight, bias, kind, k, cast, residual_rounding, group)
+    _check_gate(x, residual, gate, gate_position, activation)
+    if residual is None and _degenerate(kind, group):
+        y = _composite(x, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, group,
+                       gate_position, activation, round_affine)
+        return y, None
+    rounding = 0
     if residual is not None:
         assert residual_rounding is not None
         rounding = RESIDUAL_ROUNDINGS.index(residual_rounding) + 1
-        y, h, _ = _add_norm_rows_op(
-            x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast, rounding
-        )
-        return y, h
-    if _degenerate(kind, x.shape[1]):
-        g = None if weight is None else weight.float() + scale_offset
-        b = None if bias is None else bias.float()
-        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
-        return y, None
-    y, _ = _norm_rows_op(x, weight, bias, kind, k, eps, outside, scale_offset, cast)
-    return y, None
+    gate_in = activation if gate_position == "before" else "none"
+    gate_out = activation if gate_position == "after" else "none"
+    y, h, _ = _norm_rows_op(
+        x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, rounding,
+        group, gate_in, gate_out, round_affine,
+    )
+    return y, None if residual is None else h
 
 
 def norm_rows(
@@ -781,13 +933,25 @@ def norm_rows(
     outside: bool,
     scale_offset: float,
     cast: str,
+    group: int | None = None,
+    gate: torch.Tensor | None = None,
+    gate_position: str | None = None,
+    activation: str = "silu",
+    round_affine: bool = False,
 ) -> torch.Tensor:
-    """``normkit.reference.normalize`` on rows ``x`` (rows, n), differentiable; y in x's dtype.
+    """``normkit.reference.normalize`` (``gated_normalize`` with a gate) on rows ``x`` (rows,
+    n), differentiable; y in x's dtype.
 
     ``weight``/``bias``: (n,) in float32 or x's dtype, or None; the effective scale is
-    ``scale_offset + float32(weight)``. LayerNorm rows of n <= 2 take the composite path.
+    ``scale_offset + float32(weight)``. ``group``: the statistic per group of that many
+    contiguous elements (a divisor of n; None or n: the whole row), ``k`` within the group.
+    ``gate``: z, contiguous with x's shape and dtype, applied ``gate_position`` (``"before"``:
+    the norm of x a(z); ``"after"``: the norm's result times a(z)) with ``activation`` (a =
+    ``"silu"`` or ``"sigmoid"``); ``round_affine``: u = y_hat g + b rounded to x's dtype before a
+    gate after the norm. LayerNorm groups of n <= 2 take the composite path.
     """
-    y, _ = _launch(x, None, weight, bias, kind, k, eps, outside, scale_offset, cast, None)
+    y, _ = _launch(x, None, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, None,
+                   group, gate_position, activation, round_affine)
     return y
 
 
@@ -804,6 +968,11 @@ def add_norm_rows(
     scale_offset: float,
     cast: str,
     residual_rounding: str,
+    group: int | None = None,
+    gate: torch.Tensor | None = None,
+    gate_position: str | None = None,
+    activation: str = "silu",
+    round_affine: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``h = x + residual`` and ``y`` = `norm_rows` of h, as rounded:
 
@@ -812,9 +981,10 @@ def add_norm_rows(
     - ``"float32_normalized"``: the float32 h normalized, h returned rounded to x's dtype.
 
     The half-precision cast order and y's dtype follow x's dtype. ``residual`` has x's shape
-    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh.
+    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh. The other keywords
+    are `norm_rows`'; a gate is refused (a gated NormSpec has no residual).
     """
-    y, h = _launch(x, residual, weight, bias, kind, k, eps, outside, scale_offset, cast,
-                   residual_rounding)
+    y, h = _launch(x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset, cast,
+                   residual_rounding, group, gate_position, activation, round_affine)
     assert h is not None
     return y, h
