@@ -1139,32 +1139,9 @@ class PartialRMSNorm(_ScaleBias):
 
     Args:
       p: the fraction read by the statistic, ``0 < p <= 1``.
-      axis: the normalized axes, an int or a list of ints (negative count from the end).
-        Default ``-1``. Their sizes are fixed by the first call.
-      epsilon: ``eps``, positive. Default ``1e-6``.
-      eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
-        ``r(s) = 1 / (sqrt(s) + eps)``.
-      bias: whether there is a weight ``b`` ("bias", zeros). Default ``False``.
-      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
-        initialized to ``1 - scale_offset``). Default ``True``.
-      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
-        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
-      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
-        ``"float32"``, ``"float32_normalized"``); the layer is then called as
-        ``layer(x, residual)`` and returns ``(y, h)``.
-      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
-        ``"param"`` (in ``w``'s dtype, then upcast).
-      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
-        (after the policy's cast) and the variables.
-      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
-        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
-      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
-        (default None: no gate, the whole row); a gated layer is called as ``layer(x, gate=z)``.
-      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
-        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
-        policy's compute dtype).
+      axis, epsilon, eps_placement, bias, scale, scale_offset, cast, residual, offset_dtype,
+        output_dtype, backward, gate, gate_activation, group_size, param_dtype, **kwargs: as in
+        `RMSNorm`.
     """
 
     def __init__(
@@ -1223,30 +1200,12 @@ class LayerNorm(_Norm):
         regularizers and constraints of ``b`` and ``w`` (default None).
       rms_scaling: only ``False``; Keras' ``rms_scaling=True`` is refused (it divides by the
         variance, not by the mean square: use `RMSNorm`).
-      eps_placement: ``"inside"``: ``r(s) = 1 / sqrt(s + eps)`` (default); ``"outside"``:
-        ``r(s) = 1 / (sqrt(s) + eps)``.
       variance: ``"two_pass"`` (default: ``mean(c**2)``, ``c`` computed first, as Keras'
         LayerNormalization does on TensorFlow and JAX) or ``"fast"`` (``max(0, mean(x**2) -
         mean(x)**2)`` in float32, Flax's default); the gradient is the exact function's either
         way.
-      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
-        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
-      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
-        ``"float32"``, ``"float32_normalized"``); the layer is then called as
-        ``layer(x, residual)`` and returns ``(y, h)``.
-      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
-        ``"param"`` (in ``w``'s dtype, then upcast).
-      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
-        (after the policy's cast) and the variables.
-      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
-        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
-      gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
-        (default None: no gate, the whole row); a gated layer is called as ``layer(x, gate=z)``.
-      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
-        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
-        policy's compute dtype).
+      eps_placement, scale_offset, cast, residual, offset_dtype, output_dtype, backward, gate,
+        gate_activation, group_size, param_dtype, **kwargs: as in `RMSNorm`.
 
     Examples:
       >>> import numpy as np
@@ -1376,24 +1335,8 @@ class DyT(_ScaleBias):
         x-transformers).
       axis: the axes ``w`` and ``b`` span, an int or a list of ints. Default ``-1``.
       bias: whether there is a weight ``b`` ("bias", zeros). Default ``True``.
-      scale: whether there is a weight ``w`` ("scale", the input's shape over ``axis``,
-        initialized to ``1 - scale_offset``). Default ``True``.
-      scale_offset: the constant added to ``w``; ``1.0`` is Gemma's ``(1 + w)``. Default ``0.0``.
-      cast: for float16/bfloat16 inputs, ``"after_scale"`` rounds once at the end (default);
-        ``"before_scale"`` rounds ``y_hat`` to the input dtype before the affine step (Llama).
-      residual: None (default), or how ``h = x + residual`` is rounded (``"rounded"``,
-        ``"float32"``, ``"float32_normalized"``); the layer is then called as
-        ``layer(x, residual)`` and returns ``(y, h)``.
-      offset_dtype: where ``scale_offset + w`` is computed: ``"float32"`` (default) or
-        ``"param"`` (in ``w``'s dtype, then upcast).
-      output_dtype: ``"input"`` (default) or ``"promote"``, the promoted dtype of the input
-        (after the policy's cast) and the variables.
-      backward: ``"exact"`` (default): the gradient of the exact function, rounded once;
-        ``"autograd"``: that of the eager program in half precision (Hugging Face Llama).
-      param_dtype: the variables' dtype; None (default) takes the policy's variable dtype.
-      **kwargs: `keras.layers.Layer` arguments: ``name``, ``dtype`` (policy), ``trainable``,
-        ``autocast`` (``False`` keeps a floating input's dtype instead of casting it to the
-        policy's compute dtype).
+      scale, scale_offset, cast, residual, offset_dtype, output_dtype, backward, param_dtype,
+        **kwargs: as in `RMSNorm`.
 
     Examples:
       >>> import numpy as np
