@@ -17,19 +17,23 @@ from normkit.spec import NormSpec, OutputDtype, Variance
 Axes: TypeAlias = int | Sequence[int]
 
 
+# The spec fields every module takes as they are, by the module's name for each (Flax's
+# use_scale and use_bias for scale and bias); axis and output_dtype follow Flax's arguments.
+SHARED_FIELDS = {
+    "use_scale": "scale",
+    "scale_offset": "scale_offset",
+    "use_bias": "bias",
+    "cast": "cast",
+    "residual": "residual",
+    "offset_dtype": "offset_dtype",
+    "backward": "backward",
+}
+
+
 def module_kwargs(spec: NormSpec) -> dict[str, Any]:
     """The keyword arguments that make a linen or NNX module of ``spec.kind`` compute ``spec``."""
-    kwargs: dict[str, Any] = dict(
-        axis=spec.axis,
-        use_scale=spec.scale,
-        scale_offset=spec.scale_offset,
-        use_bias=spec.bias,
-        cast=spec.cast,
-        residual=spec.residual,
-        offset_dtype=spec.offset_dtype,
-        output_dtype=spec.output_dtype,
-        backward=spec.backward,
-    )
+    kwargs: dict[str, Any] = {name: getattr(spec, field) for name, field in SHARED_FIELDS.items()}
+    kwargs.update(axis=spec.axis, output_dtype=spec.output_dtype)
     if spec.kind == "dyt":
         kwargs["alpha_init"] = spec.alpha_init
         return kwargs

@@ -18,6 +18,7 @@ from jax.typing import DTypeLike
 
 from normkit.jax import functional
 from normkit.jax._fields import (
+    SHARED_FIELDS,
     Axes,
     check_axis_index_groups,
     check_residual,
@@ -80,17 +81,12 @@ class _Layer(nn.Module):
         return axis, (axis,) if isinstance(axis, int) else tuple(axis)
 
     def _spec(self, **fields: Any) -> NormSpec:
+        """The `NormSpec` of the fields every module here has, and ``fields`` (its kind's)."""
         return NormSpec(
             kind=self.kind,
             axis=self._axes()[0],
-            scale=self.use_scale,
-            scale_offset=self.scale_offset,
-            bias=self.use_bias,
-            cast=self.cast,
-            residual=self.residual,
-            offset_dtype=self.offset_dtype,
             output_dtype=flax_output_dtype(self.output_dtype, self.dtype),
-            backward=self.backward,
+            **{field: getattr(self, name) for name, field in SHARED_FIELDS.items()},
             **fields,
         )
 
