@@ -32,6 +32,7 @@ def run(
     peers: bool = False,
     jobs: int = 2,
     pairwise: bool = True,
+    invariance: bool = True,
     progress: bool = True,
 ) -> Report:
     """Run the conformance matrix and return its report.
@@ -51,6 +52,9 @@ def run(
       peers: check the frameworks' built-in layers against the NormSpec each appears to implement.
       jobs: worker processes at once, at least 1.
       pairwise: compare every two targets' outputs on the cases both ran.
+      invariance: state each target's batch invariance (`normkit.conformance.batch_invariance`):
+        whether a row's bits depend on its batch's row count, order, its position there and,
+        for torch, the thread count.
       progress: show progress with an estimate of the time left on stderr.
     """
     from normkit.conformance import runner
@@ -67,10 +71,12 @@ def run(
             devices=wanted,
             jobs=jobs,
             pairwise=False,
+            invariance=invariance,
             progress=progress,
         )
     cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=tuple(dtypes or MATRIX_DTYPES))
     chosen = select(None if backends is None else list(backends))
     return runner.run(
-        chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise, progress=progress
+        chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise,
+        invariance=invariance, progress=progress,
     )

@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from normkit import __version__, tolerances
+from normkit.conformance.batch_invariance import BATCH_ROWS, BatchInvariance
 from normkit.conformance.cases import FEATURES
 from normkit.conformance.runner import PAIRWISE_FACTOR, Report
 from normkit.spec import ALL_KINDS, NormSpec
@@ -23,9 +24,11 @@ def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
         cell = cells[(f"{r.target}@{r.device}", r.case.spec.kind)]
         cell[{"PASS": 0, "FAIL": 1, "SKIP": 2}[r.status]] += 1
         cell[3] = max(cell[3], r.worst)
+    invariance = bool(report.batch_invariance)
     header = ["implementation", *ALL_KINDS, "passed", "failed", "skipped"]
+    header += ["batch-invariant"] if invariance else []
     rows = []
-    for name in sorted({row for row, _ in cells}):
+    for name in sorted({row for row, _ in cells} | set(report.batch_invariance)):
         counts = [0, 0, 0]
         row = [name]
         for kind in ALL_KINDS:
@@ -33,10 +36,63 @@ def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
             counts = [counts[0] + passed, counts[1] + failed, counts[2] + skipped]
             total = passed + failed
             row.append(f"{passed}/{total} worst {worst:.2f}" if total else "-")
-        rows.append([*row, *(str(c) for c in counts)])
+        row += [str(c) for c in counts]
+        if invariance:
+            row.append(_invariance_verdict(report.batch_invariance.get(name, {})))
+        rows.append(row)
     for name, reason in sorted(report.skipped_targets.items()):
         rows.append([name, *("-" for _ in ALL_KINDS), "0", "0", f"all: {reason}"])
+        rows[-1] += ["-"] if invariance else []
     return header, rows
+
+
+def _invariance_cell(found: dict[str, Any]) -> str:
+    """One probe's finding: "invariant", what the bits depend on, or why it did not run."""
+    if "skip" in found or "error" in found:
+        return f"not checked: {found.get('skip') or found['error']}"
+    checked = BatchInvariance(**found)
+    return ", ".join(checked.dependencies()) or "invariant"
+
+
+def _invariance_verdict(probes: dict[str, dict[str, Any]]) -> str:
+    """A target's summary over the probes: "yes" (threads included where checked), or what
+    the bits depend on and for which probes."""
+    checked = {
+        label: BatchInvariance(**found)
+        for label, found in probes.items()
+        if "skip" not in found and "error" not in found
+    }
+    if not checked:
+        return "-"
+    depending = {label: c.dependencies() for label, c in checked.items() if c.dependencies()}
+    if not depending:
+        threads = all(c.threads for c in checked.values())
+        return "yes, threads too" if threads else "yes"
+    found = sorted({d for ds in depending.values() for d in ds})
+    return f"no: {', '.join(found)} ({'; '.join(depending)})"
+
+
+def _invariance_section(report: Report) -> list[str]:
+    """The Markdown section: target@device x probe, what a row's output bits depend on."""
+    if not report.batch_invariance:
+        return []
+    labels = list(dict.fromkeys(label for p in report.batch_invariance.values() for label in p))
+    rows = [
+        [name, *(_invariance_cell(probes[label]) if label in probes else "-" for label in labels)]
+        for name, probes in sorted(report.batch_invariance.items())
+    ]
+    return [
+        "",
+        "## Batch invariance",
+        "",
+        "Whether a row's output bits depend on the batch it is computed in: its row count "
+        f"(batches of {', '.join(map(str, BATCH_ROWS))} rows), their order, the row's position "
+        "and, where the framework can set it, the thread count (1 and 2). Rows of each "
+        "probe's dtype and size, normalized by its kind (a built-in layer by the spec it "
+        "appears to implement).",
+        "",
+        _markdown_table(["implementation", *labels], rows),
+    ]
 
 
 def _features(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -96,10 +152,19 @@ LEGEND = (
 )
 
 
+INVARIANCE_LEGEND = (
+    "batch-invariant: whether a row's output bits are independent of its batch's row count, "
+    "order and its position there (and of the thread count where it is set), on the probes of "
+    "normkit.conformance.batch_invariance; --markdown has each probe."
+)
+
+
 def text(report: Report, failures: int = 10) -> str:
     """The terminal summary: the table, failures (up to ``failures``), skips, pairwise worst."""
     header, rows = _summary(report)
     out = [_table(header, rows), "", LEGEND]
+    if report.batch_invariance:
+        out.append(INVARIANCE_LEGEND)
     failed = report.failed
     if failed:
         out += ["", f"{len(failed)} failed:"]
@@ -235,7 +300,8 @@ def peers_markdown(report: Report, title: str) -> str:
         "and the shape where it occurs: on rows of one element (3x1) the exact gradient is of "
         "the order of eps, which a plain float32 backward loses to cancellation."
     )
-    return "\n".join([f"# {title}", "", intro, "", _markdown_table(header, rows)]) + "\n"
+    out = [f"# {title}", "", intro, "", _markdown_table(header, rows)]
+    return "\n".join(out + _invariance_section(report)) + "\n"
 
 
 def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[str, list[str]]:
@@ -287,6 +353,7 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
         "",
         LEGEND,
     ]
+    out += _invariance_section(report)
     fh, fr = _features(report)
     if fr:
         out += [
@@ -340,6 +407,7 @@ def to_json(report: Report) -> str:
             },
             "cases": [r.to_dict() for r in report.results],
             "pairwise": [vars(p) for p in report.pairwise],
+            "batch_invariance": report.batch_invariance,
             "identified": report.identified,
             "restarts": report.restarts,
         },

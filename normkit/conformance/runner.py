@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from normkit import tolerances, workers
-from normkit.conformance import compare
+from normkit.conformance import batch_invariance, compare
 from normkit.conformance.cases import Case
 from normkit.conformance.result import Result
 from normkit.conformance.targets import Target
@@ -57,6 +57,10 @@ class Report:
     pairwise: list[Pairwise] = field(default_factory=list)
     seconds: float = 0.0
     restarts: list[str] = field(default_factory=list)
+    batch_invariance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per ``target@device``, per probe label (`normkit.conformance.batch_invariance.PROBES`):
+    ``{"rows", "order", "position", "threads"}`` (True: invariant; ``threads`` None where it
+    was not checked), or ``{"skip": reason}`` / ``{"error": message}``."""
 
     @property
     def failed(self) -> list[Result]:
@@ -73,6 +77,7 @@ def _job(
     planned: dict[str, list[Case]],
     devices: Sequence[str] | None,
     outdir: str | None,
+    invariance: bool,
 ) -> dict[str, Any]:
     """The job of one worker: ``group``, targets that share a hook module and an environment."""
     return {
@@ -83,6 +88,9 @@ def _job(
                 "variant": dict(t.variant),
                 "identify": t.claims is not None,
                 "cases": [c.to_dict() for c in planned[t.name]],
+                "batch_invariance": [
+                    p.to_dict() for p in batch_invariance.probes(t.claims) if invariance
+                ],
             }
             for t in group
         ],
@@ -98,6 +106,7 @@ def run(
     devices: Sequence[str] | None = None,
     jobs: int = 2,
     pairwise: bool = True,
+    invariance: bool = False,
     progress: bool = True,
 ) -> Report:
     """Run every target on its cases (``cases_for(target) -> list[Case]``) in worker processes.
@@ -109,6 +118,8 @@ def run(
       jobs: how many workers run at once, at least 1. Targets that share a hook module and an
         environment share a worker (one framework import).
       pairwise: also compare every two targets' outputs on the cases both ran.
+      invariance: also check each target's batch invariance on
+        `normkit.conformance.batch_invariance.PROBES`.
       progress: show progress on stderr.
     """
     if jobs < 1:
@@ -126,6 +137,7 @@ def run(
     identified: dict[str, dict[str, Any]] = {}
     target_seconds: dict[str, float] = {}
     restarts: list[str] = []
+    invariances: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
         groups: dict[tuple[str, str], list[Target]] = {}
         for t in runnable:
@@ -138,7 +150,7 @@ def run(
                     run = _GroupRun(group, planned, devices, events.put)
                     for attempt in range(RESTARTS + 1):
                         kept = outdir if pairwise else None
-                        job = _job(run.unfinished(), run.left, devices, kept)
+                        job = _job(run.unfinished(), run.left, devices, kept, invariance)
                         error = workers.run(WORKER, job, group[0].environment, run.forward)
                         if not _killed(error) or attempt == RESTARTS or run.complete():
                             break
@@ -171,6 +183,8 @@ def run(
                     bar.add(len(planned[name]) * (len(event["devices"]) - 1))
             elif "identified" in event:
                 identified[name] = event["identified"]
+            elif "batch_invariance" in event:
+                invariances[f"{name}@{event['device']}"] = event["batch_invariance"]
             elif "seconds" in event:
                 target_seconds[name] = target_seconds.get(name, 0.0) + event["seconds"]
             elif "status" in event:
@@ -185,7 +199,7 @@ def run(
     seconds = time.perf_counter() - start
     return Report(
         results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds,
-        restarts,
+        restarts, invariances,
     )
 
 

@@ -16,7 +16,7 @@ from normkit.torch import kernels
 from normkit.torch.functional import add_norm, normalize
 from normkit.torch.modules import from_spec
 
-__all__ = ["VARIANTS", "build", "devices", "evaluate"]
+__all__ = ["VARIANTS", "build", "devices", "evaluate", "probes_skipped", "set_threads"]
 
 VARIANTS: dict[str, tuple[object, ...] | None] = {
     "api": ("module", "functional"), "compiled": (True, False), "kernel": kernels.KERNELS,
@@ -97,3 +97,20 @@ def build(
 _HARNESS = Harness(_BRIDGE, build, VARIANTS)
 devices = _HARNESS.devices
 evaluate = _HARNESS.evaluate
+
+
+def set_threads(count: int) -> int:
+    """Run torch's CPU ops (and normkit's CPU kernel, which follows them) on ``count`` threads;
+    returns the count before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    return before
+
+
+def probes_skipped(device: str, **variant: Any) -> str | None:
+    """Why the batch-invariance probes do not run for ``variant`` on ``device``, or None: the
+    Triton kernels off a GPU run in Triton's interpreter, too slow for the probes' batches
+    (tests/conformance/test_batch_invariance.py checks them there on small ones)."""
+    if variant.get("kernel") == "triton" and not device.startswith("cuda"):
+        return "the Triton kernels run in Triton's interpreter here"
+    return None

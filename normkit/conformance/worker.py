@@ -2,9 +2,10 @@
 
 ``python -m normkit.conformance.worker`` reads a job ``{"hook", "targets", "devices", "outdir"}``
 and emits per target ``{"target", "devices"}``, one result per case and device, the
-identification for peers, and ``{"target", "seconds"}``. Each hook gets its own process
-because Keras fixes its backend at import, and because one framework crashing or leaking memory
-must not take the others with it.
+identification for peers, ``{"target", "device", "batch_invariance"}`` per device (each probe
+of `normkit.conformance.batch_invariance` that the job lists), and ``{"target", "seconds"}``.
+Each hook gets its own process because Keras fixes its backend at import, and because one
+framework crashing or leaking memory must not take the others with it.
 
 A worker keeps JAX's compilations in its persistent cache (`jax_compilation_cache`), so that the
 targets and the runs that compile the same program share it.
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from normkit import dtypes, workers
+from normkit.conformance import batch_invariance
 from normkit.conformance.cases import Case
 from normkit.conformance.compare import compare, quantities
 from normkit.conformance.result import Result
@@ -70,6 +72,11 @@ def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
                 emit(result.to_dict())
         if target.get("identify"):
             emit({"target": name, "identified": _identify(hook, target["variant"])})
+        probes = [batch_invariance.Probe.from_dict(p) for p in target.get("batch_invariance", [])]
+        for device in wanted if probes else []:
+            if device in seen:
+                found = _batch_invariance(hook, target["variant"], probes, device)
+                emit({"target": name, "device": device, "batch_invariance": found})
         emit({"target": name, "seconds": time.perf_counter() - began})
 
 
@@ -106,6 +113,31 @@ def _run_case(
         }
         np.savez(path, **arrays)
     return Result(name, device, case, "FAIL" if problems else "PASS", "; ".join(problems), figures)
+
+
+def _batch_invariance(
+    hook: Hook, variant: dict[str, Any], probes: list[batch_invariance.Probe], device: str
+) -> dict[str, Any]:
+    """Per probe label, what the target's bits were found to depend on (`BatchInvariance` as a
+    dict), or ``{"skip": reason}`` / ``{"error": message}``. A hook that can set its framework's
+    thread count (``set_threads``) has it checked too; one that says why a variant cannot be
+    probed (``probes_skipped(device, **variant)``) is skipped with its reason."""
+    skipped = getattr(hook, "probes_skipped", lambda device, **variant: None)(device, **variant)
+    if skipped:
+        return {probe.label: {"skip": skipped} for probe in probes}
+    found: dict[str, Any] = {}
+    for probe in probes:
+        try:
+            checked = batch_invariance.probe(
+                hook.evaluate, probe, device=device,
+                set_threads=getattr(hook, "set_threads", None), **variant,
+            )
+            found[probe.label] = checked.to_dict()
+        except NotImplementedError as exc:
+            found[probe.label] = {"skip": str(exc)}
+        except Exception as exc:  # an implementation's failure is a finding, not a crash
+            found[probe.label] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    return found
 
 
 def _identify(hook: Any, variant: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ same bits whatever its batch, its position there and the thread count."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,55 @@ def test_triton_kernels_are_batch_invariant(monkeypatch):
         return y.cpu().numpy()
 
     assert batch_invariance.check(forward, _rows(32, 9), batch_rows=(1, 2, 5, 9)).invariant
+
+
+# ---- the report's column, through the runner on fake targets ------------------------------------
+
+FAKES = "tests.helpers.conformance_fakes"
+
+
+def test_the_report_states_each_targets_batch_invariance():
+    from pathlib import Path
+
+    from normkit.conformance import report, runner
+    from normkit.conformance.targets import Target
+
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    targets = [
+        Target(name, (), FAKES, {"mode": mode}, env, packages=("numpy",))
+        for name, mode in (("rowwise", "exact"), ("batched", "batch_dependent"))
+    ]
+    rep = runner.run(targets, lambda t: [], progress=False, invariance=True)
+    labels = [p.label for p in batch_invariance.PROBES]
+    assert sorted(rep.batch_invariance) == ["batched@cpu", "rowwise@cpu"]
+    for label in labels:
+        assert rep.batch_invariance["rowwise@cpu"][label] == {
+            "rows": True, "order": True, "position": True, "threads": None,
+        }
+        # odd batches (1, 3, 509) against the even 64: the row count; an odd batch of one row
+        # against the same row in the odd 509: position and order are unchanged
+        assert rep.batch_invariance["batched@cpu"][label] == {
+            "rows": False, "order": True, "position": True, "threads": None,
+        }
+    summary = report.text(rep)
+    assert "batch-invariant" in summary
+    rows = {line.split()[0]: line for line in summary.splitlines() if "@cpu" in line}
+    assert rows["rowwise@cpu"].rstrip().endswith("yes")
+    assert rows["batched@cpu"].rstrip().endswith(f"no: row count ({'; '.join(labels)})")
+    md = report.markdown(rep)
+    assert "## Batch invariance" in md
+    assert "| batched@cpu | row count | row count | row count |" in md
+    assert "| rowwise@cpu | invariant | invariant | invariant |" in md
+    assert json.loads(report.to_json(rep))["batch_invariance"] == rep.batch_invariance
+
+
+def test_the_torch_target_checks_the_thread_count_and_names_what_it_skips():
+    from normkit.conformance import targets_torch
+
+    found = batch_invariance.probe(
+        targets_torch.evaluate, batch_invariance.PROBES[0], device="cpu",
+        set_threads=targets_torch.set_threads, kernel="composite",
+    )
+    assert found == batch_invariance.BatchInvariance(True, True, True, True)
+    assert targets_torch.probes_skipped("cpu", kernel="triton")
+    assert targets_torch.probes_skipped("cpu", kernel="cpu") is None
