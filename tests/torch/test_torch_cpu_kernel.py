@@ -302,6 +302,11 @@ def _row_loops(dtype: str) -> dict[str, tuple[Any, ...]]:
         },
         "gradient": (m._gradient_span, *gradient, no),
         "rms gradient": (m._gradient_span, *gradient, yes),
+        "gate product": (m._times, row, vec, vec),
+        "gated scale": (m._gated_scale_span, row, row, vec, vec, vec, f32, f32, f32),
+        "gate-after gradient": (m._gate_after_gradient_span, row, row, row, vec, vec, vec, f32,
+                                f32, f32),
+        "gate-before gradient": (m._gate_before_gradient, row, vec, vec, vec, row, row),
     }
 
 

@@ -8,15 +8,17 @@
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
   (with one warning); ``"composite"`` on every other device.
 
-float64 inputs, parameters in a dtype other than float32 or the input's, a residual in another
-dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for LayerNorm)
-always take the composite path, which computes them exactly. So do meta and fake tensors
-outside ``torch.compile`` (a meta tensor passes for any device): that path reads no values,
-and gives the outputs' shapes, dtypes and strides. Each kernel module exports
-``norm_rows(x, weight, bias, *, kind, k, eps, outside, scale_offset, cast)`` on rows ``x`` of
-shape (rows, n); the Triton module also ``add_norm_rows`` (`SUPPORTED` lists the spec fields
-each computes). A spec with a field a kernel lacks takes the composite path under ``"auto"``
-(silently: that is a choice, not a failure) and is an error when the kernel is named.
+float64 inputs, parameters in a dtype other than float32 or the input's, a residual or a gate
+in another dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for
+LayerNorm; for the CPU kernel also such groups) always take the composite path, which computes
+them exactly. So do meta and fake tensors outside ``torch.compile`` (a meta tensor passes for
+any device): that path reads no values, and gives the outputs' shapes, dtypes and strides.
+Each kernel module exports ``norm_rows(x, weight, bias, *, kind, k, eps, outside, scale_offset,
+cast)`` on rows ``x`` of shape (rows, n), with ``group, gate, gate_position, activation,
+round_affine`` for a gated or grouped spec; the Triton module also ``add_norm_rows``
+(`SUPPORTED` lists the spec fields each computes). A spec with a field a kernel lacks takes
+the composite path under ``"auto"`` (silently: that is a choice, not a failure) and is an
+error when the kernel is named.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ KERNELS: tuple[str, ...] = ("auto", "composite", "cpu", "triton")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 SUPPORTED: dict[str, frozenset[str]] = {
-    "cpu": frozenset(),
+    "cpu": frozenset({"gate", "gate_activation", "group_size"}),
     "triton": frozenset({"residual"}),
 }
 """The fields of `normkit.spec.EXTENDED_DEFAULTS` each kernel computes beyond their defaults

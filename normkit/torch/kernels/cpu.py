@@ -648,8 +648,9 @@ def norm_rows(
     if gate_position is None and group in (None, n):
         y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
         return y
-    y = CpuGatedNormFunction.apply(
-        x, gate, g, b, kind, k, group or n, eps, outside, cast, gate_position, activation,
-        round_affine, strict,
-    )[0]
+    options = (kind, k, group or n, eps, outside, cast, gate_position, activation, round_affine)
+    if (group or n) <= (2 if kind == "layer" else 1):
+        # degenerate groups take the composite path, as degenerate rows do (its closed forms)
+        return _composite_gated(x, gate, g, b, *options)
+    y = CpuGatedNormFunction.apply(x, gate, g, b, *options, strict)[0]
     return y
