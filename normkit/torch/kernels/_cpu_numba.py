@@ -759,6 +759,21 @@ def _activate(z: np.ndarray, a: np.ndarray, slope: np.ndarray, sigmoid: bool, wi
 
 
 @njit(cache=True)
+def _times(x: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+    """``out = x a`` in float32."""
+    for j in range(x.size):
+        out[j] = _load(x, j) * a[j]
+
+
+@njit(cache=True)
+def _gated_scale_span(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray,
+                      b: np.ndarray, r: float, m_hi: float, m_lo: float) -> None:
+    """``y = (((x - m_hi) - m_lo) r g + b) a`` in float32."""
+    for j in range(x.size):
+        _store(y, j, (((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j]) * a[j])
+
+
+@njit(cache=True)
 def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, b: np.ndarray,
                     kind: int, k: int, eps: float, outside: bool, before_scale: bool,
                     round_affine: bool) -> float:
@@ -769,9 +784,7 @@ def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, 
     r = _rstd(s, eps, outside)
     if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
         m_hi, m_lo = _split(mean)
-        r32 = np.float32(r)
-        for j in range(x.size):
-            _store(y, j, (((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j]) * a[j])
+        _gated_scale_span(x, y, a, g, b, np.float32(r), m_hi, m_lo)
     else:
         for j in range(x.size):
             v = (np.float64(_load(x, j)) - mean) * r
@@ -794,8 +807,7 @@ def _gated_forward_row(x: np.ndarray, z: np.ndarray, y: np.ndarray, g: np.ndarra
     if gate != NO_GATE:
         _activate(z, a, a, sigmoid, False)
     if gate == GATE_BEFORE:
-        for j in range(x.size):
-            v[j] = _load(x, j) * a[j]
+        _times(x, a, v)
     for i in range(r.size):
         lo = i * group
         hi = lo + group
@@ -835,20 +847,36 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
 
 
 @njit(cache=True)
+def _gate_after_gradient_span(x: np.ndarray, dy: np.ndarray, dz: np.ndarray,
+                              slope: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
+                              m_hi: float, m_lo: float) -> None:
+    """``dz = dy (((x - m_hi) - m_lo) r g + b) slope`` in float32."""
+    for j in range(x.size):
+        u = ((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j]
+        _store(dz, j, _load(dy, j) * u * slope[j])
+
+
+@njit(cache=True)
 def _gate_after_gradient(x: np.ndarray, dy: np.ndarray, dz: np.ndarray, slope: np.ndarray,
                          g: np.ndarray, b: np.ndarray, r: float, mean: float) -> None:
     """``dz = dy u a'(z)``, ``u = (x - mean) r g + b`` (unrounded): in float32 with the mean
     split, in float64 where the row's scalars are not float32-safe (`_fast`)."""
     if _fast(r) and (mean == 0.0 or _fast(mean)):
         m_hi, m_lo = _split(mean)
-        r32 = np.float32(r)
-        for j in range(x.size):
-            u = ((_load(x, j) - m_hi) - m_lo) * r32 * g[j] + b[j]
-            _store(dz, j, _load(dy, j) * u * slope[j])
+        _gate_after_gradient_span(x, dy, dz, slope, g, b, np.float32(r), m_hi, m_lo)
     else:
         for j in range(x.size):
             u = (np.float64(_load(x, j)) - mean) * r * g[j] + b[j]
             _store(dz, j, _round_like(dz, np.float64(_load(dy, j)) * u * slope[j]))
+
+
+@njit(cache=True)
+def _gate_before_gradient(x: np.ndarray, e: np.ndarray, a: np.ndarray, slope: np.ndarray,
+                          dx: np.ndarray, dz: np.ndarray) -> None:
+    """``dx = e a`` and ``dz = e x slope`` in float32."""
+    for j in range(x.size):
+        _store(dx, j, e[j] * a[j])
+        _store(dz, j, e[j] * _load(x, j) * slope[j])
 
 
 @njit(cache=True)
@@ -868,11 +896,9 @@ def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndar
     if gate != NO_GATE:
         _activate(z, a, slope, sigmoid, True)
     if gate == GATE_BEFORE:
-        for j in range(x.size):
-            v[j] = _load(x, j) * a[j]
+        _times(x, a, v)
     elif gate == GATE_AFTER:
-        for j in range(x.size):
-            v[j] = _load(dy, j) * a[j]
+        _times(dy, a, v)
     for i in range(r.size):
         lo = i * group
         hi = lo + group
@@ -888,9 +914,7 @@ def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndar
             _backward_row(x[lo:hi], r[i], dy[lo:hi], dx[lo:hi], g[lo:hi], dg[lo:hi], db[lo:hi],
                           kind, k, eps, outside, need_b)
     if gate == GATE_BEFORE:
-        for j in range(x.size):
-            _store(dx, j, e[j] * a[j])
-            _store(dz, j, e[j] * _load(x, j) * slope[j])
+        _gate_before_gradient(x, e, a, slope, dx, dz)
 
 
 @njit(parallel=True, cache=True)
