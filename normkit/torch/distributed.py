@@ -157,21 +157,27 @@ def _check_float(t: torch.Tensor, what: str) -> None:
         )
 
 
+def _check_param(
+    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
+) -> None:
+    if value is None:
+        return
+    if not present:
+        field = "scale" if name == "weight" else name
+        raise ValueError(f"{name} was given but the spec has {field}=False")
+    _check_float(value, name)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+
+
 def _param_shape(
     x: torch.Tensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> tuple[int, ...]:
     """The shape of ``spec``'s parameters for ``x``, which a given ``weight`` and ``bias`` must
     have (ValueError; also for one the spec lacks), in a supported dtype (TypeError)."""
     shape = spec.param_shape(tuple(x.shape))
-    for name, value, present in (("weight", weight, spec.scale), ("bias", bias, bool(spec.bias))):
-        if value is None:
-            continue
-        if not present:
-            field = "scale" if name == "weight" else name
-            raise ValueError(f"{name} was given but the spec has {field}=False")
-        _check_float(value, name)
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    _check_param(weight, "weight", spec.scale, shape)
+    _check_param(bias, "bias", bool(spec.bias), shape)
     return shape
 
 
