@@ -24,7 +24,6 @@ pytest.importorskip("triton", reason="the Triton kernels need triton: pip instal
 
 from normkit import NormSpec, reference  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
-from normkit.torch import kernels as dispatch  # noqa: E402
 from normkit.torch.functional import add_norm, normalize  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
 from tests.helpers import gated  # noqa: E402
@@ -41,10 +40,6 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
     """``kernel="triton"`` takes gated and grouped specs; the keywords of each call of the
     kernels' `norm_rows` and `add_norm_rows` are recorded."""
-    monkeypatch.setitem(
-        dispatch.SUPPORTED, "triton",
-        frozenset({"residual", "gate", "gate_activation", "group_size"}),
-    )
     calls: list[dict[str, object]] = []
 
     def recorded(kernel: Callable[..., object]) -> Callable[..., object]:

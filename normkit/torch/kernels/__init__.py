@@ -44,7 +44,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 SUPPORTED: dict[str, frozenset[str]] = {
     "cpu": frozenset({"gate", "gate_activation", "group_size"}),
-    "triton": frozenset({"residual"}),
+    "triton": frozenset({"residual", "gate", "gate_activation", "group_size"}),
 }
 """The fields of `normkit.spec.EXTENDED_DEFAULTS` each kernel computes beyond their defaults
 (neither computes ``kind="dyt"``)."""
