@@ -408,7 +408,7 @@ def _option_rows() -> list[Row]:
     ):
         spec = NormSpec(**kind, bias=True, scale_offset=1.0)
         rows.append(_drawn_row(f"row_size-{kname}-{dtype.name}-n{n}", spec, (3, n), dtype,
-                               unscaled_y=True))
+                               ("torch",), unscaled_y=True))  # torch's kernels' row lengths
     for (kname, kind), placement, dtype, n in itertools.product(
         KINDS.items(), PLACEMENTS, (F16, BF16), (2, 96, 4096)
     ):
