@@ -231,6 +231,17 @@ def collect(
     return rows
 
 
+def run(
+    bench: BackendBench,
+    quick: bool = False,
+    devices: Sequence[str] | None = None,
+    dtypes: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Every group of ``bench``'s sweep (`Sweep.make`), timed in this process; rows in
+    `normkit.bench`'s schema."""
+    return collect(bench, Sweep.make(quick, devices, dtypes))
+
+
 def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None:
     """``python -m normkit.bench.<backend>``: run that backend's benchmark here, print the table."""
     from normkit.bench import report

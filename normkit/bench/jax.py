@@ -1,16 +1,16 @@
 """normkit.jax against flax.linen.RMSNorm / LayerNorm, jitted.
 
-``python -m normkit.bench.jax [--quick] [--device D] [--dtype T]`` prints the table; `run`
-returns the rows in `normkit.bench`'s schema. Every group also times a jitted ``jnp.copy`` of the
-same bytes (the copy floor). Forward+backward is one jitted function returning ``y`` and the VJP
-(gradients of ``x`` and the parameters). Parameters are float32; flax's modules get
-``dtype=`` the input's so that they return it, as normkit's do.
+``python -m normkit.bench.jax [--quick] [--device D] [--dtype T]`` prints the table;
+`normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
+also times a jitted ``jnp.copy`` of the same bytes (the copy floor). Forward+backward is one jitted
+function returning ``y`` and the VJP (gradients of ``x`` and the parameters). Parameters are
+float32; flax's modules get ``dtype=`` the input's so that they return it, as normkit's do.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -25,13 +25,12 @@ from normkit.bench.core import (
     Group,
     Sweep,
     backend_main,
-    collect,
     plan_groups,
     time_group,
 )
 from normkit.bridges import JaxBridge
 
-__all__ = ["measure", "plan", "run", "versions"]
+__all__ = ["measure", "plan", "versions"]
 
 MODE = "jax.jit"
 _BRIDGE = JaxBridge()
@@ -99,13 +98,6 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     return time_group(
         group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer)))
     )
-
-
-def run(
-    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
-) -> list[dict[str, Any]]:
-    """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
-    return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,26 @@
 """normkit.tf against Keras' own layers on the TensorFlow backend, eager and XLA-compiled.
 
-``python -m normkit.bench.tf [--quick] [--device D] [--dtype T]`` prints the table; `run` returns
-the rows in `normkit.bench`'s schema. Every group also times ``x * 1`` over the same bytes, eager
-(the copy floor: ``tf.identity`` moves nothing, and XLA would fold a multiply by one). Layers run
-under the dtype policy of the input: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``.
+``python -m normkit.bench.tf [--quick] [--device D] [--dtype T]`` prints the table;
+`normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
+also times ``x * 1`` over the same bytes, eager (the copy floor: ``tf.identity`` moves nothing, and
+XLA would fold a multiply by one). Layers run under the dtype policy of the input: ``float32``,
+``mixed_bfloat16`` or ``mixed_float16``.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 
-from normkit.bench.core import EPS, Group, Sweep, backend_main, collect, plan_groups, time_group
+from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
 from normkit.bridges import TensorFlowBridge
 from normkit.tf.layers import LayerNorm, RMSNorm
 
-__all__ = ["measure", "plan", "run", "versions"]
+__all__ = ["measure", "plan", "versions"]
 
 EAGER, XLA = "eager", "tf.function(jit_compile=True)"
 _BRIDGE = TensorFlowBridge()
@@ -113,13 +114,6 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
                     tf.config.experimental.get_memory_info(name)["peak"] - before
                 )
     return rows
-
-
-def run(
-    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
-) -> list[dict[str, Any]]:
-    """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
-    return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 
 
 if __name__ == "__main__":

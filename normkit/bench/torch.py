@@ -1,17 +1,17 @@
 """normkit.torch against torch.nn.RMSNorm / LayerNorm and a Llama-style RMSNorm, eager and compiled.
 
-``python -m normkit.bench.torch [--quick] [--device D] [--dtype T]`` prints the table; `run`
-returns the rows in `normkit.bench`'s schema. Every group also times ``x.clone()`` of the same
-bytes (the copy floor). Eager forward+backward rows carry ``saved_for_backward_bytes`` (distinct
-storages autograd saves, parameters excluded, from ``torch.autograd.graph.saved_tensors_hooks``);
-rows on CUDA carry ``peak_memory_bytes``.
+``python -m normkit.bench.torch [--quick] [--device D] [--dtype T]`` prints the table;
+`normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
+also times ``x.clone()`` of the same bytes (the copy floor). Eager forward+backward rows carry
+``saved_for_backward_bytes`` (distinct storages autograd saves, parameters excluded, from
+``torch.autograd.graph.saved_tensors_hooks``); rows on CUDA carry ``peak_memory_bytes``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,14 +22,13 @@ from normkit.bench.core import (
     Group,
     Sweep,
     backend_main,
-    collect,
     plan_groups,
     time_group,
 )
 from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
-__all__ = ["LlamaRMSNorm", "measure", "plan", "run", "saved_bytes", "versions"]
+__all__ = ["LlamaRMSNorm", "measure", "plan", "saved_bytes", "versions"]
 
 EAGER, COMPILED = "eager", "torch.compile"
 devices = TorchBridge().devices
@@ -207,13 +206,6 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
             fn = candidates.get(row["implementation"], buffer.clone)
             row["peak_memory_bytes"] = _peak_bytes(fn, group.device)
     return rows
-
-
-def run(
-    quick: bool = False, devices: Sequence[str] | None = None, dtypes: Sequence[str] | None = None
-) -> list[dict[str, Any]]:
-    """Every group of the sweep, timed in this process; rows in `normkit.bench`'s schema."""
-    return collect(sys.modules[__name__], Sweep.make(quick, devices, dtypes))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Reference checks of normkit.tf that hold on every Keras backend.
 
-tests/test_tf_conformance.py imports them into the main (TensorFlow) run; tests/test_tf_keras.py
-runs this file again with KERAS_BACKEND=jax and =torch, each in its own process.
+pytest runs them on the TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with
+KERAS_BACKEND=jax and =torch, each in its own process.
 """
 
 from __future__ import annotations
@@ -356,6 +356,7 @@ def test_jax_float64_is_computed_in_float64_with_x64_off():
 @pytest.mark.skipif(keras_backend() == "tensorflow", reason="the benchmark's own backend")
 def test_bench_needs_the_tensorflow_backend():
     from normkit.bench import tf as bench
+    from normkit.bench.core import run
 
     with pytest.raises(RuntimeError, match=rf"measures the TensorFlow backend; KERAS_BACKEND is '{keras_backend()}'"):
-        bench.run(quick=True)
+        run(bench, quick=True)

@@ -245,9 +245,9 @@ def test_devices_refuses_other_keras_backends(monkeypatch):
 @on_tensorflow
 def test_bench_rows_time_each_layer_with_its_keras_peers_and_a_copy():
     from normkit.bench import tf as bench
-    from normkit.bench.core import FIELDS
+    from normkit.bench.core import FIELDS, run
 
-    rows = bench.run(quick=True, devices=["cpu"], dtypes=["float32"])
+    rows = run(bench, quick=True, devices=["cpu"], dtypes=["float32"])
     # 2 shapes x (forward, forward+backward) x (eager, XLA) groups of 4 layers and the copy
     assert len(rows) == 8 * 5
     by_key = {(r["implementation"], r["pass"], r["mode"], tuple(r["shape"])): r for r in rows}
