@@ -85,6 +85,9 @@ class _Rows:
         self.n, self.k, self.head = n, k, head
         self.work = work
         self.outside = spec.eps_placement == "outside"
+        # RMSNorm over all elements with eps inside: keras.layers.RMSNormalization's function,
+        # differentiated through Keras' operations (`keras_output`).
+        self.keras_order = spec.kind == "rms" and not self.outside
         exponent = 256 if work == "float64" else 32
         self.bound = 2.0**exponent
         self.big = 2.0 ** (2 * exponent)
@@ -131,18 +134,19 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
-    def plain(self, x: Any) -> tuple[Any, Any, Any, Any]:
-        """``(mean, r, ratio, bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or ``x - mean``
-        (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) / (-r**3 / 2)``
-        (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward, and whether the
-        row must be recomputed by the guarded program (`needs_rescaling`, or a LayerNorm mean
-        above ``1/r``, whose rounding the correction pass in `center` recovers). The rows
-        marked ``bad`` have ``r = 1``: their values are replaced. `plain_output` differentiates
-        through the statistics analytically, so they are constants to autodiff (a custom
-        gradient may not close over differentiated values on JAX), except for RMSNorm with eps
-        inside, differentiated as Keras' layer is."""
+    def plain(self, x: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """``(mean, s, r, ratio, bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or
+        ``x - mean`` (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) /
+        (-r**3 / 2)`` (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward,
+        and whether the row must be recomputed by the guarded program (`needs_rescaling`, or a
+        LayerNorm mean above ``1/r``, whose rounding the correction pass in `center` recovers).
+        The rows marked ``bad`` have ``r = 1``: their values are replaced. `plain_output`
+        differentiates through the statistics analytically, so they are constants to autodiff
+        (a custom gradient may not close over differentiated values on JAX), except with
+        `keras_order`, differentiated as Keras' layer is; ``s`` is given there only (None
+        otherwise), for `keras_output`'s rows whose ``dr`` overflows."""
         assert self.spec.eps is not None
-        if self.spec.kind != "rms" or self.outside:
+        if not self.keras_order:
             x = ops.stop_gradient(x)
         c, mean = x, None
         if self.spec.kind == "layer":
@@ -166,12 +170,12 @@ class _Rows:
         bad = self.needs_rescaling(s, r)
         if mean is not None:
             bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
-        return mean, ops.where(bad, 1.0, r), ratio, bad
+        return mean, s if self.keras_order else None, ops.where(bad, 1.0, r), ratio, bad
 
     def plain_output(
         self,
         x: Any,
-        stats: tuple[Any, Any, Any, Any],
+        stats: tuple[Any, Any, Any, Any, Any],
         traced: bool,
         scale: Any = None,
         bias: Any = None,
@@ -184,33 +188,27 @@ class _Rows:
         When ``traced``, the branch may run beside the guarded one (a ``cond`` turned into a
         select), so the rows marked ``bad`` get a zero gradient, finite whatever their values.
 
-        RMSNorm over all elements with eps inside is ``keras.layers.RMSNormalization``'s
-        function: its gradient is autodiff through Keras' operations in Keras' order (the same
-        formula, rounded as Keras rounds it), so that training matches Keras' to the bit.
+        With `keras_order` it is `keras_output`, whose gradient is autodiff's through Keras'
+        operations (the same formula, rounded as Keras rounds it), so that training matches
+        ``keras.layers.RMSNormalization``'s to the bit.
         """
-        mean, r, ratio, bad = stats
-        if self.spec.kind == "rms" and not self.outside:
-            present = tuple(p for p in (scale, bias) if p is not None)
-            return _affine_step(x * r, (scale, bias), present)
-        others = tuple(a for a in range(len(self.target)) if a not in self.axes)
+        mean, s, r, ratio, bad = stats
+        if self.keras_order:
+            return self.keras_output(x, s, r, scale, bias)
         count = self.k if self.spec.kind != "layer" else self.n
 
         def y_hat_of(x: Any, mean: Any, r: Any) -> Any:
             return (x if mean is None else x - mean) * r
 
-        def summed(u: Any, param: Any) -> Any:
-            """``u`` summed over the axes ``param`` broadcasts along, in ``param``'s shape."""
-            total = ops.sum(u, axis=others) if others else u
-            return total if total.shape == param.shape else ops.reshape(total, param.shape)
-
         # The statistics are arguments, not closed over: JAX's custom gradient may not close
         # over values of an enclosing trace. Their own gradients are None (dx holds them).
-        row_stats = [u for u in (mean, r, ratio, bad) if u is not None]
+        own = (mean, r, ratio, bad)
+        row_stats = [u for u in own if u is not None]
 
         @ops.custom_gradient
         def output(x: Any, *args: Any) -> Any:
             given = iter(args)
-            mean, r, ratio, bad = (None if u is None else next(given) for u in stats)
+            mean, r, ratio, bad = (None if u is None else next(given) for u in own)
             params = tuple(given)
             y = y_hat_of(x, mean, r)
             if scale is not None:
@@ -235,14 +233,87 @@ class _Rows:
                     dx = r * (d - ops.mean(d, axis=self.axes, keepdims=True) - y_hat * factor)
                 grads = [dx, *[None] * len(row_stats)]
                 if scale is not None:
-                    grads.append(summed(dy * y_hat, params[0]))
+                    grads.append(self.summed(dy * y_hat, params[0]))
                 if bias is not None:
-                    grads.append(summed(dy, params[-1]))
+                    grads.append(self.summed(dy, params[-1]))
                 return tuple(grads)
 
             return y, grad
 
         return output(x, *row_stats, *[p for p in (scale, bias) if p is not None])
+
+    def summed(self, u: Any, param: Any) -> Any:
+        """``u`` summed over the axes ``param`` broadcasts along, in ``param``'s shape."""
+        others = tuple(a for a in range(len(self.target)) if a not in self.axes)
+        total = ops.sum(u, axis=others) if others else u
+        return total if total.shape == param.shape else ops.reshape(total, param.shape)
+
+    def keras_output(self, x: Any, s: Any, r: Any, scale: Any = None, bias: Any = None) -> Any:
+        """``y = x r (* scale) (+ bias)`` in ``keras.layers.RMSNormalization``'s operations,
+        with the gradient autodiff forms through them: ``d = dy scale``, ``dx = d r``,
+        ``dr = sum(d x)`` over the row (autodiff takes it on through ``r(s)`` to ``x``),
+        ``dscale = sum(dy x r)``, ``dbias = sum(dy)`` over the other axes.
+
+        That holds on every row whose statistic's backward stays finite, judged by one scalar
+        per row, ``dr r**3`` (autodiff multiplies it by ``-1/2``, then by ``2 x / n``: factors
+        that keep it finite). A row where it overflows (``d x`` summed over the row: |x| 1e9
+        with |dy| 1e29) gets a zero ``dr`` and the statistic's share as the cotangent of ``s``
+        (`patched_rows`), in a branch the common case skips; the branch outputs row-sized
+        tensors only, so every other row's gradient is Keras' own, untouched.
+        """
+        present = tuple(p for p in (scale, bias) if p is not None)
+
+        @ops.custom_gradient
+        def output(x: Any, s: Any, r: Any, *params: Any) -> Any:
+            product = x * r
+            y = _affine_step(product, (scale, bias), params)
+
+            def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
+                dy = args[0] if upstream is None else upstream
+
+                def scaled(dy: Any) -> Any:
+                    return dy if scale is None else dy * params[0]
+
+                d = scaled(dy)
+                dr = ops.sum(d * x, axis=self.axes, keepdims=True)
+                finite = ops.isfinite(dr * (r * r * r))
+                every_row = ops.all(finite)
+                known = _known(every_row)
+                ds = None
+                if known is None:
+                    # The branch forms d again from dy: under XLA, d as its input would be
+                    # written out, where the common case fuses it into its readers.
+                    ds, dr = ops.cond(
+                        every_row,
+                        lambda: (ops.zeros_like(dr), dr),
+                        lambda: self.patched_rows(x, r, scaled(dy), dr, finite),
+                    )
+                elif not known:
+                    ds, dr = self.patched_rows(x, r, d, dr, finite)
+                grads = [d * r, ds, dr]
+                if scale is not None:
+                    grads.append(self.summed(dy * product, params[0]))
+                if bias is not None:
+                    grads.append(self.summed(dy, params[-1]))
+                return tuple(grads)
+
+            return y, grad
+
+        return output(x, s, r, *present)
+
+    def patched_rows(self, x: Any, r: Any, d: Any, dr: Any, finite: Any) -> tuple[Any, Any]:
+        """``(ds, dr)`` of `keras_output`: on each row not ``finite``, ``dr = 0`` and
+        ``ds = r'(s) sum(d x) = -(n/2) r**2 mean(d y_hat)``, ``y_hat = x r``, whose mean (of
+        ``d (y_hat / n)``, summed) stays below ``max |d|`` (``y_hat`` has mean square at most 1);
+        autodiff then takes ``ds`` to ``x`` through ``s = mean(x**2)``, so that
+        ``dx = d r + (2 x / n) ds``, `normkit.reference.normalize_vjp`'s. A row whose ``ds`` is
+        not finite either (a NaN or inf cotangent) keeps autodiff's ``dr``; elsewhere ``ds`` is
+        0."""
+        y_hat = x * r
+        mean_d_y_hat = ops.sum(d * (y_hat * (1 / self.n)), axis=self.axes, keepdims=True)
+        ds = mean_d_y_hat * (r * r) * (-0.5 * self.n)
+        patch = ops.logical_and(ops.logical_not(finite), ops.isfinite(ds))
+        return ops.where(patch, ds, ops.zeros_like(ds)), ops.where(patch, ops.zeros_like(dr), dr)
 
     def needs_rescaling(self, s: Any, r: Any) -> Any:
         """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``

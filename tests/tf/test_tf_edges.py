@@ -1,5 +1,6 @@
 """normkit.tf's own at the edges: exact second derivatives on degenerate rows (nested
-GradientTapes) and the eps its layers refuse for a dtype.
+GradientTapes), the eps its layers refuse for a dtype, and RMSNorm's row whose gradient in
+Keras' order overflows (under jit too, beside rows that keep Keras' gradient bit for bit).
 
 The values at the edges (overflowing statistics, NaN under eps outside, the partial statistic's
 mask, k = 1, underflowing squares in float32 and float64, the smallest eps) are cases of
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from normkit import NormSpec, reference
+from normkit import NormSpec, reference, tolerances
 from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
 
 pytestmark = pytest.mark.filterwarnings(
@@ -67,3 +68,32 @@ def test_eps_out_of_range_for_the_dtype_is_refused(layer, dtype: str) -> None:
         layer()(np.zeros((2, 4), dtype))
     with pytest.raises(ValueError, match=f"out of range for a {dtype} input"):
         layer()(keras.Input((4,), dtype=dtype))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_rms_norm_row_whose_keras_gradient_overflows_gets_the_reference_dx(jit: bool) -> None:
+    """|x| 1e9 with |dy| 1e29: autodiff's sum(dy w x) overflows float32 on that row, which
+    gets the reference's dx (finite, ~1e20); the other rows keep the gradient of Keras' own
+    layer bit for bit (eager: XLA fuses Keras' program otherwise)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 16)) * np.array([[1e9], [1.0], [3.0]])).astype(np.float32)
+    dy = (rng.standard_normal(x.shape) * np.array([[1e29], [1.0], [1.0]])).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 16, dtype=np.float32)
+
+    def dx_of(layer: keras.layers.Layer) -> np.ndarray:
+        layer.build(x.shape)
+        layer.set_weights([w])
+
+        def run(x: tf.Tensor) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x)
+            return tape.gradient(y, x, output_gradients=tf.constant(dy))
+
+        return (tf.function(run, jit_compile=True) if jit else run)(tf.constant(x)).numpy()
+
+    dx = dx_of(RMSNorm())
+    expected = reference.normalize_vjp(x, dy, NormSpec(), w).dx
+    tolerances.assert_close(dx[0], expected[0], np.float32, "grad", what="dx of the 1e29 row")
+    if not jit:
+        np.testing.assert_array_equal(dx[1:], dx_of(keras.layers.RMSNormalization())[1:])
