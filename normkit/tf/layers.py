@@ -89,16 +89,21 @@ class _Rows:
         # differentiated through Keras' operations (`keras_output`).
         self.keras_order = spec.kind == "rms" and not self.outside
         exponent = 256 if work == "float64" else 32
-        self.bound = 2.0**exponent
-        self.big = 2.0 ** (2 * exponent)
-        self.tiny = float(np.finfo(work).tiny)
+        # float64's bounds are tensors of it: a Python float meets a tensor in float32 on some
+        # backends (Keras' torch backend: 2**-640 becomes 0, 2**512 inf).
+        scalar = (lambda v: ops.convert_to_tensor(v, work)) if work == "float64" else float
+        tiny = float(np.finfo(work).tiny)
+        self.bound = scalar(2.0**exponent)
+        self.big = scalar(2.0 ** (2 * exponent))
+        self.tiny = scalar(tiny)
         # Below this s may have lost digits to squares below `tiny` (flushed, or subnormal):
         # their total error is at most tiny, a quarter ulp of s here. With eps outside,
         # r'(s) x_i = -r**2 x_i / (2 sqrt(s)) needs s to full precision however small it is.
-        self.small = self.tiny * 2.0 ** (np.finfo(work).nmant + 3)
+        self.small = scalar(tiny * 2.0 ** (np.finfo(work).nmant + 3))
         # The largest r the plain path forms (larger only on rows that `rescaled` replaces):
         # r**3 stays finite, so its gradient does (see `_bounded`).
-        self.clip_r = 2.0 ** (1.25 * exponent)
+        self.clip_r = scalar(2.0 ** (1.25 * exponent))
+        self.maximum = _maximum if work == "float64" else ops.maximum
 
     def center(self, x: Any) -> Any:
         """``x`` (RMS kinds) or ``x - mean(x)`` with one correction pass (LayerNorm)."""
@@ -161,11 +166,11 @@ class _Rows:
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
         # Per-row clamps that change only rows marked bad, so that their values stay finite.
         if self.outside:
-            root = ops.sqrt(ops.maximum(s, self.small))
+            root = ops.sqrt(self.maximum(s, self.small))
             r = 1.0 / (root + self.spec.eps)
             ratio = 1.0 + self.spec.eps / root
         else:
-            r = ops.rsqrt(ops.maximum(s + self.spec.eps, 1 / self.clip_r**2))
+            r = ops.rsqrt(self.maximum(s + self.spec.eps, 1 / self.clip_r**2))
             ratio = None
         bad = self.needs_rescaling(s, r)
         if mean is not None:
@@ -355,7 +360,7 @@ class _Rows:
             magnitude = ops.where(self.head, magnitude, ops.zeros_like(magnitude))
         largest = ops.stop_gradient(ops.max(magnitude, axis=self.axes, keepdims=True))
         pre = ops.cast(ops.where(largest > self.big, 1 / self.big, 1.0), largest.dtype)
-        sigma = 1 / ops.maximum(largest * pre, ops.maximum(floor * pre, self.tiny))
+        sigma = 1 / self.maximum(largest * pre, self.maximum(floor * pre, self.tiny))
         # Rows holding an inf or a NaN (sigma 0 or NaN) keep their plain values; they are
         # scaled as zeros so that no NaN reaches the gradient through the unused branch.
         use = ops.logical_and(bad, sigma > 0)
@@ -365,15 +370,15 @@ class _Rows:
         if self.spec.kind == "layer":
             scaled = self.center(scaled)
             widest = ops.max(ops.abs(scaled), axis=self.axes, keepdims=True)
-            second = 1 / ops.maximum(widest, ops.maximum(scaled_floor, self.tiny))
+            second = 1 / self.maximum(widest, self.maximum(scaled_floor, self.tiny))
             second = ops.stop_gradient(second)
             scaled, scaled_floor = scaled * second, scaled_floor * second
         scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
-        scaled_eps = ops.maximum(scaled_eps, self.tiny)
+        scaled_eps = self.maximum(scaled_eps, self.tiny)
         if self.outside:
             head = scaled if self.head is None else ops.where(self.head, scaled, 0.0)
             unit = ops.stop_gradient(
-                ops.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
+                self.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
             )
             scaled_r = self.r(self.statistic(scaled / unit), scaled_eps, unit)
         else:
@@ -409,6 +414,13 @@ class _Rows:
             + dc * ops.stop_gradient(slope)
             + 0.5 * dc * dc * ops.stop_gradient(curvature)
         )
+
+
+def _maximum(a: Any, b: Any) -> Any:
+    """``max(a, b)`` elementwise in ``a``'s dtype, NaN where ``a`` is NaN: `ops.maximum` for
+    float64, which Keras' torch backend computes in float32 (its dtype promotion does not read
+    torch's dtypes)."""
+    return ops.where(a < b, b, a)
 
 
 def _promoted(dtype: str, *param_dtypes: str) -> str:
@@ -841,7 +853,10 @@ class _Norm(keras.layers.Layer):
         assert spec.eps is not None
         m1 = ops.mean(x, axis=axes, keepdims=True)
         m2 = ops.mean(ops.square(x), axis=axes, keepdims=True)
-        v = ops.maximum(m2 - m1 * m1, 0.0)
+        v = m2 - m1 * m1
+        v = _maximum(v, ops.zeros_like(v)) if _float_dtype(x.dtype) == "float64" else (
+            ops.maximum(v, 0.0)
+        )
         if spec.eps_placement == "inside":
             r = ops.rsqrt(v + spec.eps)
         else:

@@ -230,6 +230,20 @@ def test_degenerate_rows_at_special_values_have_the_reference_gradient(kind, pla
         check(spec, x.shape, dtype, x=x, seed=i)
 
 
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+def test_float64_rows_beyond_float32s_range_match_the_reference(kind, placement):
+    """float64 rows of 1e-100 and 1e100 (their squares outside float32's range), a zero row,
+    and rows whose statistic reads one element (n = 1): the bounds that judge a row are
+    float64's on every backend (on Keras' torch backend a Python float, and ops.maximum, would
+    meet them in float32: NaN rows)."""
+    spec = NormSpec(kind, eps_placement=placement, **KIND_ARGS[kind])
+    scales = np.array([1e-100, 1e100, 0.0, 1.0])[:, None]
+    x = np.random.default_rng(7).standard_normal((4, 10)) * scales
+    check(spec, x.shape, "float64", x=x)
+    check(spec, (3, 1), "float64", x=np.array([[0.5], [1.5], [-2.0]]))
+
+
 @pytest.mark.parametrize("kind", list(KIND_ARGS))
 @pytest.mark.parametrize("shape,axis", [((4, 2, 3), 1), ((3, 2, 1, 2), (1, 2)), ((2, 1, 5, 2), (1, 3))])
 def test_degenerate_rows_on_inner_and_several_axes(kind, shape, axis):
