@@ -201,7 +201,15 @@ def _statistic(
     assert spec.eps is not None, "a normalization kind has an eps"
     if moments is None:
         centered = rows - _mean(rows, reads) if spec.kind == "layer" else rows
-        s = _mean(centered**2, reads)
+        with np.errstate(over="ignore"):
+            s = _mean(centered**2, reads)
+        overflowed = np.isinf(s) & np.isfinite(np.where(reads, centered, 0.0)).all(1, keepdims=True)
+        if overflowed.any():
+            row = int(np.argmax(overflowed[:, 0]))
+            raise ValueError(
+                f"the reference does not compute row {row}: finite values whose mean square "
+                "overflows float64 (magnitudes above about 1e154, float64 inputs only)"
+            )
     else:
         centered, s = moments
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -211,3 +211,20 @@ def test_half_inputs_are_accepted_and_returned_in_their_dtype():
     for dtype in dtypes.HALF_DTYPES:
         y = reference.normalize(x.astype(dtype), NormSpec())
         assert y.dtype == dtype
+
+
+@pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
+def test_float64_rows_whose_mean_square_overflows_are_refused_by_name(kind):
+    """A float64 row of magnitude 1e200 has s = inf: the reference would return zeros (x r with
+    r = 0) where the normalized row is of order 1, so it refuses the row instead; the largest
+    float32 magnitudes (3e38, squares 1e77) are computed."""
+    spec = NormSpec(kind, p=0.5 if kind == "partial_rms" else None)
+    x = np.random.default_rng(0).standard_normal((3, 8))
+    x[2] *= 1e200
+    with pytest.raises(ValueError, match="does not compute row 2: finite values whose mean"):
+        reference.normalize(x, spec)
+    with pytest.raises(ValueError, match="does not compute row 2"):
+        reference.normalize_vjp(x, np.ones_like(x), spec)
+    x[2] = x[2] / 1e200 * 3e38
+    y = reference.normalize(x, spec)
+    assert np.isfinite(y).all() and np.abs(y[2]).max() > 0.5
