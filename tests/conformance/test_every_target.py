@@ -57,17 +57,11 @@ class Row:
     checked: tuple[str, ...] | None = None
     unscaled_y: bool = False
     skips: dict[str, str] = field(default_factory=dict)
-    xfails: dict[str, str] = field(default_factory=dict)
-    """Variants known to miss the reference on this case (strict: a pass fails the test)."""
 
 
 def _params(rows: Sequence[Row]) -> list[object]:
     return [
-        pytest.param(
-            row, VARIANTS[v], id=f"{row.id}-{v}",
-            marks=[pytest.mark.xfail(reason=row.xfails[v], strict=True)] if v in row.xfails
-            else [],
-        )
+        pytest.param(row, VARIANTS[v], id=f"{row.id}-{v}")
         for row in rows for v in dict.fromkeys(row.variants)
     ]
 
