@@ -400,8 +400,9 @@ class NormFunction(torch.autograd.Function):
     ``outside`` whether eps is added outside the square root, ``cast`` the half-precision cast
     order; ``dtype`` the input dtype whose policy applies (default x's; the float32 values of a
     residual sum follow their half input's), ``out`` y's dtype (default ``dtype``), ``fast``
-    LayerNorm's ``variance="fast"`` (whose gradient is that of the exact statistic). Returns ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable; the
-    gradient of ``x`` has x's dtype.
+    LayerNorm's ``variance="fast"`` (whose gradient is that of the exact statistic). Returns
+    ``(y, r)``, ``r`` the per-row ``r(s)``, not differentiable; the gradient of ``x`` has x's
+    dtype.
     """
 
     generate_vmap_rule = True
