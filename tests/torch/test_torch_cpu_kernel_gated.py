@@ -307,3 +307,13 @@ def test_without_numba_the_gated_ops_compute_with_the_composite_path(
     with pytest.warns(RuntimeWarning, match="CPU kernel is unavailable"):
         found = _run(spec, x, z, dy, w, b, torch.bfloat16, torch.float32)
     _check_all(spec, x, z, dy, w, b, found)
+
+
+def test_a_gate_position_without_gate_rows_or_rows_without_one_is_refused():
+    x = torch.randn(4, 8)
+    options = dict(kind="rms", k=8, eps=1e-6, outside=False, scale_offset=0.0,
+                   cast="after_scale", group=8)
+    with pytest.raises(ValueError, match="gate_position='after' needs gate rows, and only it"):
+        cpu.norm_rows(x, None, None, **options, gate_position="after")
+    with pytest.raises(ValueError, match="gate_position=None needs gate rows, and only it"):
+        cpu.norm_rows(x, None, None, **options, gate=x)
