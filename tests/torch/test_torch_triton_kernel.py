@@ -24,6 +24,8 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton kernels need triton: pip install normkit[triton]")
 
+import triton.language as tl  # noqa: E402
+
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
@@ -349,6 +351,15 @@ def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(ImportError, match=r"need triton .*pip install normkit\[triton\]"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_module_constexprs_survive_their_repr() -> None:
+    """Inductor re-emits the module's ``tl.constexpr`` globals by repr; ``inf`` or ``nan`` would be
+    a NameError in the source it generates (torch.compile on a GPU)."""
+    values = {name: v.value for name, v in vars(kernels).items() if isinstance(v, tl.constexpr)}
+    assert values
+    for name, value in values.items():
+        assert eval(repr(value), {}) == value, name
 
 
 # Traces forward and backward with fake tensors (what torch.compile does) and captures the

@@ -82,7 +82,11 @@ ACTIVATIONS: tuple[str, ...] = ("silu", "sigmoid")
 # Below this, a saved r(s) can only come from a rescaled (or inf/NaN) row: a finite float32
 # statistic is below 2**128, so r(s) >= 2**-64 without rescaling.
 _RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
-_INF: tl.constexpr = tl.constexpr(float("inf"))
+# float32's largest finite value, (2 - 2**-23) * 2**127: for a float32 s, `s > _FLT_MAX` is
+# `s >= inf` and `s <= _FLT_MAX` is `s < inf` (NaN fails both). No module-level constexpr holds
+# an inf or NaN: Inductor (torch.compile) re-emits them by repr, and `tl.constexpr(inf)` is a
+# NameError in the source it generates.
+_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 # Below this a row's float32 s may have lost its value to underflow (`_row_factors`).
 _TINY_S: tl.constexpr = tl.constexpr(2.0**-103)
 _MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
@@ -254,12 +258,12 @@ def _statistic(X, RES, Z, row_off, x, cols, n, k, LAYER: tl.constexpr, RESIDUAL:
     else:
         m, m2, s = _moments_looped(X, RES, Z, row_off, sigma, n, k, LAYER, RESIDUAL, GATE_IN,
                                    BLOCK)
-    if (s >= _INF) | (s != s):
+    if (s > _FLT_MAX) | (s != s):
         if SINGLE:
             amax = tl.max(tl.where(cols < k, tl.abs(x), 0.0), axis=0)
         else:
             amax = _absmax_looped(X, RES, Z, row_off, k, RESIDUAL, GATE_IN, BLOCK)
-        if amax < _INF:
+        if amax <= _FLT_MAX:
             sigma = _inv_pow2(amax)
             if SINGLE:
                 m, m2, s = _moments_block(x * sigma, cols, n, k, LAYER)
