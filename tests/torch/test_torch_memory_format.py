@@ -32,16 +32,20 @@ LAYOUTS = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _input(shape: tuple[int, ...], layout: torch.memory_format, seed: int) -> torch.Tensor:
+def _input(
+    shape: tuple[int, ...], layout: torch.memory_format, seed: int, device: str = DEVICE
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen).to(DEVICE).to(memory_format=layout)
+    x = torch.randn(shape, generator=gen).to(device).to(memory_format=layout)
     assert x.is_contiguous(memory_format=layout) and not x.is_contiguous()
     return x.requires_grad_()
 
 
-def _cotangent(shape: tuple[int, ...], layout: torch.memory_format, start: float) -> torch.Tensor:
+def _cotangent(
+    shape: tuple[int, ...], layout: torch.memory_format, start: float, device: str = DEVICE
+) -> torch.Tensor:
     """A cotangent in ``layout``, as ``torch.rand_like(y)`` makes for a channels-last ``y``."""
-    values = torch.linspace(start, 1.0, math.prod(shape), device=DEVICE).reshape(shape)
+    values = torch.linspace(start, 1.0, math.prod(shape), device=device).reshape(shape)
     return values.contiguous(memory_format=layout)
 
 
@@ -54,13 +58,14 @@ def test_input_gradient_keeps_the_memory_format(
     """``torch.autograd.grad`` (no leaf's layout contract): dx in x's layout, as
     ``torch.nn.RMSNorm`` gives it (the issue: (20, 1, 10, 2), not (20, 10, 5, 1)).
     ``torch.nn.LayerNorm``'s fused backward returns a contiguous dx; normkit's LayerNorm keeps
-    x's layout, as RMSNorm does."""
+    x's layout, as RMSNorm does. kernel='cpu' (numba) runs on CPU tensors, on a GPU machine too."""
+    device = "cpu" if kernel == "cpu" else DEVICE
     normalized = shape[-3:]
-    module = module_class(normalized, kernel=kernel).to(DEVICE)
-    x = _input(shape, layout, seed=0)
-    dy = _cotangent(shape, layout, -1.0)
+    module = module_class(normalized, kernel=kernel).to(device)
+    x = _input(shape, layout, seed=0, device=device)
+    dy = _cotangent(shape, layout, -1.0, device=device)
     (dx,) = torch.autograd.grad(module(x), x, dy)
-    (torch_dx,) = torch.autograd.grad(torch.nn.RMSNorm(normalized).to(DEVICE)(x), x, dy)
+    (torch_dx,) = torch.autograd.grad(torch.nn.RMSNorm(normalized).to(device)(x), x, dy)
     assert dx.stride() == torch_dx.stride() == x.stride()
     weight = to_numpy(module.weight.detach())
     bias = None if module.bias is None else to_numpy(module.bias.detach())
