@@ -8,13 +8,14 @@ tests/conformance/test_every_target.py, on every target."""
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from normkit import NormSpec, reference, tolerances
-from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
+tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which is not installed")
+import keras  # noqa: E402
+
+from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"

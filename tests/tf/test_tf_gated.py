@@ -4,16 +4,17 @@ weights; under jit_compile; the layers' config round trip and the errors."""
 
 import zlib
 
-import keras
 import ml_dtypes
 import numpy as np
 import pytest
 
-from normkit import NormSpec, reference, tolerances
-from normkit.tf import from_spec
-from tests.helpers import gated
+tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which is not installed")
+import keras  # noqa: E402
 
-tf = pytest.importorskip("tensorflow")
+from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.tf import from_spec  # noqa: E402
+from tests.helpers import gated  # noqa: E402
+
 if keras.backend.backend() != "tensorflow":
     pytest.skip("these tests take gradients with TensorFlow", allow_module_level=True)
 

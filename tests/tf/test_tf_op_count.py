@@ -5,12 +5,13 @@ plus a stated constant. The guards that keep rows far from unit scale exact must
 
 from __future__ import annotations
 
-import keras
 import pytest
-import tensorflow as tf
-from tensorflow.python.framework import op_callbacks
 
-from normkit.tf import LayerNorm, RMSNorm
+tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which is not installed")
+import keras  # noqa: E402
+from tensorflow.python.framework import op_callbacks  # noqa: E402
+
+from normkit.tf import LayerNorm, RMSNorm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 
-import keras
 import pytest
-import tensorflow as tf
 
-from normkit.tf import LayerNorm, RMSNorm
+tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which is not installed")
+import keras  # noqa: E402
+
+from normkit.tf import LayerNorm, RMSNorm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
