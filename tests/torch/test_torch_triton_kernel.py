@@ -414,26 +414,30 @@ backward = ["X", "RES", "Z", "R", "DY", "DH", "W", "B", "DX", "DZ", "DW_PART", "
             "BLOCK"]
 scalars = {"n": "i32", "k": "i32", "rows": "i32", "groups": "i32", "eps": "fp32",
            "scale_offset": "fp32"}
+# torch.compile's Inductor passes Python floats as float64 (a launch as float32): the one-block
+# variants take them so.
+wide_scalars = {**scalars, "eps": "fp64", "scale_offset": "fp64"}
 half = {name: "*bf16" for name in ("X", "RES", "Z", "B", "Y", "DY", "DH", "DX", "DZ")}
 floats = {name: "*fp32" for name in ("W", "H", "R", "DW_PART", "DB_PART")}
 ungated = dict(GROUPED=False, GATE_IN="none", GATE_OUT="none")
 cases = []
 for single, block in ((True, 1024), (False, 4096)):
-    cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars, dict(
+    arguments = wide_scalars if single else scalars
+    cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, arguments, dict(
         LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True, RESIDUAL=3,
         ROUND_AFFINE=False, SINGLE=single, BLOCK=block, **ungated))))
     for layer in (True, False):
-        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
+        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, arguments,
             dict(LAYER=layer, OUTSIDE=layer, HAS_W=True, HAS_B=False, NEED_DW=True,
                  NEED_DB=True, HAS_DH=True, RESIDUAL=3 if layer else 0, SINGLE=single,
                  BLOCK=block, **ungated))))
     # Grouped, with a gate before (SiLU) and after (sigmoid) the norm.
     for gate_in, gate_out in (("silu", "none"), ("none", "sigmoid")):
         gating = dict(GROUPED=True, GATE_IN=gate_in, GATE_OUT=gate_out)
-        cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, scalars,
+        cases.append((kernels._forward_kernel, *options(forward, {**half, **floats}, arguments,
             dict(LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, BEFORE_SCALE=True,
                  RESIDUAL=0, ROUND_AFFINE=True, SINGLE=single, BLOCK=block, **gating))))
-        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, scalars,
+        cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, arguments,
             dict(LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, NEED_DW=True, NEED_DB=True,
                  HAS_DH=False, RESIDUAL=0, SINGLE=single, BLOCK=block, **gating))))
 cases.append((kernels._sum_parts_kernel, *options(

@@ -312,6 +312,13 @@ def _output(y_hat, W, B, Z, param_offs, offs, mask, scale_offset, HAS_W: tl.cons
 
 
 @triton.jit
+def _float32_scalars(eps, scale_offset):
+    """The float arguments in float32: a launch passes Python floats as float32, but
+    torch.compile's Inductor as float64, which float32 math (``sqrt_rn``) refuses."""
+    return eps.to(tl.float32), scale_offset.to(tl.float32)
+
+
+@triton.jit
 def _forward_kernel(
     X, RES, Z, W, B, Y, H, R, n, k, groups, eps, scale_offset,
     LAYER: tl.constexpr, OUTSIDE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -322,6 +329,7 @@ def _forward_kernel(
     """One sub-row of n per program: y (and h when RESIDUAL != 0), and r(s) into R. GROUPED:
     the sub-rows are the ``groups`` groups of each row, reading W and B at their offset."""
     tl.static_assert(RESIDUAL == 0 or GATE_IN == "none", "h is not v = h a(z): no residual")
+    eps, scale_offset = _float32_scalars(eps, scale_offset)
     row = tl.program_id(0)
     row_off = tl.cast(row, tl.int64) * n
     if GROUPED:
@@ -457,6 +465,7 @@ def _backward_kernel(
     program's sub-rows are group ``pid % groups`` of their rows, reading W (and B, which only
     dz of GATE_OUT reads) at its offset."""
     tl.static_assert(RESIDUAL == 0 or GATE_IN == "none", "h is not v = h a(z): no residual")
+    eps, scale_offset = _float32_scalars(eps, scale_offset)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     part_off = pid.to(tl.int64) * n
