@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from normkit import _gating
+from normkit._jax_rounding import round_to
 from normkit.spec import NormSpec
 
 __all__ = ["gated_or_grouped"]
@@ -78,9 +79,11 @@ def gated_or_grouped(
     g = None  # no scale, or its initial value: an effective scale of 1
     if scale is not None:
         w = scale.reshape(n)
-        g = (w + spec.scale_offset).astype(acc) if spec.offset_dtype == "param" else (
-            w.astype(acc) + spec.scale_offset
-        )
+        if spec.offset_dtype == "param":  # summed where w's rounding is kept (`round_to`)
+            wide = jnp.promote_types(w.dtype, acc)
+            g = round_to(w.astype(wide) + spec.scale_offset, w.dtype).astype(acc)
+        else:
+            g = w.astype(acc) + spec.scale_offset
     b = None if bias is None else bias.reshape(n).astype(acc)
     # The affine step's dtype, as the reference's: x's promoted with the effective scale's (w's,
     # at least float32 where the offset is added in float32) and b's; None takes no part.
@@ -98,7 +101,7 @@ def gated_or_grouped(
     )
     y = affine_and_gate()
     if spec.cast == "before_scale" and x.dtype != acc:
-        value = affine_and_gate(lambda t, to: t.astype(to).astype(acc))
+        value = affine_and_gate(round_to)
         y = _with_value(y, jax.lax.stop_gradient(value))
     y = y.astype(out).reshape(moved.shape)
     order = (*lead, *axes)

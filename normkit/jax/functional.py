@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit._jax_rounding import round_to
 from normkit.jax import _exact, _gated
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
@@ -717,21 +718,26 @@ def _gain(
 
 
 def _added(
-    plan: _Plan, x: jax.Array, residual: jax.Array | None
+    plan: _Plan, x: jax.Array, residual: jax.Array | None, eager: bool = False
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(v, h)``: the values the norm reads, in the compute dtype, and ``h`` (None without a
-    residual), rounded as ``spec.residual`` says."""
+    residual), rounded as ``spec.residual`` says.
+
+    The sum is formed in the compute dtype and rounded (`round_to`): two half values add exactly
+    in float32 (or their sum rounds to the half dtype as the exact one does). ``h`` is cast from
+    the rounded sum, so that the custom VJP's backward reads it rounded even where XLA drops the
+    pair of casts between the saved ``h`` and its float32 use; with ``eager`` (differentiated by
+    JAX) from the sum itself, so that ``dh`` reaches the sum unrounded, as in the eager program.
+    """
     compute = _stat_dtype(plan.dtype)
     if residual is None:
         return x.astype(compute), None
-    # The sum is formed in the compute dtype and cast: two half values add exactly in float32
-    # (or their sum rounds to the half dtype as the exact one does), and XLA keeps the cast's
-    # rounding where it may skip that of a half-precision addition.
     total = x.astype(compute) + residual.astype(compute)
     if plan.spec.residual == "float32":
         return total, total
-    h = total.astype(plan.dtype)
-    return (h.astype(compute) if plan.spec.residual == "rounded" else total), h
+    rounded = round_to(total, plan.dtype)
+    h = (total if eager else rounded).astype(plan.dtype)
+    return (rounded if plan.spec.residual == "rounded" else total), h
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -789,9 +795,9 @@ def _affine(
     in the eager program's dtype (`_eager_affine`)."""
     compute = y_hat.dtype
     if plan.dtype in _HALF and plan.spec.cast == "before_scale":
+        y_hat = round_to(y_hat, plan.dtype)
         if eager:
-            return _eager_affine(plan, y_hat.astype(plan.dtype), scale, bias)
-        y_hat = y_hat.astype(plan.dtype).astype(compute)
+            return _eager_affine(plan, y_hat, scale, bias)
     g = _gain(y_hat, scale, plan, compute)
     y = y_hat if g is None else y_hat * g
     if bias is not None:
@@ -802,25 +808,26 @@ def _affine(
 def _eager_affine(
     plan: _Plan, z: jax.Array, scale: jax.Array | None, bias: jax.Array | None
 ) -> jax.Array:
-    """``z * g + b`` as eager model code computes it after the before-scale cast: ``g`` in
-    ``w``'s dtype (or float32 with an offset added there), the step in the promoted dtype ``a``
-    of ``z``, ``g`` and ``b``, each result rounded to ``a``.
+    """``z * g + b`` as eager model code computes it after the before-scale cast (``z`` rounded
+    to the input dtype, held in the compute dtype): ``g`` in ``w``'s dtype (or float32 with an
+    offset added there), the step in the promoted dtype ``a`` of the input, ``g`` and ``b``,
+    each result rounded to ``a``.
 
-    The arithmetic runs in float32 (at least) with explicit casts to ``a``, and the parameters
-    are broadcast there: XLA keeps an explicit cast's rounding, but may skip the rounding of a
-    half-precision operation whose result feeds float32 work (``xla_allow_excess_precision``),
-    and this way the transposes round the gradients as the model says (the products of the
-    scale's gradient to ``a``, their sum once).
+    The arithmetic runs in float32 (at least) and rounds with `round_to`, which XLA keeps, and
+    the parameters are broadcast there: this way the transposes round the gradients as the
+    model says (the products of the scale's gradient to ``a``, their sum once).
     """
-    g = None if scale is None else _eager_gain(scale, plan.spec)
-    affine = z.dtype
-    for value in (g, bias):
-        if value is not None:
-            affine = jnp.promote_types(affine, value.dtype)
+    g, g_dtype = None, None
+    if scale is not None:
+        g, g_dtype = _eager_gain(scale, plan.spec)
+    affine = plan.dtype
+    for dtype in (g_dtype, None if bias is None else bias.dtype):
+        if dtype is not None:
+            affine = jnp.promote_types(affine, dtype)
     wide = jnp.promote_types(affine, jnp.float32)
 
     def rounded(value: jax.Array) -> jax.Array:
-        return value.astype(affine).astype(wide)
+        return round_to(value, affine)
 
     def broadcast(value: jax.Array) -> jax.Array:
         return jnp.broadcast_to(_broadcast_param(value, z, plan, wide), z.shape)
@@ -833,21 +840,23 @@ def _eager_affine(
     return y.astype(plan.out)
 
 
-def _eager_gain(scale: jax.Array, spec: NormSpec) -> jax.Array:
-    """``scale_offset + w`` as model code forms it: ``w`` itself without an offset, the sum
-    rounded to ``w``'s dtype with ``offset_dtype="param"``, else in float32 (at least)."""
+def _eager_gain(scale: jax.Array, spec: NormSpec) -> tuple[jax.Array, jnp.dtype]:
+    """``(g, dtype)``: ``scale_offset + w`` as model code forms it, and the dtype it has there:
+    ``w`` itself without an offset, the sum rounded to ``w``'s dtype with
+    ``offset_dtype="param"`` (held in float32 at least), else formed in float32 (at least)."""
     if not spec.scale_offset:
-        return scale
+        return scale, scale.dtype
     if spec.offset_dtype == "param":
-        return _offset_in_param_dtype(scale, spec.scale_offset)
-    return scale.astype(jnp.promote_types(scale.dtype, jnp.float32)) + spec.scale_offset
+        return _offset_in_param_dtype(scale, spec.scale_offset), scale.dtype
+    g = scale.astype(jnp.promote_types(scale.dtype, jnp.float32)) + spec.scale_offset
+    return g, g.dtype
 
 
 def _offset_in_param_dtype(scale: jax.Array, offset: float) -> jax.Array:
-    """``offset + w`` rounded once to ``w``'s dtype (summed in float32 at least, where the sum of
-    a half ``w`` and the offset rounds the same way, with an explicit cast XLA keeps)."""
+    """``offset + w`` rounded once to ``w``'s dtype, held in float32 at least (summed there,
+    where the sum of a half ``w`` and the offset rounds the same way)."""
     wide = jnp.promote_types(scale.dtype, jnp.float32)
-    return (scale.astype(wide) + offset).astype(scale.dtype)
+    return round_to(scale.astype(wide) + offset, scale.dtype)
 
 
 def _forward(
@@ -868,7 +877,7 @@ def _forward(
     recomputed by the careful program, inside a branch the common case skips (`_patched`).
     Where XLA would fuse the statistics and ``y`` into one pass (`_fused_apart`) and they are
     not ``saved`` for the backward pass, the flags read statistics of their own (`_flagged`)."""
-    v, h = _added(plan, x, residual)
+    v, h = _added(plan, x, residual, eager)
     spec = plan.spec
     plain = None
     if alpha is not None:  # dyt
