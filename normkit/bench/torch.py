@@ -39,6 +39,8 @@ NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)", LIGER)
 COMPOSITE = (
     "normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')"
 )
+# On CUDA "auto" runs the torch-ops path; these rows time normkit's Triton kernels beside it.
+TRITON = ("normkit.torch.RMSNorm(kernel='triton')", "normkit.torch.LayerNorm(kernel='triton')")
 
 
 class LlamaRMSNorm(nn.Module):
@@ -82,6 +84,10 @@ def _modules(n: int, dtype: torch.dtype, device: str) -> dict[str, nn.Module]:
             COMPOSITE[0]: RMSNorm(n, EPS, kernel="composite", **kw),
             COMPOSITE[1]: LayerNorm(n, EPS, kernel="composite", **kw),
         } if device == "cpu" else {}),
+        **({
+            TRITON[0]: RMSNorm(n, EPS, kernel="triton", **kw),
+            TRITON[1]: LayerNorm(n, EPS, kernel="triton", **kw),
+        } if device.startswith("cuda") and importlib.util.find_spec("triton") else {}),
     }
 
 
