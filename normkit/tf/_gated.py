@@ -19,6 +19,7 @@ from keras import ops
 
 from normkit import _gating
 from normkit.spec import NormSpec
+from normkit.tf._rounding import rounded
 
 __all__ = ["gated_or_grouped"]
 
@@ -68,7 +69,7 @@ def gated_or_grouped(
     )
     y = affine_and_gate()
     if spec.cast == "before_scale" and dtype != work:
-        value = affine_and_gate(lambda t, to: ops.cast(ops.cast(t, to), work))
+        value = affine_and_gate(lambda t, to: rounded(ops.cast(t, work), to))
         y = y + ops.stop_gradient(value - y)
     y = ops.reshape(ops.cast(y, out), moved.shape)
     return ops.transpose(y, tuple(order.index(i) for i in range(len(x.shape))))

@@ -26,6 +26,7 @@ from normkit.spec import (
     Variance,
 )
 from normkit.tf import _gated
+from normkit.tf._rounding import rounded
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
@@ -653,10 +654,10 @@ class _Norm(keras.layers.Layer):
         if spec.residual == "rounded" and spec.backward == "autograd":
             # The eager program: the norm reads the rounded h, so its cotangent is rounded to the
             # input dtype before dh is added (the sum is then rounded once, at x's cast).
-            normalized = _rounded(total, dtype)
+            normalized = rounded(total, dtype)
         elif spec.residual == "rounded":
             # The rounded h's value; the gradient reaches the sum unrounded: dx = dh + dnorm.
-            normalized = total + ops.stop_gradient(_rounded(total, dtype) - total)
+            normalized = total + ops.stop_gradient(rounded(total, dtype) - total)
         return self._normalize(normalized, dtype, work, normalized), h
 
     def _check_gate(self, shape: tuple[Any, ...], gate: Any) -> None:
@@ -724,11 +725,11 @@ class _Norm(keras.layers.Layer):
             value = self._fast_normalized(x, axes)
         before_scale = spec.cast == "before_scale" and dtype in _HALF
         if before_scale:
-            value = _rounded(value, dtype)
+            value = rounded(value, dtype)
         if before_scale and spec.backward == "autograd":
             path, acc = self._eager_affine(y_hat, dtype, param_target, work)
-            rounded = ops.cast(self._affine(value, param_target, work), acc)
-            return path + ops.stop_gradient(rounded - path)
+            affine = ops.cast(self._affine(value, param_target, work), acc)
+            return path + ops.stop_gradient(affine - path)
         y = self._affine(y_hat, param_target, work)
         if value is y_hat:
             return y
@@ -874,8 +875,8 @@ class _Norm(keras.layers.Layer):
         if offset and self._spec.offset_dtype == "param":
             # The sum formed in float32 (float64 for float64 weights), rounded once to w's dtype.
             wide = _promoted("float32", self.param_dtype)
-            g = ops.cast(ops.cast(self.gamma, wide) + offset, self.param_dtype)
-            return self._param(g, dtype, target)
+            return self._param(rounded(ops.cast(self.gamma, wide) + offset, self.param_dtype),
+                               dtype, target)
         g = self._param(self.gamma, dtype, target)
         return g + offset if offset else g
 
@@ -909,21 +910,21 @@ class _Norm(keras.layers.Layer):
         The eager program rounds ``z = y_hat`` to ``dtype`` and computes ``z * g + b`` in the
         affine dtype ``a``, so autodiff rounds the products ``dy * g`` (then to ``dtype`` at
         the cast) and ``dy * z`` to ``a``. Here every product is formed in ``acc`` and rounded
-        by an explicit pair of casts, whose gradient rounds the cotangent the same way: XLA
-        may keep half-precision arithmetic in float32, but it keeps a cast pair's rounding.
+        with `rounded`, whose gradient rounds the cotangent the same way: XLA may keep
+        half-precision arithmetic in float32, but it keeps that rounding.
         The parameters' gradients are summed in ``acc`` and rounded once to their dtype.
         """
         a = self._affine_dtype(dtype)
         acc = "float64" if a == "float64" else work
         y_hat = ops.cast(y_hat, acc)
         ones = ops.ones_like(y_hat)
-        y = _rounded(_rounded(y_hat, dtype), a)
+        y = rounded(rounded(y_hat, dtype), a)
         if self.gamma is not None:
-            y = y * _rounded(ones * self._effective_scale(acc, target), a)
+            y = y * rounded(ones * self._effective_scale(acc, target), a)
         if self.beta is not None:
-            y = y + _rounded(ones * self._param(self.beta, acc, target), a)
+            y = y + rounded(ones * self._param(self.beta, acc, target), a)
         # The incoming cotangent is rounded to a, as the cast from a to the output dtype does.
-        return _rounded(y, a), acc
+        return rounded(y, a), acc
 
     def compute_output_spec(self, inputs: Any, residual: Any = None, gate: Any = None) -> Any:
         dtype = self._input_dtype(inputs.dtype)
@@ -1009,30 +1010,11 @@ def _recomputed(f: Any) -> Any:
     return recomputed
 
 
-def _rounded(u: Any, dtype: str) -> Any:
-    """``u`` rounded to ``dtype`` and back to its own dtype; its gradient rounds the cotangent
-    to ``dtype`` the same way (the identity when ``dtype`` is not narrower).
-
-    On JAX a bfloat16 rounding is `jax.lax.reduce_precision`: XLA's CPU compiler drops the
-    rounding of a float32 -> bfloat16 -> float32 cast pair that feeds a reduction (jaxlib
-    0.10), but keeps this op's (bfloat16 has float32's exponent range, so it is the same
-    rounding).
-    """
-    own = keras.backend.standardize_dtype(u.dtype)
-    if dtype in (own, "float64"):
-        return u
-    if dtype == "bfloat16" and keras.backend.backend() == "jax":
-        import jax
-
-        return jax.lax.reduce_precision(u, exponent_bits=8, mantissa_bits=7)
-    return ops.cast(ops.cast(u, dtype), own)
-
-
 def _cast_to(u: Any, dtype: str, work: str) -> Any:
     """``u`` cast to ``dtype`` (the policy's cast), then to ``work``; where that rounds, the
-    rounding is kept under XLA (`_rounded`)."""
+    rounding is kept under XLA (`rounded`)."""
     cast = ops.cast(ops.cast(u, dtype), work)
-    return cast if keras.backend.standardize_dtype(u.dtype) == dtype else _rounded(cast, dtype)
+    return cast if keras.backend.standardize_dtype(u.dtype) == dtype else rounded(cast, dtype)
 
 
 def _float_dtype(dtype: Any) -> str:
