@@ -315,7 +315,7 @@ def _output(y_hat, W, B, Z, param_offs, offs, mask, scale_offset, HAS_W: tl.cons
 def _float32_scalars(eps, scale_offset):
     """The float arguments in float32: a launch passes Python floats as float32, but
     torch.compile's Inductor as float64, which float32 math (``sqrt_rn``) refuses."""
-    return eps.to(tl.float32), scale_offset.to(tl.float32)
+    return tl.cast(eps, tl.float32), tl.cast(scale_offset, tl.float32)
 
 
 @triton.jit
