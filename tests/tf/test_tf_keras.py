@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -56,10 +57,12 @@ def test_reference_checks_pass_on_other_keras_backends(backend):
     """tests/tf/test_tf_backend.py, test_tf_keras_extended.py and the extended fields' handful in
     a fresh process with KERAS_BACKEND set."""
     env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
+    # Two workers where pytest-xdist is installed: this process only waits meanwhile.
+    workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", *EXTENDED,
          "tests/tf/test_tf_keras_extended.py", "-q", "-p", "no:cacheprovider",
-         "-W", "ignore::DeprecationWarning"],
+         "-W", "ignore::DeprecationWarning", *workers],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
