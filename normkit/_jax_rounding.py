@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-__all__ = ["round_to"]
+__all__ = ["round_to", "offset_in_dtype"]
 
 
 def round_to(value: jax.Array, dtype: DTypeLike) -> jax.Array:
@@ -30,6 +30,14 @@ def round_to(value: jax.Array, dtype: DTypeLike) -> jax.Array:
     if jnp.finfo(narrow).bits >= jnp.finfo(value.dtype).bits:
         return value
     return _rounded(value, narrow)
+
+
+def offset_in_dtype(scale: jax.Array, offset: float, at_least: DTypeLike) -> jax.Array:
+    """``offset + scale`` rounded once to ``scale``'s dtype (``offset_dtype="param"``), summed
+    and held in ``scale``'s dtype promoted with ``at_least`` (the sum of a half ``scale`` and
+    the offset rounds there as the exact one does)."""
+    wide = jnp.promote_types(scale.dtype, at_least)
+    return round_to(scale.astype(wide) + offset, scale.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from normkit import _gating
-from normkit._jax_rounding import round_to
+from normkit._jax_rounding import offset_in_dtype, round_to
 from normkit.spec import NormSpec
 
 __all__ = ["gated_or_grouped"]
@@ -79,9 +79,8 @@ def gated_or_grouped(
     g = None  # no scale, or its initial value: an effective scale of 1
     if scale is not None:
         w = scale.reshape(n)
-        if spec.offset_dtype == "param":  # summed where w's rounding is kept (`round_to`)
-            wide = jnp.promote_types(w.dtype, acc)
-            g = round_to(w.astype(wide) + spec.scale_offset, w.dtype).astype(acc)
+        if spec.offset_dtype == "param":
+            g = offset_in_dtype(w, spec.scale_offset, acc).astype(acc)
         else:
             g = w.astype(acc) + spec.scale_offset
     b = None if bias is None else bias.reshape(n).astype(acc)

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from normkit._jax_rounding import round_to
+from normkit._jax_rounding import offset_in_dtype, round_to
 from normkit.jax import _exact, _gated
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
@@ -712,7 +712,7 @@ def _gain(
         return None
     offset = plan.spec.scale_offset
     if offset and plan.spec.offset_dtype == "param":
-        return _broadcast_param(_offset_in_param_dtype(scale, offset), like, plan, dtype)
+        return _broadcast_param(offset_in_dtype(scale, offset, jnp.float32), like, plan, dtype)
     g = _broadcast_param(scale, like, plan, dtype)
     return g + offset if offset else g
 
@@ -847,16 +847,9 @@ def _eager_gain(scale: jax.Array, spec: NormSpec) -> tuple[jax.Array, jnp.dtype]
     if not spec.scale_offset:
         return scale, scale.dtype
     if spec.offset_dtype == "param":
-        return _offset_in_param_dtype(scale, spec.scale_offset), scale.dtype
+        return offset_in_dtype(scale, spec.scale_offset, jnp.float32), scale.dtype
     g = scale.astype(jnp.promote_types(scale.dtype, jnp.float32)) + spec.scale_offset
     return g, g.dtype
-
-
-def _offset_in_param_dtype(scale: jax.Array, offset: float) -> jax.Array:
-    """``offset + w`` rounded once to ``w``'s dtype, held in float32 at least (summed there,
-    where the sum of a half ``w`` and the offset rounds the same way)."""
-    wide = jnp.promote_types(scale.dtype, jnp.float32)
-    return round_to(scale.astype(wide) + offset, scale.dtype)
 
 
 def _forward(
