@@ -237,16 +237,24 @@ class _Rows:
                     dx = r * (d - y_hat * factor)
                 else:
                     dx = r * (d - ops.mean(d, axis=self.axes, keepdims=True) - y_hat * factor)
-                grads = [dx, *[None] * len(row_stats)]
-                if scale is not None:
-                    grads.append(self.summed(dy * y_hat, params[0]))
-                if bias is not None:
-                    grads.append(self.summed(dy, params[-1]))
-                return tuple(grads)
+                return (dx, *[None] * len(row_stats),
+                        *self.param_grads(dy, y_hat, scale, bias, params))
 
             return y, grad
 
         return output(x, *row_stats, *[p for p in (scale, bias) if p is not None])
+
+    def param_grads(
+        self, dy: Any, y_hat: Any, scale: Any, bias: Any, params: tuple[Any, ...]
+    ) -> list[Any]:
+        """The gradients of the parameters present: ``sum(dy y_hat)`` for the scale,
+        ``sum(dy)`` for the bias, over the axes they broadcast along."""
+        grads = []
+        if scale is not None:
+            grads.append(self.summed(dy * y_hat, params[0]))
+        if bias is not None:
+            grads.append(self.summed(dy, params[-1]))
+        return grads
 
     def summed(self, u: Any, param: Any) -> Any:
         """``u`` summed over the axes ``param`` broadcasts along, in ``param``'s shape."""
@@ -296,12 +304,7 @@ class _Rows:
                     )
                 elif not known:
                     ds, dr = self.patched_rows(x, r, d, dr, finite)
-                grads = [d * r, ds, dr]
-                if scale is not None:
-                    grads.append(self.summed(dy * product, params[0]))
-                if bias is not None:
-                    grads.append(self.summed(dy, params[-1]))
-                return tuple(grads)
+                return (d * r, ds, dr, *self.param_grads(dy, product, scale, bias, params))
 
             return y, grad
 
