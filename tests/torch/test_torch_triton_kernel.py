@@ -25,6 +25,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="the Triton kernels need triton: pip install normkit[triton]")
 
 import triton.language as tl  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
@@ -342,6 +343,110 @@ def test_backward_saves_the_input_and_one_float32_statistic_per_row() -> None:
     extra = [t for t in saved if t is not x and t is not weight]
     assert x in saved
     assert [(tuple(t.shape), t.dtype) for t in extra] == [((6,), torch.float32)]
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing, as a tracer's would be seen: under it the kernels are
+    reached through their custom ops."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["residual", "gate"])
+def test_eager_calls_skip_the_custom_ops_and_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """In plain eager mode the kernels are launched directly (the custom ops' dispatch costs more
+    host time than a launch); traced calls go through the ops. Both give the same bits, forward
+    and backward."""
+    spec = NormSpec(kind="layer", bias=True)
+    n = 24
+    x, other = _randn(3, n, seed=1, dtype=torch.bfloat16), _randn(3, n, seed=2, dtype=torch.bfloat16)
+    weight, bias = _params(spec, n, torch.float32, seed=3)
+    dy = _randn(3, n, seed=4, dtype=torch.bfloat16)
+
+    def forward_backward() -> list[torch.Tensor]:
+        xl, ol, wl, bl = _leaves(x, other, weight, bias)
+        if case == "residual":
+            y, _ = kernels.add_norm_rows(xl, ol, wl, bl, **_options(spec, n),
+                                         residual_rounding="rounded")
+        else:
+            y = kernels.norm_rows(xl, wl, bl, **_options(spec, n), gate=ol,
+                                  gate_position="after")
+        y.backward(dy)
+        return [y.detach(), *(leaf.grad for leaf in (xl, ol, wl, bl) if leaf is not None)]
+
+    op_calls = []
+    op = kernels._norm_rows_op
+    monkeypatch.setattr(kernels, "_norm_rows_op", lambda *a: op_calls.append(1) or op(*a))
+    with _PassThrough():
+        through_ops = forward_backward()
+    assert op_calls == [1]
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("an eager call reached the custom op")
+
+    monkeypatch.setattr(kernels, "_norm_rows_op", refuse)
+    direct = forward_backward()
+    assert len(direct) == len(through_ops) == 5
+    for got, want in zip(direct, through_ops, strict=True):
+        assert got is not None and want is not None and torch.equal(got, want)
+
+
+SECOND_ORDER = {
+    "rms": (NormSpec(bias=True), None),
+    "partial-outside": (NormSpec("partial_rms", p=0.5, eps_placement="outside"), None),
+    "layer-gate-after-groups": (NormSpec("layer", gate="after", group_size=8), None),
+    "rms-gate-before": (NormSpec(gate="before", gate_activation="sigmoid"), None),
+    "residual-rounded": (NormSpec(residual="rounded"), "rounded"),
+    "residual-float32": (NormSpec(kind="layer", residual="float32"), "float32"),
+    "residual-float32_normalized": (NormSpec(residual="float32_normalized"),
+                                    "float32_normalized"),
+}
+
+
+@pytest.mark.parametrize("case", SECOND_ORDER)
+def test_second_derivatives_are_the_composite_paths(case: str) -> None:
+    """A gradient penalty through the kernels in eager mode: under ``create_graph`` the
+    gradient is the composite path's graph, so the second derivative (which depends on x) is
+    the composite path's, not silently zero."""
+    from normkit.torch.functional import add_norm, normalize
+
+    spec, rounding = SECOND_ORDER[case]
+    x0, other0 = _randn(3, 24, seed=0), _randn(3, 24, seed=1)
+    weight0, bias0 = _params(spec, 24, torch.float32, seed=2)
+    second = []
+    for kernel in ("triton", "composite"):
+        x, other, weight, bias = _leaves(x0, other0, weight0, bias0)
+        if rounding is not None:
+            y, h = add_norm(x, other, spec, weight, bias, kernel=kernel)
+            y = y + h * h
+        else:
+            y = normalize(x, spec, weight, bias, gate=other if spec.gate else None,
+                          kernel=kernel)
+        leaves = [t for t in (x, other, weight, bias) if t is not None]
+        grads = torch.autograd.grad(y.pow(2).sum(), leaves, create_graph=True,
+                                    allow_unused=True)
+        penalty = sum(g.pow(2).sum() for g in grads if g is not None)
+        second.append(torch.autograd.grad(penalty, leaves, allow_unused=True))
+    for got, want in zip(*second, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            assert want.abs().max() > 0
+
+
+def test_a_traced_second_derivative_is_refused_not_silently_zero() -> None:
+    """Through the custom ops (as under torch.compile) the kernels' gradient has no derivative
+    of its own: differentiating it raises, naming the op."""
+    x = _randn(3, 24, seed=0).requires_grad_(True)
+    with _PassThrough():
+        y = kernels.norm_rows(x, None, None, **_options(NormSpec(), 24))
+        (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        assert dx.requires_grad
+        with pytest.raises(RuntimeError, match="triton_norm_rows_backward"):
+            (dx * dx).sum().backward()
 
 
 def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

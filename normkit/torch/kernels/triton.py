@@ -36,8 +36,9 @@ brings ``max|v|`` into [2, 4), or by ``2**127`` where ``max|v|`` is subnormal)::
     gate="after":      dx = e,       dz = dy (y_hat (scale_offset + w) + b) a'(z)
     dw = sum over rows of dy_u y_hat,  db = sum over rows of dy_u
 
-Sub-rows up to `MAX_FUSED_BLOCK` elements are held whole by one program; longer ones loop over
-blocks of `LOOP_BLOCK` (each lane of a block accumulates its own sum, then a tree reduction).
+Sub-rows up to `MAX_FUSED_BLOCK` elements (half of it in the backward) are held whole by one
+program; longer ones loop over blocks of `LOOP_BLOCK` (each lane of a block accumulates its own
+sum, then a tree reduction).
 Weight and bias gradients are summed per program into a float32 buffer of (programs / groups,
 n), each backward program taking the sub-rows of one group, then reduced across programs by a
 second small kernel.
@@ -46,6 +47,8 @@ second small kernel.
 from __future__ import annotations
 
 import os
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +63,7 @@ except ImportError as error:
         "pip install normkit[triton]"
     ) from error
 
-from normkit.spec import NormSpec
+from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction
 
@@ -602,12 +605,19 @@ def _sum_parts_kernel(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.co
     tl.store(OUT + cols, _round(tl.sum(acc, axis=0), OUT.dtype.element_ty), mask=cols < n)
 
 
-def _launch_config(n: int) -> tuple[bool, int, int]:
-    """(single, block, num_warps) for rows of n."""
-    single = n <= MAX_FUSED_BLOCK
-    block = triton.next_power_of_2(n) if single else LOOP_BLOCK
-    num_warps = min(32, max(4, block // 512))
-    return single, block, num_warps
+def _launch_config(n: int, layer: bool, backward: bool) -> tuple[bool, int, int]:
+    """(single, block, num_warps) for (sub-)rows of n, from a sweep on an H200 (bfloat16, 32M
+    elements; docs/benchmarks-gpu.md).
+
+    The backward holds more values per element, and spills registers past half of
+    `MAX_FUSED_BLOCK`: its rows loop from there. Blocks of 1024 elements per warp, 2 to 8
+    warps (16 for the forward of RMS); 4 to 8 for the backward, 16 when it loops.
+    """
+    single = n <= (MAX_FUSED_BLOCK // 2 if backward else MAX_FUSED_BLOCK)
+    block = 1 << (n - 1).bit_length() if single else LOOP_BLOCK
+    if backward:
+        return single, block, max(4, min(8, block // 1024)) if single else 16
+    return single, block, max(2, min(8 if layer else 16, block // 1024))
 
 
 def _programs(x: torch.Tensor, rows: int, groups: int) -> int:
@@ -624,18 +634,37 @@ def _programs(x: torch.Tensor, rows: int, groups: int) -> int:
     return groups * max(1, min(rows // 2, per_device // groups))
 
 
+def _traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being traced (torch.compile, make_fx, torch.func, a dispatch mode, fake
+    or functional tensors), so that the kernels must be reached through the custom ops and
+    launched through ``wrap_triton``; in plain eager mode both only add host time."""
+    return (
+        torch.compiler.is_compiling() or type(x) is not torch.Tensor
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._are_functorch_transforms_active()
+    )
+
+
+def _launcher(x: torch.Tensor) -> Callable[[Any], Any]:
+    """How a kernel is launched on ``x``: through ``wrap_triton`` where traced, else directly."""
+    return wrap_triton if _traced(x) else _direct
+
+
+def _direct(kernel: Any) -> Any:
+    return kernel
+
+
 def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     count, n = parts.shape
     out = torch.empty((n,), dtype=dtype, device=parts.device)
     block_n = min(triton.next_power_of_2(n), 256)
-    wrap_triton(_sum_parts_kernel)[(triton.cdiv(n, block_n),)](
+    _launcher(parts)(_sum_parts_kernel)[(triton.cdiv(n, block_n),)](
         parts, out, count, n, BLOCK_P=_PARTIAL_BLOCK, BLOCK_N=block_n,
     )
     return out
 
 
-@triton_op("normkit::triton_norm_rows", mutates_args={})
-def _norm_rows_op(
+def _norm_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     gate: torch.Tensor | None,
@@ -665,9 +694,9 @@ def _norm_rows_op(
     h_dtype = torch.float32 if rounding == 2 else x.dtype
     h = torch.empty((rows, n) if rounding else (0,), dtype=h_dtype, device=x.device)
     r = torch.empty((rows * groups,), dtype=torch.float32, device=x.device)
-    single, block, num_warps = _launch_config(group)
+    single, block, num_warps = _launch_config(group, kind == "layer", backward=False)
     if rows:
-        wrap_triton(_forward_kernel)[(rows * groups,)](
+        _launcher(x)(_forward_kernel)[(rows * groups,)](
             x, x if residual is None else residual, x if gate is None else gate,
             x if weight is None else weight, x if bias is None else bias, y,
             y if not rounding else h, r, group, k, groups, eps, scale_offset,
@@ -680,8 +709,7 @@ def _norm_rows_op(
     return y, h, r
 
 
-@triton_op("normkit::triton_norm_rows_backward", mutates_args={})
-def _backward_op(
+def _backward_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     gate: torch.Tensor | None,
@@ -717,9 +745,9 @@ def _backward_op(
     part_shape = (programs // groups, n)
     dw_part = torch.zeros(part_shape if need_dw else (0,), dtype=torch.float32, device=x.device)
     db_part = torch.zeros(part_shape if need_db else (0,), dtype=torch.float32, device=x.device)
-    single, block, num_warps = _launch_config(group)
+    single, block, num_warps = _launch_config(group, kind == "layer", backward=True)
     if rows:
-        wrap_triton(_backward_kernel)[(programs,)](
+        _launcher(x)(_backward_kernel)[(programs,)](
             x, x if residual is None else residual, x if gate is None else gate, r, dy,
             dy if dh is None else dh, x if weight is None else weight,
             x if bias is None else bias, dx, dx if gate is None else dz,
@@ -740,6 +768,10 @@ def _backward_op(
     return dx, dz, dw, db
 
 
+_norm_rows_op = triton_op("normkit::triton_norm_rows", _norm_rows, mutates_args={})
+_backward_op = triton_op("normkit::triton_norm_rows_backward", _backward_rows, mutates_args={})
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset = inputs[:10]
     rounding, group, gate_in, gate_out = inputs[11:15]
@@ -757,12 +789,13 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) 
 
 
 def _backward(
-    ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None, _dr: torch.Tensor | None
+    ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None, _dr: torch.Tensor | None,
+    backward_rows: Callable[..., tuple[torch.Tensor, ...]] = _backward_op,
 ) -> tuple[torch.Tensor | None, ...]:
     values, terms, gate, r, weight, bias = ctx.saved_tensors
     need_w, need_b = ctx.needs_input_grad[3:5]
     dh = dh.contiguous() if ctx.has_residual and dh is not None else None
-    dx, dz, dw, db = _backward_op(
+    dx, dz, dw, db = backward_rows(
         values, terms, gate, r, dy.contiguous(), dh, weight, bias, ctx.bias_dtype,
         *ctx.options, ctx.dx_dtype, need_w, need_b,
     )
@@ -774,7 +807,31 @@ def _backward(
     )
 
 
-_norm_rows_op.register_autograd(_backward, setup_context=_setup)
+torch.library.register_autograd("normkit::triton_norm_rows", _backward, setup_context=_setup)
+
+
+class _EagerNormRows(torch.autograd.Function):
+    """`_norm_rows_op` in plain eager mode, as ``apply(x, residual, gate, weight, bias,
+    options)`` with the op's other arguments in ``options``: the same kernels, context and
+    gradient without the custom op's dispatch and autograd wrapper, which cost more host time
+    than the launches. Under ``create_graph`` the gradient is the composite path's, which can
+    be differentiated again (`_composite_vjp`)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = (*inputs[:5], *inputs[5])
+        output = _norm_rows(*inputs)
+        _setup(ctx, inputs, output)
+        ctx.forward_options = inputs[5:]
+        return output
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None, dr: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            return (*_composite_vjp(ctx, dy, dh), None)
+        return (*_backward(ctx, dy, dh, dr, _backward_rows)[:5], None)
 
 
 def _check(
@@ -880,20 +937,58 @@ def _composite(
     gate_position: str | None,
     activation: str,
     round_affine: bool,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`norm_rows` on LayerNorm groups of n <= 2 (`_degenerate`), by the composite path."""
+    """`norm_rows` by the composite path, differentiable at any order: for LayerNorm groups of
+    n <= 2 (`_degenerate`), and for second derivatives (`_composite_vjp`). ``dtype``: the
+    input dtype whose roundings apply and y's (x's by default; a float32 sum's is x's)."""
+    dtype = x.dtype if dtype is None else dtype
     g = None if weight is None else weight.float() + scale_offset
     b = None if bias is None else bias.float()
     if gate is None and group == x.shape[1]:
-        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast, dtype, dtype)
         return y
-    spec = NormSpec("layer").replace(
+    p = k / group if kind == "partial_rms" else None
+    spec = NormSpec(typing.cast(Kind, kind), p=p).replace(
         eps=eps, eps_placement="outside" if outside else "inside", cast=cast,
         gate=gate_position, gate_activation=activation if gate_position else None,
         group_size=group,
     )
-    affine = x.dtype if round_affine else torch.float32
-    return _gated.norm_rows(x, gate, spec, k, g, b, x.dtype, affine, x.dtype, eager=False)
+    affine = dtype if round_affine else torch.float32
+    return _gated.norm_rows(x, gate, spec, k, g, b, dtype, affine, dtype, eager=False)
+
+
+def _composite_vjp(
+    ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """`_EagerNormRows`' gradients (x, residual, gate, weight, bias) under ``create_graph``:
+    the vector-Jacobian product through `_composite`, a graph that can be differentiated
+    again (the kernels' own gradient cannot)."""
+    values, terms, gate, _, weight, bias = ctx.saved_tensors
+    (kind, k, eps, outside, scale_offset, cast, rounding, group, gate_in, gate_out,
+     round_affine) = ctx.forward_options
+    if bias is None and ctx.bias_dtype is not None:  # y is b plus terms free of b
+        bias = values.new_zeros(values.shape[1], dtype=ctx.bias_dtype)
+    gate_position = "before" if gate_in != "none" else "after" if gate_out != "none" else None
+    activation = gate_in if gate_in != "none" else gate_out if gate_out != "none" else "silu"
+    primals = [values, terms, gate, weight, bias]
+    present = [i for i, p in enumerate(primals) if p is not None]
+
+    def norm(*args: torch.Tensor) -> torch.Tensor:
+        v, t, z, w, b = (dict(zip(present, args, strict=True)).get(i) for i in range(5))
+        assert v is not None
+        if t is not None:  # float32_normalized: the float32 sum of the terms
+            v = v.float() + t.float()
+        return _composite(v, z, w, b, kind, k, eps, outside, scale_offset, cast, group,
+                          gate_position, activation, round_affine, ctx.dx_dtype)
+
+    grads = dict(zip(present, torch.func.vjp(norm, *(primals[i] for i in present))[1](dy),
+                     strict=True))
+    dv, dz, dw, db = grads[0], grads.get(2), grads.get(3), grads.get(4)
+    if not ctx.has_residual:
+        return dv, None, dz, dw, db
+    dx = (dv if dh is None else dv + dh).to(ctx.dx_dtype)  # dh: the returned h's, as h = x + r
+    return dx, dx, None, dw, db
 
 
 def _launch(
@@ -928,10 +1023,12 @@ def _launch(
         rounding = RESIDUAL_ROUNDINGS.index(residual_rounding) + 1
     gate_in = activation if gate_position == "before" else "none"
     gate_out = activation if gate_position == "after" else "none"
-    y, h, _ = _norm_rows_op(
-        x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, rounding,
-        group, gate_in, gate_out, round_affine,
-    )
+    options = (kind, k, eps, outside, scale_offset, cast, rounding, group, gate_in, gate_out,
+               round_affine)
+    if _traced(x):
+        y, h, _ = _norm_rows_op(x, residual, gate, weight, bias, *options)
+    else:
+        y, h, _ = _EagerNormRows.apply(x, residual, gate, weight, bias, options)
     return y, None if residual is None else h
 
 
