@@ -39,7 +39,8 @@ NOT_COMPILED = ("normkit.torch.PartialRMSNorm(p=0.0625)", LIGER)
 COMPOSITE = (
     "normkit.torch.RMSNorm(kernel='composite')", "normkit.torch.LayerNorm(kernel='composite')"
 )
-# On CUDA "auto" runs the torch-ops path; these rows time normkit's Triton kernels beside it.
+# On CUDA "auto" runs the Triton kernels for half inputs and torch's fused kernels for float32;
+# these rows time the Triton kernels in every dtype.
 TRITON = ("normkit.torch.RMSNorm(kernel='triton')", "normkit.torch.LayerNorm(kernel='triton')")
 
 

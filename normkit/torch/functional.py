@@ -211,7 +211,8 @@ def normalize(
       gate: ``z``, a float tensor of x's shape, required exactly when ``spec.gate`` is set.
       alpha: DyT's ``alpha`` (``kind="dyt"`` only), a tensor of shape () or (1,), or None for
         ``spec.alpha_init``.
-      kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, torch ops elsewhere),
+      kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, its Triton kernels for
+        half CUDA tensors, torch ops elsewhere),
         ``"composite"`` (torch ops), ``"cpu"`` (the numba kernel) or ``"triton"``; see
         `normkit.torch.kernels`.
 

@@ -664,6 +664,56 @@ def test_the_kernel_switch_reaches_the_triton_kernels(spec: NormSpec) -> None:
     tolerances.assert_close(to_numpy(module.weight.grad), dweight, quantity="grad", what="dw")
 
 
+class _OnCuda:
+    """What `normkit.torch.kernels.resolve` reads of a CUDA tensor, without a GPU."""
+
+    is_meta = False
+    device = torch.device("cuda")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def test_auto_takes_the_triton_kernels_for_half_cuda_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA, ``kernel="auto"`` runs the Triton kernels for float16 and bfloat16; float32 and
+    float64 keep torch's fused kernels (the composite path), and so do the fields the kernels
+    lack, degenerate rows, and a machine without triton."""
+    from normkit.torch import kernels as switch
+
+    resolve = switch.resolve
+    for dtype in (torch.bfloat16, torch.float16):
+        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "triton"
+        assert resolve("auto", _OnCuda(dtype), NormSpec("layer", residual="rounded"), 64) == (
+            "triton")
+        assert resolve("auto", _OnCuda(dtype), NormSpec(gate="after"), 64) == "triton"
+        assert resolve("auto", _OnCuda(dtype), NormSpec("layer", variance="fast"), 64) == (
+            "composite")
+        assert resolve("auto", _OnCuda(dtype), NormSpec("dyt"), 64) == "composite"
+        assert resolve("auto", _OnCuda(dtype), NormSpec(), 1) == "composite"
+    for dtype in (torch.float32, torch.float64):
+        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "composite"
+    monkeypatch.setattr(switch, "_TRITON", False)
+    assert resolve("auto", _OnCuda(torch.bfloat16), NormSpec(), 64) == "composite"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_auto_on_cuda_runs_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normkit.torch import RMSNorm
+
+    launches = []
+    norm_rows = kernels.norm_rows
+    monkeypatch.setattr(kernels, "norm_rows", lambda *a, **k: launches.append(1) or norm_rows(
+        *a, **k))
+    x = _randn(3, 24, seed=4, dtype=torch.bfloat16)
+    y = RMSNorm(24, 1e-6, device=DEVICE)(x)
+    assert launches == [1]
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), NormSpec(eps=1e-6)),
+                            what="y")
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_add_norm_with_kernel_triton_fuses_the_add(
     monkeypatch: pytest.MonkeyPatch, rounding: str

@@ -6,7 +6,9 @@
 - ``"triton"``: normkit's Triton kernels (`normkit.torch.kernels.triton`), CUDA tensors (CPU
   tensors too under ``TRITON_INTERPRET=1``, Triton's interpreter: slow, for testing).
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
-  (with one warning); ``"composite"`` on every other device.
+  (with one warning); ``"triton"`` for float16 and bfloat16 CUDA tensors when triton is
+  installed (float32 keeps torch's fused kernels, faster there: docs/benchmarks-gpu.md);
+  ``"composite"`` everywhere else.
 
 float64 inputs, parameters in a dtype other than float32 or the input's, a residual or a gate
 in another dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for
@@ -41,6 +43,7 @@ __all__ = ["KERNELS", "SUPPORTED", "Kernel", "check_kernel", "module", "resolve"
 Kernel: TypeAlias = Literal["auto", "composite", "cpu", "triton"]
 KERNELS: tuple[str, ...] = ("auto", "composite", "cpu", "triton")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 SUPPORTED: dict[str, frozenset[str]] = {
     "cpu": frozenset({"gate", "gate_activation", "group_size"}),
@@ -50,6 +53,7 @@ SUPPORTED: dict[str, frozenset[str]] = {
 (neither computes ``kind="dyt"``)."""
 
 _NUMBA = importlib.util.find_spec("numba") is not None
+_TRITON = importlib.util.find_spec("triton") is not None
 _warned = {"auto": False}
 
 
@@ -108,10 +112,14 @@ def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
                 f"kernel='triton' runs on CUDA tensors (or anywhere under TRITON_INTERPRET=1); "
                 f"x is on {x.device}"
             )
-        if importlib.util.find_spec("triton") is None:
+        if not _TRITON:
             raise RuntimeError(
                 "kernel='triton' needs triton, which is not installed: pip install triton"
             )
+    elif device == "cuda" and _TRITON and x.dtype in HALF_DTYPES:
+        if unsupported("triton", spec) is not None:
+            return "composite"
+        kernel = "triton"
     elif device != "cpu" or unsupported("cpu", spec) is not None:
         return "composite"
     elif not _NUMBA:
