@@ -25,6 +25,7 @@ error when the kernel is named.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -68,6 +69,7 @@ def _degenerate(kind: str, n: int) -> bool:
     return n <= (2 if kind == "layer" else 1)
 
 
+@functools.lru_cache(maxsize=256)
 def unsupported(kernel: str, spec: NormSpec) -> str | None:
     """The first field of ``spec`` that ``kernel`` (``"cpu"`` or ``"triton"``) does not compute,
     as ``"name=value"``, or None when it computes them all."""
@@ -139,8 +141,11 @@ def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
     return kernel
 
 
+_MODULES: dict[str, ModuleType] = {"cpu": cpu}
+
+
 def module(kernel: str) -> ModuleType:
     """The kernel module for ``"cpu"`` or ``"triton"`` (the latter imported on first use)."""
-    if kernel == "cpu":
-        return cpu
-    return importlib.import_module(f"normkit.torch.kernels.{kernel}")
+    if kernel not in _MODULES:
+        _MODULES[kernel] = importlib.import_module(f"normkit.torch.kernels.{kernel}")
+    return _MODULES[kernel]
