@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 conformance: install
 	$(BIN)/normkit info
