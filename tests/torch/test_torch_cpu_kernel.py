@@ -49,12 +49,14 @@ class Spy:
     def __init__(self, module: Any) -> None:
         self.module = module
         self.calls = {"forward": 0, "backward": 0}
+        self.workers: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.module, name)
         if name in self.calls:
             def counted(*args: Any) -> Any:
                 self.calls[name] += 1
+                self.workers.append(args[-1])
                 return attr(*args)
 
             return counted
@@ -393,10 +395,16 @@ def test_four_python_threads_at_once(spy: Spy) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["rms", "partial_rms", "layer"])
-def test_results_do_not_depend_on_the_thread_count(kind: Kind, dtype: str, spy: Spy) -> None:
+def test_results_do_not_depend_on_the_thread_count(
+    kind: Kind, dtype: str, spy: Spy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Threads claim blocks of rows as they come, and the weight's and bias's gradients are
     summed per block: outputs and gradients must come out bit for bit the same whatever the
-    number of threads (here 1, 2 and 3 over 3 blocks and a part)."""
+    number of threads (here 1, on the calling thread, then 2 and 3 over 3 blocks and a part, in
+    a parallel region, which this input's size would not open: `cpu.SERIAL` set to 0)."""
+    import numba
+
+    monkeypatch.setattr(cpu, "SERIAL", 0)
     spec = NormSpec(kind=kind, p=0.25, bias=True) if kind == "partial_rms" else NormSpec(
         kind=kind, bias=True)
     x, dy = _arrays((3 * cpu.BLOCK_ROWS + 5, 3 * CHUNK + 5), dtype, 13)
@@ -415,6 +423,8 @@ def test_results_do_not_depend_on_the_thread_count(kind: Kind, dtype: str, spy: 
         torch.set_num_threads(threads)
     assert results[0] == results[1] == results[2]
     assert spy.calls["forward"] == 3 and spy.calls["backward"] == 3
+    limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    assert spy.workers == [min(count, limit) for count in (1, 2, 3) for _ in "yx"]
 
 
 def _offset_rows(a: np.ndarray, offset: int) -> torch.Tensor:
@@ -455,9 +465,10 @@ def test_a_rows_bits_do_not_depend_on_its_batch(kind: Kind, dtype: str, spy: Spy
             assert part[1].tobytes() == dx[start:stop].tobytes()
 
 
-def test_uses_torchs_thread_count(spy: Spy) -> None:
+def test_uses_torchs_thread_count(spy: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
     import numba
 
+    monkeypatch.setattr(cpu, "SERIAL", 0)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -470,6 +481,19 @@ def test_uses_torchs_thread_count(spy: Spy) -> None:
     assert numba.get_num_threads() == min(before, limit)
     if "NUMBA_THREADING_LAYER" not in os.environ:
         assert numba.threading_layer() == "workqueue"
+
+
+def test_small_inputs_run_on_the_calling_thread(spy: Spy) -> None:
+    """Below `cpu.SERIAL` elements the kernels open no parallel region (whose start cost 140 us
+    against 2.3 us in the kernel for a row of 4096); from there on they use torch's thread
+    count."""
+    threads = cpu._threads()
+    x = torch.randn(4, 8, requires_grad=True)
+    RMSNorm(8, kernel="cpu")(x).sum().backward()
+    rows = cpu.SERIAL // 1024
+    RMSNorm(1024, kernel="cpu")(torch.randn(rows - 1, 1024))
+    RMSNorm(1024, kernel="cpu")(torch.randn(rows, 1024))
+    assert spy.workers == [1, 1, 1, threads]
 
 
 class _Normalized(torch.utils.data.Dataset[torch.Tensor]):

@@ -198,14 +198,17 @@ def _gated_rows(spec: NormSpec, n: int, dtype: torch.dtype, kernel: str = "cpu")
     NormSpec("layer", gate="after", gate_activation="sigmoid", cast="before_scale"),
 ], ids=["rms-before-grouped", "layer-after-before_scale"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(
-        spec: NormSpec, dtype: torch.dtype, launches: collections.Counter[str]) -> None:
+        spec: NormSpec, dtype: torch.dtype, launches: collections.Counter[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """y, dx and dz of a row: the same bits in batches of 1 to 509 rows, reversed, at any
-    position, and on one thread or two (rows of several chunks, 640 elements); so are the
-    weight's and bias's gradients, summed per fixed block of rows."""
+    position, and on the calling thread or two in a parallel region (rows of several chunks,
+    640 elements; `cpu.SERIAL` set to 0, as the input is smaller); so are the weight's and
+    bias's gradients, summed per fixed block of rows."""
     n = 640
     rows = np.random.default_rng(11).standard_normal((509, 3 * n)).astype(np.float32)
     found = batch_invariance.check(_gated_rows(spec, n, dtype), rows)
     assert found.invariant, found.describe()
+    monkeypatch.setattr(cpu, "SERIAL", 0)
     threads = torch.get_num_threads()
     results = []
     try:

@@ -539,6 +539,10 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     rows = x.shape[0]
     blocks = (rows + block - 1) // block
     biased = _biased(b)
+    if workers == 1:  # no parallel region (`SERIAL`)
+        for i in range(rows):
+            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale, biased)
+        return
     claimed = np.zeros(1, np.int64)
     for _ in prange(min(workers, blocks)):
         blk = _claim(claimed)
@@ -690,6 +694,22 @@ def _add_rows(partial: np.ndarray, total: np.ndarray) -> None:
         total[j] = np.float32(acc[j])
 
 
+@njit(cache=True)
+def _backward_block(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                    dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, block: int,
+                    kind: int, k: int, eps: float, outside: bool, need_g: bool, need_b: bool
+                    ) -> None:
+    """`backward` on row block ``blk``: its rows' ``dx``, and their sums into ``dg[blk]`` and
+    ``db[blk]`` (into ``scratch`` where not needed)."""
+    dg_rows = dg[blk] if need_g else scratch[0]
+    db_rows = db[blk] if need_b else scratch[1]
+    dg_rows[:] = 0.0
+    db_rows[:] = 0.0
+    for i in range(blk * block, min(x.shape[0], blk * block + block)):
+        _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps, outside,
+                      need_b)
+
+
 @njit(parallel=True, cache=True)
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
              dg: np.ndarray, db: np.ndarray, dg_total: np.ndarray, db_total: np.ndarray,
@@ -704,19 +724,20 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
     no torch op between the kernels, whose threads would wait on numba's."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
-    claimed = np.zeros(1, np.int64)
-    for _ in prange(min(workers, blocks)):
+    if workers == 1:  # no parallel region (`SERIAL`)
         scratch = np.empty((2, n), np.float32)
-        blk = _claim(claimed)
-        while blk < blocks:
-            dg_rows = dg[blk] if need_g else scratch[0]
-            db_rows = db[blk] if need_b else scratch[1]
-            dg_rows[:] = 0.0
-            db_rows[:] = 0.0
-            for i in range(blk * block, min(rows, blk * block + block)):
-                _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
-                              outside, need_b)
+        for blk in range(blocks):
+            _backward_block(x, r, dy, dx, g, dg, db, scratch, blk, block, kind, k, eps, outside,
+                            need_g, need_b)
+    else:
+        claimed = np.zeros(1, np.int64)
+        for _ in prange(min(workers, blocks)):
+            scratch = np.empty((2, n), np.float32)
             blk = _claim(claimed)
+            while blk < blocks:
+                _backward_block(x, r, dy, dx, g, dg, db, scratch, blk, block, kind, k, eps,
+                                outside, need_g, need_b)
+                blk = _claim(claimed)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
@@ -834,6 +855,13 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
     rows, n = x.shape
     blocks = (rows + block - 1) // block
     biased = _biased(b)
+    if workers == 1:  # no parallel region (`SERIAL`)
+        buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
+        for i in range(rows):
+            _gated_forward_row(x[i], z[i], y[i], g, b, r[i], buffers[0], buffers[1], kind, k,
+                               group, eps, outside, before_scale, gate, sigmoid, round_affine,
+                               biased)
+        return
     claimed = np.zeros(1, np.int64)
     for _ in prange(min(workers, blocks)):
         buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
@@ -917,6 +945,24 @@ def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndar
         _gate_before_gradient(x, e, a, slope, dx, dz)
 
 
+@njit(cache=True)
+def _gated_backward_block(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
+                          dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
+                          dg: np.ndarray, db: np.ndarray, scratch: np.ndarray,
+                          buffers: np.ndarray, blk: int, block: int, kind: int, k: int,
+                          group: int, eps: float, outside: bool, gate: int, sigmoid: bool,
+                          need_g: bool, need_b: bool) -> None:
+    """`gated_backward` on row block ``blk``, as `_backward_block`."""
+    dg_rows = dg[blk] if need_g else scratch[0]
+    db_rows = db[blk] if need_b else scratch[1]
+    dg_rows[:] = 0.0
+    db_rows[:] = 0.0
+    for i in range(blk * block, min(x.shape[0], blk * block + block)):
+        _gated_backward_row(x[i], z[i], r[i], dy[i], dx[i], dz[i], g, b, dg_rows, db_rows,
+                            buffers[0], buffers[1], buffers[2], buffers[3], kind, k, group, eps,
+                            outside, gate, sigmoid, need_b)
+
+
 @njit(parallel=True, cache=True)
 def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray,
                    b: np.ndarray, dx: np.ndarray, dz: np.ndarray, dg: np.ndarray,
@@ -929,21 +975,24 @@ def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, 
     as in `backward`."""
     rows, n = x.shape
     blocks = (rows + block - 1) // block
-    claimed = np.zeros(1, np.int64)
-    for _ in prange(min(workers, blocks)):
+    if workers == 1:  # no parallel region (`SERIAL`)
         scratch = np.empty((2, n), np.float32)
         buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
-        blk = _claim(claimed)
-        while blk < blocks:
-            dg_rows = dg[blk] if need_g else scratch[0]
-            db_rows = db[blk] if need_b else scratch[1]
-            dg_rows[:] = 0.0
-            db_rows[:] = 0.0
-            for i in range(blk * block, min(rows, blk * block + block)):
-                _gated_backward_row(x[i], z[i], r[i], dy[i], dx[i], dz[i], g, b, dg_rows,
-                                    db_rows, buffers[0], buffers[1], buffers[2], buffers[3],
-                                    kind, k, group, eps, outside, gate, sigmoid, need_b)
+        for blk in range(blocks):
+            _gated_backward_block(x, z, r, dy, dx, dz, g, b, dg, db, scratch, buffers, blk,
+                                  block, kind, k, group, eps, outside, gate, sigmoid, need_g,
+                                  need_b)
+    else:
+        claimed = np.zeros(1, np.int64)
+        for _ in prange(min(workers, blocks)):
+            scratch = np.empty((2, n), np.float32)
+            buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
             blk = _claim(claimed)
+            while blk < blocks:
+                _gated_backward_block(x, z, r, dy, dx, dz, g, b, dg, db, scratch, buffers, blk,
+                                      block, kind, k, group, eps, outside, gate, sigmoid,
+                                      need_g, need_b)
+                blk = _claim(claimed)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
