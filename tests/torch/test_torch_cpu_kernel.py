@@ -496,6 +496,35 @@ def test_small_inputs_run_on_the_calling_thread(spy: Spy) -> None:
     assert spy.workers == [1, 1, 1, threads]
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_inference_skips_the_autograd_function(
+    spy: Spy, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    """Under no_grad, or with no input requiring grad, the Function's forward runs alone
+    (``apply`` records a graph nobody needs, 20 us of host time against the kernel's 2.3 us
+    on a row of 4096), with the bits of a call through ``apply``."""
+    spec = NormSpec(gate="after", group_size=4) if gated else NormSpec(bias=True)
+    x, z = torch.randn(3, 8), torch.randn(3, 8)
+    module = from_spec(spec, 8, kernel="cpu")
+    call = (lambda: module(x, gate=z)) if gated else (lambda: module(x))
+    recorded = call()
+    assert recorded.requires_grad
+    function = cpu.CpuGatedNormFunction if gated else cpu.CpuNormFunction
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("an inference call recorded an autograd graph")
+
+    monkeypatch.setattr(function, "apply", refuse)
+    with torch.no_grad():
+        alone = call()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    frozen = call()
+    assert not alone.requires_grad and not frozen.requires_grad
+    assert recorded.detach().numpy().tobytes() == alone.numpy().tobytes() == (
+        frozen.numpy().tobytes())
+
+
 class _Normalized(torch.utils.data.Dataset[torch.Tensor]):
     def __init__(self) -> None:
         self.module = LayerNorm(16, kernel="cpu")

@@ -449,6 +449,24 @@ def test_a_traced_second_derivative_is_refused_not_silently_zero() -> None:
             (dx * dx).sum().backward()
 
 
+def test_inference_skips_the_autograd_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad the eager kernels launch without the autograd Function (host time is
+    what an eager call on a GPU is bound by), with the bits of a call through it."""
+    x = _randn(3, 24, seed=0, dtype=torch.bfloat16)
+    weight = _randn(24, seed=1).requires_grad_(True)
+    opts = _options(NormSpec(), 24)
+    recorded = kernels.norm_rows(x, weight, None, **opts)
+    assert recorded.requires_grad
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("an inference call recorded an autograd graph")
+
+    monkeypatch.setattr(kernels._EagerNormRows, "apply", refuse)
+    with torch.no_grad():
+        alone = kernels.norm_rows(x, weight, None, **opts)
+    assert torch.equal(recorded.detach(), alone)
+
+
 def test_a_missing_triton_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """The module's code run again, as a new module, with triton hidden."""
     spec = importlib.util.spec_from_file_location("normkit_triton_copy", kernels.__file__)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from normkit.torch._autograd import NormFunction, _shape_only, signature_once
+from normkit.torch._autograd import NormFunction, _shape_only, needs_graph, signature_once
 
 __all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
@@ -650,11 +650,14 @@ def norm_rows(
     if (gate is None) != (gate_position is None):
         raise ValueError(f"gate_position={gate_position!r} needs gate rows, and only it")
     if gate_position is None and group in (None, n):
-        y: torch.Tensor = CpuNormFunction.apply(x, g, b, kind, k, eps, outside, cast, strict)[0]
+        norm = CpuNormFunction.apply if needs_graph(x, g, b) else CpuNormFunction.forward
+        y: torch.Tensor = norm(x, g, b, kind, k, eps, outside, cast, strict)[0]
         return y
     options = (kind, k, group or n, eps, outside, cast, gate_position, activation, round_affine)
     if (group or n) <= (2 if kind == "layer" else 1):
         # degenerate groups take the composite path, as degenerate rows do (its closed forms)
         return _composite_gated(x, gate, g, b, *options)
-    y = CpuGatedNormFunction.apply(x, gate, g, b, *options, strict)[0]
+    gated = (CpuGatedNormFunction.apply if needs_graph(x, gate, g, b)
+             else CpuGatedNormFunction.forward)
+    y = gated(x, gate, g, b, *options, strict)[0]
     return y

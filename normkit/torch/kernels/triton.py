@@ -65,7 +65,7 @@ except ImportError as error:
 
 from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
-from normkit.torch._autograd import NormFunction
+from normkit.torch._autograd import NormFunction, needs_graph
 
 __all__ = [
     "ACTIVATIONS", "GATE_POSITIONS", "LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS",
@@ -1027,8 +1027,10 @@ def _launch(
                round_affine)
     if _traced(x):
         y, h, _ = _norm_rows_op(x, residual, gate, weight, bias, *options)
-    else:
+    elif needs_graph(x, residual, gate, weight, bias):
         y, h, _ = _EagerNormRows.apply(x, residual, gate, weight, bias, options)
+    else:
+        y, h, _ = _norm_rows(x, residual, gate, weight, bias, *options)
     return y, None if residual is None else h
 
 
