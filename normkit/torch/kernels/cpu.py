@@ -150,16 +150,31 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     """A numpy view of contiguous ``t``: float32, or the bits of bfloat16 as int16, of float16
     as uint16.
 
-    Made from the raw pointer, not by ``Tensor.numpy``, which marks the storage non-resizable
-    for good (FSDP2 frees gathered parameters by resizing their storage to 0). The view is
-    valid while ``t`` lives: only for the duration of a kernel call.
+    Made from the raw pointer through numpy's array interface (`_Memory`), not by
+    ``Tensor.numpy``, which marks the storage non-resizable for good (FSDP2 frees gathered
+    parameters by resizing their storage to 0). The view is valid while ``t`` lives: only for
+    the duration of a kernel call.
     """
     assert t.is_contiguous()
-    dtype = np.dtype(_NUMPY_DTYPES[t.dtype])
+    dtype = _NUMPY_DTYPES[t.dtype]
     if t.numel() == 0:
         return np.empty(t.shape, dtype)
-    memory = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    return np.ctypeslib.as_array(memory).view(dtype).reshape(t.shape)
+    return np.asarray(_Memory(t.data_ptr(), tuple(t.shape), _TYPESTRS[t.dtype]))
+
+
+_TYPESTRS = {dtype: np.dtype(numpy).str for dtype, numpy in _NUMPY_DTYPES.items()}
+
+
+class _Memory:
+    """Writable C-contiguous memory at ``address`` as numpy's array interface describes it
+    (``np.asarray`` of it is a view; half the host time of a ctypes buffer)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__array_interface__ = {
+            "data": (address, False), "shape": shape, "typestr": typestr, "version": 3,
+        }
 
 
 @functools.cache
