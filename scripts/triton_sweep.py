@@ -137,6 +137,7 @@ def host(log: Log) -> None:
     w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
     y, r = torch.empty_like(small), torch.empty(8, device="cuda", dtype=torch.float32)
     module = RMSNorm(1024, EPS, kernel="triton").to(device="cuda", dtype=torch.bfloat16)
+    theirs = torch.nn.RMSNorm(1024, EPS).to(device="cuda", dtype=torch.bfloat16)
     grad = small.clone().requires_grad_()
     for what, fn in (
         ("kernel launch", lambda: forward_launch(small, w, y, r, False, True, 1024, 4)),
@@ -144,6 +145,8 @@ def host(log: Log) -> None:
                                            outside=False, scale_offset=0.0, cast="after_scale")),
         ("normkit RMSNorm(kernel='triton')", lambda: module(small)),
         ("normkit RMSNorm(kernel='triton') requires_grad", lambda: module(grad)),
+        ("normkit RMSNorm(kernel='triton') fwd+bwd", partial(forward_backward, module, grad, y)),
+        ("torch.nn.RMSNorm fwd+bwd", partial(forward_backward, theirs, grad, y)),
         ("torch rms_norm", lambda: torch.nn.functional.rms_norm(small, (1024,), w, EPS)),
         ("clone", lambda: small.clone()),
     ):
