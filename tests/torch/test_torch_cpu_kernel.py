@@ -329,6 +329,21 @@ def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
         assert _PACKED_FLOAT.search(machine_code), f"{name} on {dtype} rows runs scalar"
 
 
+@pytest.mark.parametrize("name", ["forward", "backward", "gated_forward", "gated_backward"])
+def test_each_launch_opens_one_parallel_region(name: str) -> None:
+    """Structural guard for speed (nothing is timed): each kernel compiles to one parallel loop,
+    its tasks. A fill such as ``np.zeros`` in a parallel function becomes a parallel loop of its
+    own, whose start (60-130 us on the workqueue layer) every launch then pays twice."""
+    from numba import njit
+
+    m = importlib.import_module("normkit.torch.kernels._cpu_numba")
+    signatures = m.gated_signatures if name.startswith("gated") else m.signatures
+    fresh = njit(parallel=True)(getattr(m, name).py_func)  # uncached: its diagnostics are kept
+    fresh.compile(signatures("float32")[0 if name.endswith("forward") else 1])
+    diagnostics = fresh.get_metadata(fresh.signatures[0])["parfor_diagnostics"]
+    assert diagnostics.count_parfors() == 1
+
+
 def test_half_conversions_match_torch() -> None:
     """Every float16 / bfloat16 bit pattern widens exactly; float32 values round like torch."""
     from numba import njit

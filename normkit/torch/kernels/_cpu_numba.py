@@ -527,6 +527,15 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     return r
 
 
+@njit(cache=True)
+def _counter() -> np.ndarray:
+    """A block counter for `_claim`, at 0. Not ``np.zeros``: a parallel function turns that
+    fill into a parallel region of its own, the very cost a single worker avoids."""
+    counter = np.empty(1, np.int64)
+    counter[0] = 0
+    return counter
+
+
 @njit(parallel=True, cache=True)
 def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
             kind: int, k: int, eps: float, outside: bool, before_scale: bool, block: int,
@@ -543,7 +552,7 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
         for i in range(rows):
             r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale, biased)
         return
-    claimed = np.zeros(1, np.int64)
+    claimed = _counter()
     for _ in prange(min(workers, blocks)):
         blk = _claim(claimed)
         while blk < blocks:
@@ -730,7 +739,7 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
             _backward_block(x, r, dy, dx, g, dg, db, scratch, blk, block, kind, k, eps, outside,
                             need_g, need_b)
     else:
-        claimed = np.zeros(1, np.int64)
+        claimed = _counter()
         for _ in prange(min(workers, blocks)):
             scratch = np.empty((2, n), np.float32)
             blk = _claim(claimed)
@@ -862,7 +871,7 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
                                group, eps, outside, before_scale, gate, sigmoid, round_affine,
                                biased)
         return
-    claimed = np.zeros(1, np.int64)
+    claimed = _counter()
     for _ in prange(min(workers, blocks)):
         buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
         blk = _claim(claimed)
@@ -983,7 +992,7 @@ def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, 
                                   block, kind, k, group, eps, outside, gate, sigmoid, need_g,
                                   need_b)
     else:
-        claimed = np.zeros(1, np.int64)
+        claimed = _counter()
         for _ in prange(min(workers, blocks)):
             scratch = np.empty((2, n), np.float32)
             buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)

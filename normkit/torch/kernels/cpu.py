@@ -43,9 +43,9 @@ the results are the same bit for bit whatever the thread count."""
 INSTALL = "pip install 'normkit[torch]' (numba)"
 SERIAL = 2**20
 """Inputs of fewer elements run on the calling thread: starting a parallel region of numba's
-workqueue takes 130-300 us. On the 2-core CI machine one thread did better up to 2M elements
-(an RMSNorm forward of 1M: 353 us against 664 us; a row of 4096: 2.3 us in the kernel against
-140 us); with more cores the parallel region pays off sooner."""
+workqueue takes 60-130 us. On the 2-core CI machine one thread did better up to about 2M
+elements (an RMSNorm forward of 1M: 257 us against 374 us; a row of 4096: 2.3 us in the kernel
+against 65 us); with more cores the parallel region pays off sooner."""
 HUGE_PAGE = 2**21
 HUGE_PAGE_MIN_BYTES = 2**25
 MADV_HUGEPAGE = 14
