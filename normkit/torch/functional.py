@@ -45,7 +45,7 @@ ShapeLike = int | Sequence[int]
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64
 )
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = kernels.HALF_DTYPES
 #: ``torch.nn.LayerNorm``'s and ``F.layer_norm``'s default eps.
 TORCH_LAYER_NORM_EPS = 1e-5
 
