@@ -330,10 +330,11 @@ def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["forward", "backward", "gated_forward", "gated_backward"])
-def test_each_launch_opens_one_parallel_region(name: str) -> None:
+def test_each_launch_opens_one_parallel_region(name: str, spy: Spy) -> None:
     """Structural guard for speed (nothing is timed): each kernel compiles to one parallel loop,
     its tasks. A fill such as ``np.zeros`` in a parallel function becomes a parallel loop of its
-    own, whose start (60-130 us on the workqueue layer) every launch then pays twice."""
+    own, whose start (60-130 us on the workqueue layer) every launch then pays twice. (``spy``
+    loads the kernels first, which chooses numba's threading layer as normkit does.)"""
     from numba import njit
 
     m = importlib.import_module("normkit.torch.kernels._cpu_numba")
