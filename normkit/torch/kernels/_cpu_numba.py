@@ -536,6 +536,21 @@ def _counter() -> np.ndarray:
     return counter
 
 
+@njit(cache=True)
+def _forward_task(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
+                  kind: int, k: int, eps: float, outside: bool, before_scale: bool,
+                  biased: bool, block: int, claimed: np.ndarray) -> None:
+    """One task of `forward`: claims blocks of ``block`` rows (``claimed``) until none is
+    left."""
+    rows = x.shape[0]
+    blocks = (rows + block - 1) // block
+    blk = _claim(claimed)
+    while blk < blocks:
+        for i in range(blk * block, min(rows, blk * block + block)):
+            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale, biased)
+        blk = _claim(claimed)
+
+
 @njit(parallel=True, cache=True)
 def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
             kind: int, k: int, eps: float, outside: bool, before_scale: bool, block: int,
@@ -544,22 +559,15 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     into ``r`` (float32); ``g`` the effective scale, ``b`` the bias (float32). Each of
     ``workers`` tasks claims blocks of ``block`` rows until none is left, so a thread slowed
     by another process on its core takes fewer blocks instead of holding up the call; a row's
-    values depend on that row alone."""
-    rows = x.shape[0]
-    blocks = (rows + block - 1) // block
+    values depend on that row alone. One worker runs the one task on the calling thread, with
+    no parallel region (`SERIAL`)."""
     biased = _biased(b)
-    if workers == 1:  # no parallel region (`SERIAL`)
-        for i in range(rows):
-            r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale, biased)
-        return
     claimed = _counter()
-    for _ in prange(min(workers, blocks)):
-        blk = _claim(claimed)
-        while blk < blocks:
-            for i in range(blk * block, min(rows, blk * block + block)):
-                r[i] = _forward_row(x[i], y[i], g, b, kind, k, eps, outside, before_scale,
-                                    biased)
-            blk = _claim(claimed)
+    if workers == 1:
+        _forward_task(x, g, b, y, r, kind, k, eps, outside, before_scale, biased, block, claimed)
+        return
+    for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+        _forward_task(x, g, b, y, r, kind, k, eps, outside, before_scale, biased, block, claimed)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -704,19 +712,34 @@ def _add_rows(partial: np.ndarray, total: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def _backward_block(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
-                    dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, block: int,
-                    kind: int, k: int, eps: float, outside: bool, need_g: bool, need_b: bool
-                    ) -> None:
-    """`backward` on row block ``blk``: its rows' ``dx``, and their sums into ``dg[blk]`` and
-    ``db[blk]`` (into ``scratch`` where not needed)."""
+def _block_sums(dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, need_g: bool,
+                need_b: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Row block ``blk``'s sums of the scale's and the bias's gradients, zeroed: ``dg[blk]`` and
+    ``db[blk]``, or a ``scratch`` row for a sum nobody asked for."""
     dg_rows = dg[blk] if need_g else scratch[0]
     db_rows = db[blk] if need_b else scratch[1]
     dg_rows[:] = 0.0
     db_rows[:] = 0.0
-    for i in range(blk * block, min(x.shape[0], blk * block + block)):
-        _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps, outside,
-                      need_b)
+    return dg_rows, db_rows
+
+
+@njit(cache=True)
+def _backward_task(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
+                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
+                   need_g: bool, need_b: bool, block: int, claimed: np.ndarray) -> None:
+    """One task of `backward`: claims blocks of rows until none is left, each block's rows'
+    ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into a scratch row where not
+    needed)."""
+    rows, n = x.shape
+    blocks = (rows + block - 1) // block
+    scratch = np.empty((2, n), np.float32)
+    blk = _claim(claimed)
+    while blk < blocks:
+        dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
+        for i in range(blk * block, min(rows, blk * block + block)):
+            _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps, outside,
+                          need_b)
+        blk = _claim(claimed)
 
 
 @njit(parallel=True, cache=True)
@@ -731,22 +754,14 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
     (one loop serves every case). The ``workers`` tasks claim blocks as `forward`'s do; a
     block's sums do not depend on which thread took it. Everything happens in this one launch:
     no torch op between the kernels, whose threads would wait on numba's."""
-    rows, n = x.shape
-    blocks = (rows + block - 1) // block
-    if workers == 1:  # no parallel region (`SERIAL`)
-        scratch = np.empty((2, n), np.float32)
-        for blk in range(blocks):
-            _backward_block(x, r, dy, dx, g, dg, db, scratch, blk, block, kind, k, eps, outside,
-                            need_g, need_b)
+    claimed = _counter()
+    if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
+        _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b, block,
+                       claimed)
     else:
-        claimed = _counter()
-        for _ in prange(min(workers, blocks)):
-            scratch = np.empty((2, n), np.float32)
-            blk = _claim(claimed)
-            while blk < blocks:
-                _backward_block(x, r, dy, dx, g, dg, db, scratch, blk, block, kind, k, eps,
-                                outside, need_g, need_b)
-                blk = _claim(claimed)
+        for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+            _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b,
+                           block, claimed)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
@@ -852,6 +867,25 @@ def _gated_forward_row(x: np.ndarray, z: np.ndarray, y: np.ndarray, g: np.ndarra
                                 before_scale, biased)
 
 
+@njit(cache=True)
+def _gated_forward_task(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray,
+                        y: np.ndarray, r: np.ndarray, kind: int, k: int, group: int, eps: float,
+                        outside: bool, before_scale: bool, gate: int, sigmoid: bool,
+                        round_affine: bool, biased: bool, block: int, claimed: np.ndarray
+                        ) -> None:
+    """One task of `gated_forward`, as `_forward_task`."""
+    rows, n = x.shape
+    blocks = (rows + block - 1) // block
+    buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
+    blk = _claim(claimed)
+    while blk < blocks:
+        for i in range(blk * block, min(rows, blk * block + block)):
+            _gated_forward_row(x[i], z[i], y[i], g, b, r[i], buffers[0], buffers[1], kind, k,
+                               group, eps, outside, before_scale, gate, sigmoid, round_affine,
+                               biased)
+        blk = _claim(claimed)
+
+
 @njit(parallel=True, cache=True)
 def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray,
                   r: np.ndarray, kind: int, k: int, group: int, eps: float, outside: bool,
@@ -861,26 +895,15 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
     (``x``'s shape; (rows, 0) and unread for `NO_GATE`), ``gate`` its position, ``sigmoid``
     the activation (else SiLU), ``round_affine`` as in `_gate_after_row`. Blocks are claimed
     as in `forward`; a row's values depend on that row alone."""
-    rows, n = x.shape
-    blocks = (rows + block - 1) // block
     biased = _biased(b)
-    if workers == 1:  # no parallel region (`SERIAL`)
-        buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
-        for i in range(rows):
-            _gated_forward_row(x[i], z[i], y[i], g, b, r[i], buffers[0], buffers[1], kind, k,
-                               group, eps, outside, before_scale, gate, sigmoid, round_affine,
-                               biased)
-        return
     claimed = _counter()
-    for _ in prange(min(workers, blocks)):
-        buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
-        blk = _claim(claimed)
-        while blk < blocks:
-            for i in range(blk * block, min(rows, blk * block + block)):
-                _gated_forward_row(x[i], z[i], y[i], g, b, r[i], buffers[0], buffers[1], kind,
-                                   k, group, eps, outside, before_scale, gate, sigmoid,
-                                   round_affine, biased)
-            blk = _claim(claimed)
+    if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
+        _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
+                            sigmoid, round_affine, biased, block, claimed)
+        return
+    for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+        _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
+                            sigmoid, round_affine, biased, block, claimed)
 
 
 @njit(cache=True)
@@ -955,21 +978,24 @@ def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndar
 
 
 @njit(cache=True)
-def _gated_backward_block(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
-                          dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
-                          dg: np.ndarray, db: np.ndarray, scratch: np.ndarray,
-                          buffers: np.ndarray, blk: int, block: int, kind: int, k: int,
-                          group: int, eps: float, outside: bool, gate: int, sigmoid: bool,
-                          need_g: bool, need_b: bool) -> None:
-    """`gated_backward` on row block ``blk``, as `_backward_block`."""
-    dg_rows = dg[blk] if need_g else scratch[0]
-    db_rows = db[blk] if need_b else scratch[1]
-    dg_rows[:] = 0.0
-    db_rows[:] = 0.0
-    for i in range(blk * block, min(x.shape[0], blk * block + block)):
-        _gated_backward_row(x[i], z[i], r[i], dy[i], dx[i], dz[i], g, b, dg_rows, db_rows,
-                            buffers[0], buffers[1], buffers[2], buffers[3], kind, k, group, eps,
-                            outside, gate, sigmoid, need_b)
+def _gated_backward_task(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
+                         dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
+                         dg: np.ndarray, db: np.ndarray, kind: int, k: int, group: int,
+                         eps: float, outside: bool, gate: int, sigmoid: bool, need_g: bool,
+                         need_b: bool, block: int, claimed: np.ndarray) -> None:
+    """One task of `gated_backward`, as `_backward_task`."""
+    rows, n = x.shape
+    blocks = (rows + block - 1) // block
+    scratch = np.empty((2, n), np.float32)
+    buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
+    blk = _claim(claimed)
+    while blk < blocks:
+        dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
+        for i in range(blk * block, min(rows, blk * block + block)):
+            _gated_backward_row(x[i], z[i], r[i], dy[i], dx[i], dz[i], g, b, dg_rows, db_rows,
+                                buffers[0], buffers[1], buffers[2], buffers[3], kind, k, group,
+                                eps, outside, gate, sigmoid, need_b)
+        blk = _claim(claimed)
 
 
 @njit(parallel=True, cache=True)
@@ -982,26 +1008,14 @@ def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, 
     also ``dz``, the gate's gradient ((rows, 0) and unwritten for `NO_GATE`); ``b`` the bias,
     which ``dz`` reads after the norm. The parameters' gradients are summed per block of rows
     as in `backward`."""
-    rows, n = x.shape
-    blocks = (rows + block - 1) // block
-    if workers == 1:  # no parallel region (`SERIAL`)
-        scratch = np.empty((2, n), np.float32)
-        buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
-        for blk in range(blocks):
-            _gated_backward_block(x, z, r, dy, dx, dz, g, b, dg, db, scratch, buffers, blk,
-                                  block, kind, k, group, eps, outside, gate, sigmoid, need_g,
-                                  need_b)
+    claimed = _counter()
+    if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
+        _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps, outside,
+                             gate, sigmoid, need_g, need_b, block, claimed)
     else:
-        claimed = _counter()
-        for _ in prange(min(workers, blocks)):
-            scratch = np.empty((2, n), np.float32)
-            buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
-            blk = _claim(claimed)
-            while blk < blocks:
-                _gated_backward_block(x, z, r, dy, dx, dz, g, b, dg, db, scratch, buffers, blk,
-                                      block, kind, k, group, eps, outside, gate, sigmoid,
-                                      need_g, need_b)
-                blk = _claim(claimed)
+        for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+            _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps,
+                                 outside, gate, sigmoid, need_g, need_b, block, claimed)
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
