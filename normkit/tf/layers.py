@@ -63,6 +63,18 @@ def _known(flag: Any) -> bool | None:
     return bool(ops.convert_to_numpy(flag))
 
 
+def _traced_for_xla() -> bool:
+    """Whether TensorFlow is tracing the call for XLA (``tf.function(jit_compile=True)``, or
+    Keras' ``jit_compile`` on a GPU), where the output's bits are XLA's fusions' anyway."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
 class _Rows:
     """The spec's arithmetic on the rows of one input, in the ``work`` dtype.
 
@@ -810,9 +822,11 @@ class _Norm(keras.layers.Layer):
             # recomputation into the backward's passes.
             # RMSNorm with eps inside keeps autodiff in Keras' order (bit-identical training):
             # a recomputed plain branch differentiates x through the statistics passed in,
-            # another order of the same sums.
+            # another order of the same sums. Not under XLA, whose fusions set the bits anyway.
             recompute = (lambda f: f) if affine is None else _recomputed
-            keras_order = spec.kind == "rms" and spec.eps_placement == "inside"
+            keras_order = (
+                spec.kind == "rms" and spec.eps_placement == "inside" and not _traced_for_xla()
+            )
             guarded_branch = recompute(guarded)
             plain_branch = plain if keras_order else recompute(plain)
             return ops.cond(

@@ -56,14 +56,7 @@ LAYER = (LayerNorm, keras.layers.LayerNormalization)
     "ours, theirs, dtype",
     [
         (*RMS, "float32"),
-        pytest.param(
-            *RMS, "bfloat16",
-            marks=pytest.mark.xfail(strict=True, reason=(
-                "RMSNorm is differentiated by autodiff through Keras' operations (bit-identical "
-                "training); the branch's float32 copy of a bfloat16 input is then an array the "
-                "backward reads"
-            )),
-        ),
+        (*RMS, "bfloat16"),
         (*LAYER, "float32"),
         (*LAYER, "bfloat16"),
     ],
@@ -85,3 +78,24 @@ def test_jitted_forward_materializes_no_more_arrays_than_keras(ours, theirs, dty
     mine = _materialized_arrays(ours(dtype=policy), dtype, backward=False)
     keras_own = _materialized_arrays(theirs(dtype=policy), dtype, backward=False)
     assert mine <= keras_own, f"{mine} input-sized arrays, Keras' layer {keras_own}"
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's XLA context")
+def test_xla_tracing_is_told_from_graph_tracing():
+    """RMSNorm keeps Keras' autodiff order (bit-identical training) in graphs XLA does not
+    compile, and recomputes its plain branch in those it does."""
+    from normkit.tf.layers import _traced_for_xla
+
+    seen = {}
+
+    def probe(tag):
+        def body():
+            seen[tag] = _traced_for_xla()
+            return tf.constant(0.0)
+
+        return body
+
+    tf.function(probe("xla"), jit_compile=True)()
+    tf.function(probe("graph"), jit_compile=False)()
+    probe("eager")()
+    assert seen == {"xla": True, "graph": False, "eager": False}
