@@ -166,16 +166,17 @@ class _Rows:
         assert self.spec.eps is not None
         if not self.keras_order:
             x = ops.stop_gradient(x)
-        c, mean = x, None
+        mean = None
         if self.spec.kind == "layer":
-            mean = ops.mean(x, axis=self.axes, keepdims=True)
-            c = x - mean
-        if self.head is None:
-            s = ops.mean(ops.square(c), axis=self.axes, keepdims=True)
+            # mean((x - mean)**2) as Keras' LayerNormalization forms it: one op on TensorFlow
+            # (a squared difference), where x - mean and its square would be two passes.
+            mean, s = ops.moments(x, axes=list(self.axes), keepdims=True)
+        elif self.head is None:
+            s = ops.mean(ops.square(x), axis=self.axes, keepdims=True)
         elif self.axes == (len(self.target) - 1,):
-            s = ops.mean(ops.square(c[..., : self.k]), axis=self.axes, keepdims=True)
+            s = ops.mean(ops.square(x[..., : self.k]), axis=self.axes, keepdims=True)
         else:
-            head = ops.where(self.head, c, ops.zeros_like(c))
+            head = ops.where(self.head, x, ops.zeros_like(x))
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
         # Per-row clamps that change only rows marked bad, so that their values stay finite.
         if self.outside:
@@ -834,7 +835,10 @@ class _Norm(keras.layers.Layer):
                 lambda: guarded_branch(source, *params),
                 lambda: plain_branch(*inputs, *row_stats, *params),
             )
-        return guarded(source, *params) if known else plain(*inputs, *row_stats, *params)
+        # Eagerly x is already in the work dtype: the branches' own casts would be passes more.
+        if known:
+            return guarded(x, *params)
+        return plain(*(x for _ in inputs), *row_stats, *params)
 
     def _guarded(self, x: Any, rows: _Rows) -> Any:
         """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose

@@ -24,13 +24,19 @@ FORWARD_EXTRA = 10
 FORWARD_BACKWARD_EXTRA = 25
 
 
-def _executed_ops(run) -> int:
-    """The number of ops `run` executes eagerly (after one call that builds the layer)."""
+def _executed_ops(run, size: int | None = None) -> int:
+    """The number of ops `run` executes eagerly (after one call that builds the layer); with
+    ``size``, only those reading a tensor of that many elements (whole-tensor passes), not
+    counting ``Identity`` and ``StopGradient`` (TensorFlow's identity kernel: the input's
+    buffer passed on)."""
     run()
     executed = []
 
-    def count(op_type, *args, **kwargs):
-        executed.append(op_type)
+    def count(op_type, inputs, *args, **kwargs):
+        if size is None or (
+            op_type not in ("Identity", "StopGradient") and any(t.shape.num_elements() == size for t in inputs)
+        ):
+            executed.append(op_type)
 
     op_callbacks.add_op_callback(count)
     try:
@@ -69,3 +75,18 @@ def test_eager_call_executes_at_most_a_constant_more_ops_than_keras(ours, theirs
     x = tf.random.normal((8, 64))
     mine, keras_own = _executed_ops(task(ours(), x)), _executed_ops(task(theirs(), x))
     assert mine <= keras_own + extra, f"{mine} ops, Keras' layer {keras_own} (+{extra} allowed)"
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(RMSNorm, keras.layers.RMSNormalization), (LayerNorm, keras.layers.LayerNormalization)],
+    ids=["RMSNorm", "LayerNorm"],
+)
+@pytest.mark.parametrize("task", [_forward, _forward_backward], ids=["forward", "forward+backward"])
+def test_eager_call_makes_no_more_whole_tensor_passes_than_keras(ours, theirs, task, policy):
+    """The per-row guards add ops on row-sized tensors only; a half input is cast once."""
+    x = tf.cast(tf.random.normal((8, 64)), "bfloat16" if policy != "float32" else "float32")
+    mine = _executed_ops(task(ours(dtype=policy), x), x.shape.num_elements())
+    keras_own = _executed_ops(task(theirs(dtype=policy), x), x.shape.num_elements())
+    assert mine <= keras_own, f"{mine} whole-tensor ops, Keras' layer {keras_own}"
