@@ -93,14 +93,15 @@ class _Rows:
         k: int,
         head: np.ndarray | None,
         work: str,
+        keras_order: bool = True,
     ) -> None:
         self.spec, self.axes, self.target = spec, axes, target
         self.n, self.k, self.head = n, k, head
         self.work = work
         self.outside = spec.eps_placement == "outside"
         # RMSNorm over all elements with eps inside: keras.layers.RMSNormalization's function,
-        # differentiated through Keras' operations (`keras_output`).
-        self.keras_order = spec.kind == "rms" and not self.outside
+        # differentiated through Keras' operations (`keras_output`), unless told otherwise.
+        self.keras_order = keras_order and spec.kind == "rms" and not self.outside
         exponent = 256 if work == "float64" else 32
         # float64's bounds are tensors of it: a Python float meets a tensor in float32 on some
         # backends (Keras' torch backend: 2**-640 becomes 0, 2**512 inf).
@@ -776,7 +777,10 @@ class _Norm(keras.layers.Layer):
         k = spec.stat_size(n)
         # The first k of the n normalized elements in row-major order, as a boolean mask.
         head = None if k == n else (np.arange(n) < k).reshape(target)
-        rows = _Rows(spec, axes, target, n, k, head, work)
+        # Keras' autodiff order makes training bit-identical to Keras' RMSNormalization, in
+        # eager calls and graphs. Not where XLA compiles: its fusions decide the bits there,
+        # and a branch differentiated in place outputs its intermediates for the backward.
+        rows = _Rows(spec, axes, target, n, k, head, work, keras_order=not _traced_for_xla())
 
         def guarded(source: Any, *params: Any) -> Any:
             x = ops.cast(source, work)
@@ -797,7 +801,7 @@ class _Norm(keras.layers.Layer):
         # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in the
         # work dtype, before the input's cast rounds their sum once. Traced, the value is cast
         # from the source inside the branch and only its gradient goes to x.
-        meets_at_x = spec.kind == "rms" and spec.eps_placement == "inside" and source is not x
+        meets_at_x = rows.keras_order and source is not x
         inputs = (source, x) if meets_at_x else (source,)
 
         def plain(source: Any, *args: Any) -> Any:
@@ -821,15 +825,11 @@ class _Norm(keras.layers.Layer):
             # a traced cond outputs every intermediate either branch's gradient reads (the plain
             # branch's x r for the scale's gradient, whole tensors), where XLA would fuse their
             # recomputation into the backward's passes.
-            # RMSNorm with eps inside keeps autodiff in Keras' order (bit-identical training):
-            # a recomputed plain branch differentiates x through the statistics passed in,
-            # another order of the same sums. Not under XLA, whose fusions set the bits anyway.
+            # Keras' order is not recomputed: a recomputed plain branch differentiates x
+            # through the statistics passed in, another order of the same sums.
             recompute = (lambda f: f) if affine is None else _recomputed
-            keras_order = (
-                spec.kind == "rms" and spec.eps_placement == "inside" and not _traced_for_xla()
-            )
             guarded_branch = recompute(guarded)
-            plain_branch = plain if keras_order else recompute(plain)
+            plain_branch = plain if rows.keras_order else recompute(plain)
             return ops.cond(
                 any_bad,
                 lambda: guarded_branch(source, *params),

@@ -83,7 +83,7 @@ def test_jitted_forward_materializes_no_more_arrays_than_keras(ours, theirs, dty
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's XLA context")
 def test_xla_tracing_is_told_from_graph_tracing():
     """RMSNorm keeps Keras' autodiff order (bit-identical training) in graphs XLA does not
-    compile, and recomputes its plain branch in those it does."""
+    compile, and takes the closed-form gradient in a recomputed branch in those it does."""
     from normkit.tf.layers import _traced_for_xla
 
     seen = {}
