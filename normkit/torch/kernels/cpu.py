@@ -251,6 +251,18 @@ def _cpu_norm_fake(
     return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
+def _param_grad_buffers(
+    rows: int, n: int, need_g: bool, need_b: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A backward kernel's float32 buffers for the parameters' gradients: the per-block partial
+    sums of dg and db ((blocks, n), or (blocks, 0) where not needed) and their totals (n,)."""
+    blocks = math.ceil(rows / BLOCK_ROWS)
+    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
+    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
+    dg, db = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+    return dg_blocks, db_blocks, dg, db
+
+
 def _norm_backward(
     dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
     eps: float, outside: bool, need_g: bool, need_b: bool, strict: bool,
@@ -268,11 +280,7 @@ def _norm_backward(
     x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     rows, n = x.shape
     dx = _output_like(x)
-    blocks = math.ceil(rows / BLOCK_ROWS)
-    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
-    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
-    dg = torch.zeros(n, dtype=torch.float32)
-    db = torch.zeros(n, dtype=torch.float32)
+    dg_blocks, db_blocks, dg, db = _param_grad_buffers(rows, n, need_g, need_b)
     with _lock:
         module.backward(
             _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
@@ -494,11 +502,7 @@ def _gated_norm_backward(
     gate = x.new_empty(rows, 0) if z is None else _plain(z)
     dx = _output_like(x)
     dz = _output_like(gate)
-    blocks = math.ceil(rows / BLOCK_ROWS)
-    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
-    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
-    dg = torch.zeros(n, dtype=torch.float32)
-    db = torch.zeros(n, dtype=torch.float32)
+    dg_blocks, db_blocks, dg, db = _param_grad_buffers(rows, n, need_g, need_b)
     with _lock:
         module.gated_backward(
             _rows(x), _rows(gate), _rows(r), _rows(dy), _rows(g), _rows(b), _rows(dx), _rows(dz),
