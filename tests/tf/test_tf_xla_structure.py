@@ -14,9 +14,15 @@ import keras  # noqa: E402
 
 from normkit.tf import LayerNorm, RMSNorm  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
+    ),
+    pytest.mark.skipif(
+        keras.backend.backend() != "tensorflow",
+        reason="compiles the TensorFlow backend's layers with tf.function(jit_compile=True)",
+    ),
+]
 
 ROWS, FEATURES = 64, 256
 
@@ -80,7 +86,6 @@ def test_jitted_forward_materializes_no_more_arrays_than_keras(ours, theirs, dty
     assert mine <= keras_own, f"{mine} input-sized arrays, Keras' layer {keras_own}"
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's XLA context")
 def test_xla_tracing_is_told_from_graph_tracing():
     """RMSNorm keeps Keras' autodiff order (bit-identical training) in graphs XLA does not
     compile, and takes the closed-form gradient in a recomputed branch in those it does."""
