@@ -12,16 +12,11 @@ import keras  # noqa: E402
 from tensorflow.python.framework import op_callbacks  # noqa: E402
 
 from normkit.tf import LayerNorm, RMSNorm  # noqa: E402
+from tests.helpers.keras_backend import tensorflow_backend_only  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
-    ),
-    pytest.mark.skipif(
-        keras.backend.backend() != "tensorflow",
-        reason="counts the TensorFlow ops of the TensorFlow backend's eager calls",
-    ),
-]
+pytestmark = tensorflow_backend_only(
+    "counts the TensorFlow ops of the TensorFlow backend's eager calls"
+)
 
 # The most ops normkit's call may execute beyond Keras' own layer's: the per-row checks (a
 # range test of r, any, the where that keeps a skipped row's cotangent finite) and their

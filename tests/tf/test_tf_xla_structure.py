@@ -13,16 +13,11 @@ tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which
 import keras  # noqa: E402
 
 from normkit.tf import LayerNorm, RMSNorm  # noqa: E402
+from tests.helpers.keras_backend import tensorflow_backend_only  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
-    ),
-    pytest.mark.skipif(
-        keras.backend.backend() != "tensorflow",
-        reason="compiles the TensorFlow backend's layers with tf.function(jit_compile=True)",
-    ),
-]
+pytestmark = tensorflow_backend_only(
+    "compiles the TensorFlow backend's layers with tf.function(jit_compile=True)"
+)
 
 ROWS, FEATURES = 64, 256
 
