@@ -528,6 +528,12 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
 
 
 @njit(cache=True)
+def _blocks(rows: int, block: int) -> int:
+    """How many blocks of ``block`` rows cover ``rows`` rows (the last may be short)."""
+    return (rows + block - 1) // block
+
+
+@njit(cache=True)
 def _counter() -> np.ndarray:
     """A block counter for `_claim`, at 0. Not ``np.zeros``: a parallel function turns that
     fill into a parallel region of its own, the very cost a single worker avoids."""
@@ -543,7 +549,7 @@ def _forward_task(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r:
     """One task of `forward`: claims blocks of ``block`` rows (``claimed``) until none is
     left."""
     rows = x.shape[0]
-    blocks = (rows + block - 1) // block
+    blocks = _blocks(rows, block)
     blk = _claim(claimed)
     while blk < blocks:
         for i in range(blk * block, min(rows, blk * block + block)):
@@ -566,7 +572,7 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
     if workers == 1:
         _forward_task(x, g, b, y, r, kind, k, eps, outside, before_scale, biased, block, claimed)
         return
-    for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+    for _ in prange(min(workers, _blocks(x.shape[0], block))):
         _forward_task(x, g, b, y, r, kind, k, eps, outside, before_scale, biased, block, claimed)
 
 
@@ -731,7 +737,7 @@ def _backward_task(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray,
     ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into a scratch row where not
     needed)."""
     rows, n = x.shape
-    blocks = (rows + block - 1) // block
+    blocks = _blocks(rows, block)
     scratch = np.empty((2, n), np.float32)
     blk = _claim(claimed)
     while blk < blocks:
@@ -759,7 +765,7 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
         _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b, block,
                        claimed)
     else:
-        for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+        for _ in prange(min(workers, _blocks(x.shape[0], block))):
             _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b,
                            block, claimed)
     if need_g:
@@ -875,7 +881,7 @@ def _gated_forward_task(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarr
                         ) -> None:
     """One task of `gated_forward`, as `_forward_task`."""
     rows, n = x.shape
-    blocks = (rows + block - 1) // block
+    blocks = _blocks(rows, block)
     buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
     blk = _claim(claimed)
     while blk < blocks:
@@ -901,7 +907,7 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
         _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
                             sigmoid, round_affine, biased, block, claimed)
         return
-    for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+    for _ in prange(min(workers, _blocks(x.shape[0], block))):
         _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
                             sigmoid, round_affine, biased, block, claimed)
 
@@ -985,7 +991,7 @@ def _gated_backward_task(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.nda
                          need_b: bool, block: int, claimed: np.ndarray) -> None:
     """One task of `gated_backward`, as `_backward_task`."""
     rows, n = x.shape
-    blocks = (rows + block - 1) // block
+    blocks = _blocks(rows, block)
     scratch = np.empty((2, n), np.float32)
     buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
     blk = _claim(claimed)
@@ -1013,7 +1019,7 @@ def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, 
         _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps, outside,
                              gate, sigmoid, need_g, need_b, block, claimed)
     else:
-        for _ in prange(min(workers, (x.shape[0] + block - 1) // block)):
+        for _ in prange(min(workers, _blocks(x.shape[0], block))):
             _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps,
                                  outside, gate, sigmoid, need_g, need_b, block, claimed)
     if need_g:
