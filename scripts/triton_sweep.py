@@ -19,6 +19,7 @@ import triton
 from triton.testing import do_bench
 
 from normkit.torch import LayerNorm, RMSNorm
+from normkit.torch.kernels import KernelOptions
 from normkit.torch.kernels import triton as nk
 
 ELEMENTS = 32 * 2**20
@@ -141,8 +142,7 @@ def host(log: Log) -> None:
     grad = small.clone().requires_grad_()
     for what, fn in (
         ("kernel launch", lambda: forward_launch(small, w, y, r, False, True, 1024, 4)),
-        ("norm_rows", lambda: nk.norm_rows(small, w, None, kind="rms", k=1024, eps=EPS,
-                                           outside=False, scale_offset=0.0, cast="after_scale")),
+        ("norm_rows", lambda: nk.norm_rows(small, w, None, KernelOptions("rms", 1024, EPS))),
         ("normkit RMSNorm(kernel='triton')", lambda: module(small)),
         ("normkit RMSNorm(kernel='triton') requires_grad", lambda: module(grad)),
         ("normkit RMSNorm(kernel='triton') fwd+bwd", partial(forward_backward, module, grad, y)),

@@ -119,25 +119,14 @@ def norm_rows(
     return y.to(out)
 
 
-def add_norm_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    rounding: str,
-    spec: EagerSpec,
-    k: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    out: torch.dtype,
-    group: int,
+def add(
+    x: torch.Tensor, residual: torch.Tensor, rounding: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, h)``: ``h = x + residual`` as model code adds it (in x's dtype for ``rounding``
-    ``"rounded"``, else in the compute dtype), and `norm_rows` of the sum."""
+    """``(values, h)``: ``h = x + residual`` as model code adds it (in x's dtype for
+    ``rounding`` ``"rounded"``, else in the compute dtype), and the sum `norm_rows` reads."""
     if rounding == "rounded":
         h = x + residual
-        values = h
-    else:
-        acc = _acc_dtype(x.dtype)
-        values = x.to(acc) + residual.to(acc)
-        h = values if rounding == "float32" else values.to(x.dtype)
-    return norm_rows(values, spec, k, weight, bias, alpha, x.dtype, out, group), h
+        return h, h
+    acc = _acc_dtype(x.dtype)
+    values = x.to(acc) + residual.to(acc)
+    return values, values if rounding == "float32" else values.to(x.dtype)

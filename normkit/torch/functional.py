@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from normkit.torch._autograd import (
     _out_of_range,
     _shape_only,
 )
-from normkit.torch.kernels import Kernel
+from normkit.torch.kernels import Kernel, kernel_options
 
 __all__ = [
     "normalize", "add_norm", "output_dtype", "rms_norm", "partial_rms_norm", "layer_norm",
@@ -253,7 +254,7 @@ def normalize(
         x = x.float()
         weight = None if weight is None else weight.float()
         bias = None if bias is None else bias.float()
-    return _along_axes(x, None, spec, weight, bias, alpha, kernel, gate)[0]
+    return _along_axes(_Operands(x, None, gate, weight, bias, alpha), spec, kernel)[0]
 
 
 #: The dispatch key of each device type's autocast.
@@ -324,50 +325,54 @@ def add_norm(
             y, h = add_norm(local.x, local.residual, spec, local.weight, local.bias,
                             alpha=local.alpha, kernel=kernel)
             return local.wrap(y), local.wrap(h)
-    y, h = _along_axes(x, residual, spec, weight, bias, alpha, kernel)
+    y, h = _along_axes(_Operands(x, residual, None, weight, bias, alpha), spec, kernel)
     assert h is not None
     return y, h
 
 
+class _Operands(NamedTuple):
+    """The tensors of one call: the input, its residual and gate (None where the spec has
+    none), and the parameters (None: their initial values)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    gate: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    alpha: torch.Tensor | None
+
+
 def _along_axes(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    spec: NormSpec,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    kernel: str,
-    gate: torch.Tensor | None = None,
+    ops: _Operands, spec: NormSpec, kernel: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_normalize_trailing` with ``spec.axis`` moved to the end and back; the outputs, and the
     gradients of x, residual and gate, in their memory format."""
-    layout = _memory_format(x)
-    if layout is not None and x.requires_grad:
-        x = GradInFormat.apply(x, layout)
-    residual_layout = None if residual is None else _memory_format(residual)
-    if residual_layout is not None and residual is not None and residual.requires_grad:
-        residual = GradInFormat.apply(residual, residual_layout)
-    gate_layout = None if gate is None else _memory_format(gate)
-    if gate_layout is not None and gate is not None and gate.requires_grad:
-        gate = GradInFormat.apply(gate, gate_layout)
+    layout = _memory_format(ops.x)
+    x = _grad_in_format(ops.x)
+    residual, gate = _grad_in_format(ops.residual), _grad_in_format(ops.gate)
+    assert x is not None
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
-    if axes == trailing:
-        y, h = _normalize_trailing(
-            x, residual, spec, len(axes), weight, bias, alpha, kernel, gate
-        )
-    else:
-        moved = None if residual is None else residual.movedim(axes, trailing)
-        y, h = _normalize_trailing(
-            x.movedim(axes, trailing), moved, spec, len(axes), weight, bias, alpha, kernel,
-            None if gate is None else gate.movedim(axes, trailing),
-        )
+    if axes != trailing:
+        x, residual, gate = (None if t is None else t.movedim(axes, trailing)
+                             for t in (x, residual, gate))
+    assert x is not None
+    y, h = _normalize_trailing(_Operands(x, residual, gate, *ops[3:]), spec, len(axes), kernel)
+    if axes != trailing:
         y, h = y.movedim(trailing, axes), None if h is None else h.movedim(trailing, axes)
     if layout is None:
         return y, h
     return y.contiguous(memory_format=layout), None if h is None else h.contiguous(
         memory_format=layout
     )
+
+
+def _grad_in_format(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, whose gradient keeps t's channels-last layout (`GradInFormat`) where it has one."""
+    if t is None or not t.requires_grad:
+        return t
+    layout = _memory_format(t)
+    return t if layout is None else GradInFormat.apply(t, layout)
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format | None:
@@ -411,16 +416,12 @@ def _add(
 
 
 def _normalize_trailing(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    spec: NormSpec,
-    m: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor | None,
-    kernel: str,
-    gate: torch.Tensor | None,
+    ops: _Operands, spec: NormSpec, m: int, kernel: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, h)`` of ``spec`` normalizing the ``m`` trailing dims of ``ops.x`` (h None without a
+    residual): a kernel where one computes the spec, else the eager op sequence when recorded
+    or asked for (``backward="autograd"``), else `NormFunction` and its kin."""
+    x, residual, gate, weight, bias, alpha = ops
     shape = tuple(x.shape[x.dim() - m :])
     n = math.prod(shape)
     k = spec.stat_size(n)
@@ -442,33 +443,26 @@ def _normalize_trailing(
         and (res_rows is None or res_rows.dtype == x.dtype)
         and (gate is None or gate.dtype == x.dtype)
     ):
-        options: dict[str, object] = dict(
-            kind=spec.kind, k=min(k, group), eps=spec.eps,
-            outside=spec.eps_placement == "outside", scale_offset=spec.scale_offset,
-            cast=spec.cast,
+        round_affine = (
+            spec.gate == "after" and spec.cast == "before_scale" and x.dtype in _HALF
+            and _affine_dtype(x.dtype, spec, weight, bias) == x.dtype
         )
-        if spec.gate is not None or spec.group_size is not None:
-            gate_rows = None if gate is None else gate.reshape(rows.shape).contiguous()
-            options.update(_kernel_gating(x.dtype, gate_rows, spec, group, weight, bias))
+        options = kernel_options(spec, n, round_affine)
         chosen_module = kernels.module(chosen)
         if res_rows is None:
-            y = chosen_module.norm_rows(rows.contiguous(), w, b, **options)
+            gate_rows = None if gate is None else gate.reshape(rows.shape).contiguous()
+            y = chosen_module.norm_rows(rows.contiguous(), w, b, options, gate=gate_rows)
             return y.reshape(x.shape), None
-        y, h = chosen_module.add_norm_rows(
-            rows.contiguous(), res_rows.contiguous(), w, b, **options,
-            residual_rounding=spec.residual,
-        )
+        y, h = chosen_module.add_norm_rows(rows.contiguous(), res_rows.contiguous(), w, b, options)
         return y.reshape(x.shape), h.reshape(x.shape)
     if (spec.backward == "autograd" or recorded) and spec.gate is None:
-        ops = _eager.eager_spec(spec)
-        if res_rows is None:
-            y = _eager.norm_rows(rows, ops, k, w, b, alpha_t, x.dtype, out, group)
-            return y.reshape(x.shape), None
-        assert spec.residual is not None
-        y, h = _eager.add_norm_rows(
-            rows, res_rows, spec.residual, ops, k, w, b, alpha_t, out, group
-        )
-        return y.reshape(x.shape), h.reshape(x.shape)
+        values, h = rows, None
+        if res_rows is not None:
+            assert spec.residual is not None
+            values, h = _eager.add(rows, res_rows, spec.residual)
+        y = _eager.norm_rows(values, _eager.eager_spec(spec), k, w, b, alpha_t, x.dtype, out,
+                             group)
+        return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
     acc = _acc_dtype(x.dtype)
     g = _effective_scale(w, spec, acc)
     b_acc = None if b is None else b.to(acc)
@@ -499,30 +493,6 @@ def _normalize_trailing(
         x.dtype, out, spec.variance == "fast",
     )
     return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
-
-
-def _kernel_gating(
-    dtype: torch.dtype,
-    gate: torch.Tensor | None,
-    spec: NormSpec,
-    group: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> dict[str, object]:
-    """The kernels' keywords for a gated or grouped spec: the statistic over each ``group``
-    contiguous elements; the ``gate`` rows (x's ``dtype``) applied ``gate_position`` with
-    ``activation``; ``round_affine``: whether ``u = y_hat g + b`` is rounded to x's dtype
-    before a gate after the norm (the affine dtype of ``"before_scale"`` with parameters in
-    x's half dtype)."""
-    affine = _affine_dtype(dtype, spec, weight, bias)
-    return dict(
-        group=group,
-        gate=gate,
-        gate_position=spec.gate,
-        activation=spec.gate_activation or "silu",
-        round_affine=spec.gate == "after" and spec.cast == "before_scale"
-        and affine == dtype and dtype in _HALF,
-    )
 
 
 def _affine_dtype(

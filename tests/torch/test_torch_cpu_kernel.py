@@ -702,8 +702,8 @@ def test_compile_failure_falls_back_with_one_warning(broken_jit: None) -> None:
 
 def test_compile_failure_is_an_error_when_strict(broken_jit: None) -> None:
     with pytest.raises(RuntimeError, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
-        cpu.norm_rows(torch.randn(2, 8), None, None, kind="rms", k=8, eps=1e-6, outside=False,
-                      scale_offset=0.0, cast="after_scale", strict=True)
+        cpu.norm_rows(torch.randn(2, 8), None, None, kernels.KernelOptions("rms", 8, 1e-6),
+                      strict=True)
 
 
 def test_cache_goes_to_the_user_cache_folder_when_the_package_is_read_only(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import ml_dtypes
@@ -18,7 +19,7 @@ import torch
 from normkit import NormSpec, reference
 from normkit.conformance import batch_invariance
 from normkit.torch.functional import normalize
-from normkit.torch.kernels import cpu
+from normkit.torch.kernels import KernelOptions, cpu
 from normkit.torch.modules import GatedRMSNorm
 from tests.helpers import gated
 
@@ -314,9 +315,8 @@ def test_without_numba_the_gated_ops_compute_with_the_composite_path(
 
 def test_a_gate_position_without_gate_rows_or_rows_without_one_is_refused():
     x = torch.randn(4, 8)
-    options = dict(kind="rms", k=8, eps=1e-6, outside=False, scale_offset=0.0,
-                   cast="after_scale", group=8)
+    options = KernelOptions(kind="rms", k=8, eps=1e-6, group=8)
     with pytest.raises(ValueError, match="gate_position='after' needs gate rows, and only it"):
-        cpu.norm_rows(x, None, None, **options, gate_position="after")
+        cpu.norm_rows(x, None, None, replace(options, gate_position="after"))
     with pytest.raises(ValueError, match="gate_position=None needs gate rows, and only it"):
-        cpu.norm_rows(x, None, None, **options, gate=x)
+        cpu.norm_rows(x, None, None, options, gate=x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from normkit import NormSpec, reference  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch.functional import add_norm, normalize  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
+from normkit.torch.kernels.options import KernelOptions, kernel_options  # noqa: E402
 from tests.helpers import gated  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
@@ -38,13 +40,13 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
-    """``kernel="triton"`` takes gated and grouped specs; the keywords of each call of the
-    kernels' `norm_rows` and `add_norm_rows` are recorded."""
+    """``kernel="triton"`` takes gated and grouped specs; the options and the gate of each call
+    of the kernels' `norm_rows` and `add_norm_rows` are recorded."""
     calls: list[dict[str, object]] = []
 
     def recorded(kernel: Callable[..., object]) -> Callable[..., object]:
         def spy(*args: object, **kwargs: object) -> object:
-            calls.append(kwargs)
+            calls.append({"options": args[-1], "gate": kwargs.get("gate")})
             return kernel(*args, **kwargs)
 
         return spy
@@ -68,8 +70,10 @@ def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, x: to
 def _ran_triton(calls: list[dict[str, object]], spec: NormSpec, n: int) -> None:
     """The kernels ran once, with the spec's gate and groups."""
     assert len(calls) == 1, calls
-    assert calls[0]["group"] == (spec.group_size or n)
-    assert calls[0]["gate_position"] == spec.gate
+    options = calls[0]["options"]
+    assert isinstance(options, KernelOptions)
+    assert options.group_of(n) == (spec.group_size or n)
+    assert options.gate_position == spec.gate
     assert (calls[0]["gate"] is None) == (spec.gate is None)
 
 
@@ -189,7 +193,7 @@ def test_grouped_add_norm(
     b = _tensor(0.2 * rng.standard_normal(16), torch.float32) if spec.bias else None
     y, h = add_norm(x, residual, spec, w, b, kernel="triton")
     _ran_triton(triton_calls, spec, 16)
-    assert triton_calls[0]["residual_rounding"] == spec.residual
+    assert triton_calls[0]["options"].residual_rounding == spec.residual  # type: ignore[attr-defined]
     dy = torch.from_numpy(rng.standard_normal((3, 16))).to(y.dtype).to(DEVICE)
     dh = torch.from_numpy(rng.standard_normal((3, 16))).to(h.dtype).to(DEVICE)
     torch.autograd.backward((y, h), (dy, dh))
@@ -227,24 +231,26 @@ def test_layer_norm_groups_of_two_take_the_composite_path(
 
 def test_bad_gate_and_group_arguments_raise_clear_errors() -> None:
     x = torch.randn(2, 8, device=DEVICE)
-    opts = dict(kind="rms", k=8, eps=1e-6, outside=False, scale_offset=0.0, cast="after_scale")
+    opts = KernelOptions(kind="rms", k=8, eps=1e-6)
+    after = replace(opts, gate_position="after")
     with pytest.raises(ValueError, match="group=3 is invalid"):
-        kernels.norm_rows(x, None, None, **{**opts, "k": 3}, group=3)
+        kernels.norm_rows(x, None, None, replace(opts, k=3, group=3))
     with pytest.raises(ValueError, match="group=4 is invalid for kind='partial_rms'"):
-        kernels.norm_rows(x, None, None, **{**opts, "kind": "partial_rms", "k": 2}, group=4)
+        kernels.norm_rows(x, None, None, replace(opts, kind="partial_rms", k=2, group=4))
     with pytest.raises(ValueError, match="k=8 is invalid for kind='rms' on rows of n=8 in groups"):
-        kernels.norm_rows(x, None, None, **opts, group=4)
+        kernels.norm_rows(x, None, None, replace(opts, group=4))
     with pytest.raises(ValueError, match="gate_position='before' and a gate missing"):
-        kernels.norm_rows(x, None, None, **opts, gate_position="before")
+        kernels.norm_rows(x, None, None, replace(opts, gate_position="before"))
     with pytest.raises(ValueError, match="gate_position='inside' is invalid"):
-        kernels.norm_rows(x, None, None, **opts, gate=x, gate_position="inside")
+        kernels.norm_rows(x, None, None, replace(opts, gate_position="inside"), gate=x)
     with pytest.raises(ValueError, match="activation='relu' is invalid"):
-        kernels.norm_rows(x, None, None, **opts, gate=x, gate_position="after", activation="relu")
+        kernels.norm_rows(x, None, None, replace(after, activation="relu"), gate=x)
     with pytest.raises(ValueError, match="gate must be contiguous with x's shape"):
-        kernels.norm_rows(x, None, None, **opts, gate=x.double(), gate_position="after")
+        kernels.norm_rows(x, None, None, after, gate=x.double())
     with pytest.raises(ValueError, match="a gate with a residual is not defined"):
-        kernels.add_norm_rows(x, x, None, None, **opts, residual_rounding="rounded", gate=x,
-                              gate_position="before")
+        kernels.add_norm_rows(
+            x, x, None, None, replace(opts, residual_rounding="rounded", gate_position="before")
+        )
 
 
 def test_u_is_rounded_before_a_gate_after_the_norm() -> None:
@@ -257,9 +263,8 @@ def test_u_is_rounded_before_a_gate_after_the_norm() -> None:
         rng.standard_normal((4, 64)), 2 * rng.standard_normal((4, 64)),
         1 + 0.3 * rng.standard_normal(64)))
     want = reference.gated_normalize(to_numpy(x), to_numpy(z), spec, to_numpy(w))
-    opts = dict(kind="rms", k=64, eps=spec.eps, outside=False, scale_offset=0.0,
-                cast=spec.cast, gate=z, gate_position="after", activation="sigmoid")
-    rounded, once = (to_numpy(kernels.norm_rows(x, w, None, **opts, round_affine=flag))
+    rounded, once = (to_numpy(kernels.norm_rows(x, w, None, kernel_options(spec, 64, flag),
+                                                gate=z))
                      for flag in (True, False))
     assert np.mean(rounded == want) >= 0.97
     assert np.mean(once == want) <= 0.9

@@ -7,6 +7,7 @@ the interpreter executes every program in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -30,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
+from normkit.torch.kernels.options import KernelOptions, kernel_options  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
 
@@ -78,11 +80,8 @@ def _params(
     )
 
 
-def _options(spec: NormSpec, n: int) -> dict[str, object]:
-    return dict(
-        kind=spec.kind, k=spec.stat_size(n), eps=spec.eps,
-        outside=spec.eps_placement == "outside", scale_offset=spec.scale_offset, cast=spec.cast,
-    )
+def _options(spec: NormSpec, n: int, **fields: object) -> KernelOptions:
+    return dataclasses.replace(kernel_options(spec, n), **fields)  # type: ignore[arg-type]
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -99,7 +98,7 @@ def _check_norm(
 ) -> None:
     """norm_rows and its gradients against reference.normalize and normalize_vjp."""
     xl, wl, bl = _leaves(x, weight, bias)
-    y = kernels.norm_rows(xl, wl, bl, **_options(spec, x.shape[1]))
+    y = kernels.norm_rows(xl, wl, bl, _options(spec, x.shape[1]))
     dy = _randn(*x.shape, seed=seed, dtype=x.dtype)
     y.backward(dy)
     xn, wn, bn = _np(x), _np(weight), _np(bias)
@@ -196,7 +195,7 @@ def test_partial_rms_overflowing_head_and_an_infinite_tail(
     spec = NormSpec(kind="partial_rms", p=0.5, scale=False)
     x = _randn(2, 20, seed=12) * 1e30
     x[:, 15] = float("inf")
-    y = kernels.norm_rows(x, None, None, **_options(spec, 20))
+    y = kernels.norm_rows(x, None, None, _options(spec, 20))
     tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), spec))
 
 
@@ -281,7 +280,7 @@ def test_add_norm_rows(
     weight, bias = _params(spec, n, torch.float32, seed=3)
     xl, rl, wl, bl = _leaves(x, residual, weight, bias)
     y, h = kernels.add_norm_rows(
-        xl, rl, wl, bl, **_options(spec, n), residual_rounding=rounding
+        xl, rl, wl, bl, _options(spec, n, residual_rounding=rounding)
     )
     assert y.dtype == dtype
     assert h.dtype == (torch.float32 if rounding == "float32" else dtype)
@@ -306,25 +305,24 @@ def test_bad_arguments_raise_clear_errors() -> None:
     x = _randn(2, 8, seed=0)
     opts = _options(NormSpec(), 8)
     with pytest.raises(ValueError, match="contiguous 2-D"):
-        kernels.norm_rows(x.t(), None, None, **opts)
+        kernels.norm_rows(x.t(), None, None, opts)
     with pytest.raises(TypeError, match="float64 takes the composite path"):
-        kernels.norm_rows(x.double(), None, None, **opts)
+        kernels.norm_rows(x.double(), None, None, opts)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
-        kernels.norm_rows(x, _randn(7, seed=0), None, **opts)
+        kernels.norm_rows(x, _randn(7, seed=0), None, opts)
     with pytest.raises(ValueError, match="k=3 is invalid for kind='rms'"):
-        kernels.norm_rows(x, None, None, **{**opts, "k": 3})
+        kernels.norm_rows(x, None, None, dataclasses.replace(opts, k=3))
     with pytest.raises(ValueError, match="kind='group' is invalid"):
-        kernels.norm_rows(x, None, None, **{**opts, "kind": "group"})
+        kernels.norm_rows(x, None, None, dataclasses.replace(opts, kind="group"))
     with pytest.raises(ValueError, match="cast='late' is invalid"):
-        kernels.norm_rows(x, None, None, **{**opts, "cast": "late"})
+        kernels.norm_rows(x, None, None, dataclasses.replace(opts, cast="late"))
     with pytest.raises(ValueError, match="residual_rounding='half' is invalid"):
-        kernels.add_norm_rows(x, x, None, None, **opts, residual_rounding="half")
+        kernels.add_norm_rows(x, x, None, None, dataclasses.replace(opts, residual_rounding="half"))
     with pytest.raises(ValueError, match="residual must be contiguous with x's shape"):
-        kernels.add_norm_rows(x, x[:1], None, None, **opts, residual_rounding="rounded")
-    layer = _options(NormSpec(kind="layer"), 2)
+        kernels.add_norm_rows(x, x[:1], None, None, _options(NormSpec(residual="rounded"), 8))
+    layer = _options(NormSpec(kind="layer", residual="rounded"), 2)
     with pytest.raises(ValueError, match="n <= 2"):
-        kernels.add_norm_rows(x[:, :2].contiguous(), x[:, :2].contiguous(), None, None, **layer,
-                              residual_rounding="rounded")
+        kernels.add_norm_rows(x[:, :2].contiguous(), x[:, :2].contiguous(), None, None, layer)
 
 
 def test_backward_saves_the_input_and_one_float32_statistic_per_row() -> None:
@@ -339,7 +337,7 @@ def test_backward_saves_the_input_and_one_float32_statistic_per_row() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        kernels.norm_rows(x, weight, bias, **_options(spec, 24))
+        kernels.norm_rows(x, weight, bias, _options(spec, 24))
     extra = [t for t in saved if t is not x and t is not weight]
     assert x in saved
     assert [(tuple(t.shape), t.dtype) for t in extra] == [((6,), torch.float32)]
@@ -369,11 +367,12 @@ def test_eager_calls_skip_the_custom_ops_and_give_the_same_bits(
     def forward_backward() -> list[torch.Tensor]:
         xl, ol, wl, bl = _leaves(x, other, weight, bias)
         if case == "residual":
-            y, _ = kernels.add_norm_rows(xl, ol, wl, bl, **_options(spec, n),
-                                         residual_rounding="rounded")
+            y, _ = kernels.add_norm_rows(
+                xl, ol, wl, bl, _options(spec.replace(residual="rounded"), n)
+            )
         else:
-            y = kernels.norm_rows(xl, wl, bl, **_options(spec, n), gate=ol,
-                                  gate_position="after")
+            y = kernels.norm_rows(xl, wl, bl, _options(spec.replace(gate="after"), n),
+                                  gate=ol)
         y.backward(dy)
         return [y.detach(), *(leaf.grad for leaf in (xl, ol, wl, bl) if leaf is not None)]
 
@@ -442,7 +441,7 @@ def test_a_traced_second_derivative_is_refused_not_silently_zero() -> None:
     of its own: differentiating it raises, naming the op."""
     x = _randn(3, 24, seed=0).requires_grad_(True)
     with _PassThrough():
-        y = kernels.norm_rows(x, None, None, **_options(NormSpec(), 24))
+        y = kernels.norm_rows(x, None, None, _options(NormSpec(), 24))
         (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
         assert dx.requires_grad
         with pytest.raises(RuntimeError, match="triton_norm_rows_backward"):
@@ -455,7 +454,7 @@ def test_inference_skips_the_autograd_function(monkeypatch: pytest.MonkeyPatch) 
     x = _randn(3, 24, seed=0, dtype=torch.bfloat16)
     weight = _randn(24, seed=1).requires_grad_(True)
     opts = _options(NormSpec(), 24)
-    recorded = kernels.norm_rows(x, weight, None, **opts)
+    recorded = kernels.norm_rows(x, weight, None, opts)
     assert recorded.requires_grad
 
     def refuse(*args: object) -> None:
@@ -463,7 +462,7 @@ def test_inference_skips_the_autograd_function(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(kernels._EagerNormRows, "apply", refuse)
     with torch.no_grad():
-        alone = kernels.norm_rows(x, weight, None, **opts)
+        alone = kernels.norm_rows(x, weight, None, opts)
     assert torch.equal(recorded.detach(), alone)
 
 
@@ -496,14 +495,15 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from normkit.torch.kernels import triton as kernels
+from normkit.torch.kernels.options import KernelOptions
 
-keywords = dict(kind="layer", k=64, eps=1e-6, outside=True, scale_offset=1.0,
-                cast="before_scale")
+options = KernelOptions(kind="layer", k=64, eps=1e-6, outside=True, scale_offset=1.0,
+                        cast="before_scale")
 x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
 w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
 
 def step(x, w, b, dy):
-    return torch.autograd.grad(kernels.norm_rows(x, w, b, **keywords), (x, w, b), dy)
+    return torch.autograd.grad(kernels.norm_rows(x, w, b, options), (x, w, b), dy)
 
 traced = make_fx(step, tracing_mode="fake")(x, w, b, torch.randn(8, 64, dtype=torch.bfloat16))
 assert "normkit.triton_norm_rows.default" in traced.code, traced.code
@@ -516,7 +516,7 @@ def capture(graph, example_inputs):
     raise Captured(graph.code)
 
 try:
-    torch.compile(lambda x, w, b: kernels.norm_rows(x, w, b, **keywords), fullgraph=True,
+    torch.compile(lambda x, w, b: kernels.norm_rows(x, w, b, options), fullgraph=True,
                   backend=capture)(x, w, b)
 except Exception as error:
     assert "Captured" in str(error) and "triton_norm_rows.default" in str(error), error
@@ -606,7 +606,7 @@ def test_compile_fullgraph_traces_through_the_kernels(spec: NormSpec) -> None:
     opts = _options(spec, n)
 
     def step(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
-        return kernels.norm_rows(x, w, b, **opts).float().square().sum()
+        return kernels.norm_rows(x, w, b, opts).float().square().sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
@@ -631,7 +631,7 @@ def test_cuda_graph_capture_replays_forward_and_backward() -> None:
     opts = _options(spec, n)
 
     def step() -> torch.Tensor:
-        y = kernels.norm_rows(x, weight, bias, **opts)
+        y = kernels.norm_rows(x, weight, bias, opts)
         y.backward(dy)
         return y
 
@@ -742,7 +742,7 @@ def test_add_norm_with_kernel_triton_fuses_the_add(
     fused = kernels.add_norm_rows
 
     def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(kwargs["residual_rounding"])
+        calls.append(args[-1].residual_rounding)  # type: ignore[attr-defined]
         return fused(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kernels, "add_norm_rows", spy)

@@ -15,12 +15,12 @@ in another dtype than the input's, and degenerate rows (n = 1 for the RMS kinds,
 LayerNorm; for the CPU kernel also such groups) always take the composite path, which computes
 them exactly. So do meta and fake tensors outside ``torch.compile`` (a meta tensor passes for
 any device): that path reads no values, and gives the outputs' shapes, dtypes and strides.
-Each kernel module exports ``norm_rows(x, weight, bias, *, kind, k, eps, outside, scale_offset,
-cast)`` on rows ``x`` of shape (rows, n), with ``group, gate, gate_position, activation,
-round_affine`` for a gated or grouped spec; the Triton module also ``add_norm_rows``
-(`SUPPORTED` lists the spec fields each computes). A spec with a field a kernel lacks takes
-the composite path under ``"auto"`` (silently: that is a choice, not a failure) and is an
-error when the kernel is named.
+Each kernel module exports ``norm_rows(x, weight, bias, options, *, gate=None)`` on rows ``x``
+of shape (rows, n), ``options`` the spec as the kernels read it (`KernelOptions`, built once per
+spec and n by `kernel_options`); the Triton module also ``add_norm_rows(x, residual, weight,
+bias, options)`` (`SUPPORTED` lists the spec fields each computes). A spec with a field a
+kernel lacks takes the composite path under ``"auto"`` (silently: that is a choice, not a
+failure) and is an error when the kernel is named.
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ import torch
 from normkit.spec import EXTENDED_DEFAULTS, NormSpec
 from normkit.torch._autograd import _without_data
 from normkit.torch.kernels import cpu
+from normkit.torch.kernels.options import KernelOptions, kernel_options
 
-__all__ = ["KERNELS", "SUPPORTED", "Kernel", "check_kernel", "module", "resolve", "unsupported"]
+__all__ = [
+    "KERNELS", "SUPPORTED", "Kernel", "KernelOptions", "check_kernel", "kernel_options", "module",
+    "resolve", "unsupported",
+]
 
 Kernel: TypeAlias = Literal["auto", "composite", "cpu", "triton"]
 KERNELS: tuple[str, ...] = ("auto", "composite", "cpu", "triton")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from normkit.torch._autograd import NormFunction, _shape_only, needs_graph, signature_once
+from normkit.torch.kernels.options import KernelOptions
 
 __all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
 
@@ -245,8 +246,7 @@ cpu_norm = torch.library.custom_op("normkit::cpu_norm", _norm, mutates_args=(), 
 
 @cpu_norm.register_fake
 def _cpu_norm_fake(
-    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
-    outside: bool, cast: str, strict: bool,
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, *options: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
@@ -297,8 +297,7 @@ cpu_norm_backward = torch.library.custom_op(
 
 @cpu_norm_backward.register_fake
 def _cpu_norm_backward_fake(
-    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
-    eps: float, outside: bool, need_g: bool, need_b: bool, strict: bool,
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, *options: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(g), torch.empty_like(g)
 
@@ -477,8 +476,7 @@ cpu_gated_norm = torch.library.custom_op(
 @cpu_gated_norm.register_fake
 def _cpu_gated_norm_fake(
     x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
-    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
-    activation: str, round_affine: bool, strict: bool,
+    group: int, *options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
     return torch.empty_like(x), x.new_empty(rows, n // group, dtype=torch.float32)
@@ -522,9 +520,7 @@ cpu_gated_norm_backward = torch.library.custom_op(
 @cpu_gated_norm_backward.register_fake
 def _cpu_gated_norm_backward_fake(
     dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor,
-    b: torch.Tensor, kind: str, k: int, group: int, eps: float, outside: bool, cast: str,
-    gate_position: str | None, activation: str, round_affine: bool, need_g: bool,
-    need_b: bool, strict: bool,
+    *options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dz = x.new_empty(x.shape[0], 0) if z is None else torch.empty_like(z)
     return torch.empty_like(x), dz, torch.empty_like(g), torch.empty_like(g)
@@ -633,50 +629,42 @@ def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    options: KernelOptions,
     *,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    group: int | None = None,
     gate: torch.Tensor | None = None,
-    gate_position: str | None = None,
-    activation: str = "silu",
-    round_affine: bool = False,
     strict: bool = False,
 ) -> torch.Tensor:
     """``y`` for rows ``x`` (rows, n): the `normkit.torch.kernels` interface, on the CPU kernel.
 
-    ``weight`` and ``bias`` (n,) of any float dtype or None; the effective scale is
-    ``scale_offset + float32(weight)``. Their gradients come back in their own dtype.
-    A gated or grouped spec: the statistic per ``group`` contiguous elements (None: the row);
-    ``gate`` (rows, n) in x's dtype, ``a(gate)`` (``activation``, ``"silu"`` or ``"sigmoid"``)
-    multiplying x before the norm or its output after it (``gate_position``);
-    ``round_affine`` rounds ``y_hat g + b`` to x's dtype before a gate after the norm.
+    ``weight`` and ``bias`` (n,) of any float dtype or None; their gradients come back in their
+    own dtype. ``gate``: (rows, n) in x's dtype, exactly when ``options.gate_position`` is set.
+    ``strict``: a kernel that fails to compile is an error rather than a warning and the
+    composite path.
     """
+    o = options
     n = x.shape[-1]
     if weight is None:
         g = torch.ones(n, dtype=torch.float32)
     else:
         g = weight.to(torch.float32)
-        if scale_offset != 0:
-            g = g + scale_offset
+        if o.scale_offset != 0:
+            g = g + o.scale_offset
     # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
     # kernel's common loop then skips it
     b = torch.full((n,), -0.0, dtype=torch.float32) if bias is None else bias.to(torch.float32)
-    if (gate is None) != (gate_position is None):
-        raise ValueError(f"gate_position={gate_position!r} needs gate rows, and only it")
-    if gate_position is None and group in (None, n):
+    if (gate is None) != (o.gate_position is None):
+        raise ValueError(f"gate_position={o.gate_position!r} needs gate rows, and only it")
+    group = o.group_of(n)
+    if o.gate_position is None and group == n:
         norm = CpuNormFunction.apply if needs_graph(x, g, b) else CpuNormFunction.forward
-        y: torch.Tensor = norm(x, g, b, kind, k, eps, outside, cast, strict)[0]
+        y: torch.Tensor = norm(x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, strict)[0]
         return y
-    options = (kind, k, group or n, eps, outside, cast, gate_position, activation, round_affine)
-    if (group or n) <= (2 if kind == "layer" else 1):
+    flat = (o.kind, o.k, group, o.eps, o.outside, o.cast, o.gate_position, o.activation,
+            o.round_affine)
+    if group <= (2 if o.kind == "layer" else 1):
         # degenerate groups take the composite path, as degenerate rows do (its closed forms)
-        return _composite_gated(x, gate, g, b, *options)
+        return _composite_gated(x, gate, g, b, *flat)
     gated = (CpuGatedNormFunction.apply if needs_graph(x, gate, g, b)
              else CpuGatedNormFunction.forward)
-    y = gated(x, gate, g, b, *options, strict)[0]
+    y = gated(x, gate, g, b, *flat, strict)[0]
     return y

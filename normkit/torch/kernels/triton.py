@@ -66,6 +66,7 @@ except ImportError as error:
 from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction, needs_graph
+from normkit.torch.kernels.options import KernelOptions
 
 __all__ = [
     "ACTIVATIONS", "GATE_POSITIONS", "LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS",
@@ -812,17 +813,18 @@ torch.library.register_autograd("normkit::triton_norm_rows", _backward, setup_co
 
 class _EagerNormRows(torch.autograd.Function):
     """`_norm_rows_op` in plain eager mode, as ``apply(x, residual, gate, weight, bias,
-    options)`` with the op's other arguments in ``options``: the same kernels, context and
-    gradient without the custom op's dispatch and autograd wrapper, which cost more host time
-    than the launches. Under ``create_graph`` the gradient is the composite path's, which can
-    be differentiated again (`_composite_vjp`)."""
+    options)`` with the op's other arguments from the `KernelOptions`: the same kernels,
+    context and gradient without the custom op's dispatch and autograd wrapper, which cost more
+    host time than the launches. Under ``create_graph`` the gradient is the composite path's,
+    which can be differentiated again (`_composite_vjp`)."""
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = (*inputs[:5], *inputs[5])
-        output = _norm_rows(*inputs)
-        _setup(ctx, inputs, output)
-        ctx.forward_options = inputs[5:]
+        *tensors, options = inputs
+        op_inputs = (*tensors, *_op_options(options, tensors[0].shape[1]))
+        output = _norm_rows(*op_inputs)
+        _setup(ctx, op_inputs, output)
+        ctx.kernel_options = options
         return output
 
     @staticmethod
@@ -834,16 +836,24 @@ class _EagerNormRows(torch.autograd.Function):
         return (*_backward(ctx, dy, dh, dr, _backward_rows)[:5], None)
 
 
+def _op_options(o: KernelOptions, n: int) -> tuple[Any, ...]:
+    """The custom op's arguments after the tensors (`_norm_rows`), from ``o``."""
+    rounding = 0
+    if o.residual_rounding is not None:
+        rounding = RESIDUAL_ROUNDINGS.index(o.residual_rounding) + 1
+    gate_in = o.activation if o.gate_position == "before" else "none"
+    gate_out = o.activation if o.gate_position == "after" else "none"
+    return (o.kind, o.k, o.eps, o.outside, o.scale_offset, o.cast, rounding, o.group_of(n),
+            gate_in, gate_out, o.round_affine)
+
+
 def _check(
     x: torch.Tensor,
     residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    cast: str,
-    residual_rounding: str | None,
-    group: int,
+    o: KernelOptions,
 ) -> None:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor (rows, n), got shape "
@@ -851,17 +861,18 @@ def _check(
     if x.dtype not in _DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; the Triton kernels take float16, bfloat16 or "
                         "float32 (float64 takes the composite path)")
-    if kind not in _KINDS:
-        raise ValueError(f"kind={kind!r} is invalid: expected one of {_KINDS}")
-    if cast not in _CASTS:
-        raise ValueError(f"cast={cast!r} is invalid: expected one of {_CASTS}")
+    if o.kind not in _KINDS:
+        raise ValueError(f"kind={o.kind!r} is invalid: expected one of {_KINDS}")
+    if o.cast not in _CASTS:
+        raise ValueError(f"cast={o.cast!r} is invalid: expected one of {_CASTS}")
     n = x.shape[1]
-    if not 1 <= group <= n or n % group or (group != n and kind == "partial_rms"):
-        raise ValueError(f"group={group} is invalid for kind={kind!r} on rows of n={n}: "
+    group = o.group_of(n)
+    if not 1 <= group <= n or n % group or (group != n and o.kind == "partial_rms"):
+        raise ValueError(f"group={group} is invalid for kind={o.kind!r} on rows of n={n}: "
                          "expected a divisor of n, and n itself for partial_rms")
-    if not (1 <= k <= group) or (kind != "partial_rms" and k != group):
-        raise ValueError(f"k={k} is invalid for kind={kind!r} on rows of n={n} in groups of "
-                         f"{group}")
+    if not (1 <= o.k <= group) or (o.kind != "partial_rms" and o.k != group):
+        raise ValueError(f"k={o.k} is invalid for kind={o.kind!r} on rows of n={n} in groups "
+                         f"of {group}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
@@ -870,6 +881,7 @@ def _check(
                 f"{name} must have shape ({n},), dtype float32 or {x.dtype} and x's device; "
                 f"got shape {tuple(p.shape)}, {p.dtype} on {p.device}"
             )
+    _check_gate(x, residual, gate, o)
     if residual is None:
         return
     if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
@@ -877,44 +889,40 @@ def _check(
             f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
             f"got shape {tuple(residual.shape)}, {residual.dtype}"
         )
-    if residual_rounding not in RESIDUAL_ROUNDINGS:
+    if o.residual_rounding not in RESIDUAL_ROUNDINGS:
         raise ValueError(
-            f"residual_rounding={residual_rounding!r} is invalid: expected one of "
+            f"residual_rounding={o.residual_rounding!r} is invalid: expected one of "
             f"{RESIDUAL_ROUNDINGS}"
         )
-    if _degenerate(kind, group):
+    if _degenerate(o.kind, group):
         raise ValueError(
             f"kind='layer' on rows (or groups) of n={group} (n <= 2) has no fused residual "
-            "kernel: "
-            "add the residual and normalize with the composite path"
+            "kernel: add the residual and normalize with the composite path"
         )
 
 
 def _check_gate(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    gate_position: str | None,
-    activation: str,
+    x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None, o: KernelOptions
 ) -> None:
-    if gate_position not in GATE_POSITIONS:
-        raise ValueError(f"gate_position={gate_position!r} is invalid: expected one of "
+    if o.gate_position not in GATE_POSITIONS:
+        raise ValueError(f"gate_position={o.gate_position!r} is invalid: expected one of "
                          f"{GATE_POSITIONS}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is invalid: expected one of {ACTIVATIONS}")
-    if (gate is None) != (gate_position is None):
-        raise ValueError(f"gate_position={gate_position!r} and a gate "
+    if o.activation not in ACTIVATIONS:
+        raise ValueError(f"activation={o.activation!r} is invalid: expected one of "
+                         f"{ACTIVATIONS}")
+    if residual is not None and o.gate_position is not None:
+        raise ValueError("a gate with a residual is not defined (NormSpec refuses gate with "
+                         "residual)")
+    if (gate is None) != (o.gate_position is None):
+        raise ValueError(f"gate_position={o.gate_position!r} and a gate "
                          f"{'missing' if gate is None else 'given'}: give both or neither")
-    if gate is None:
-        return
-    if gate.shape != x.shape or gate.dtype != x.dtype or not gate.is_contiguous():
+    if gate is not None and (
+        gate.shape != x.shape or gate.dtype != x.dtype or not gate.is_contiguous()
+    ):
         raise ValueError(
             f"gate must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
             f"got shape {tuple(gate.shape)}, {gate.dtype}"
         )
-    if residual is not None:
-        raise ValueError("a gate with a residual is not defined (NormSpec refuses gate with "
-                         "residual)")
 
 
 def _degenerate(kind: str, group: int) -> bool:
@@ -927,35 +935,27 @@ def _composite(
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    group: int,
-    gate_position: str | None,
-    activation: str,
-    round_affine: bool,
+    o: KernelOptions,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`norm_rows` by the composite path, differentiable at any order: for LayerNorm groups of
     n <= 2 (`_degenerate`), and for second derivatives (`_composite_vjp`). ``dtype``: the
     input dtype whose roundings apply and y's (x's by default; a float32 sum's is x's)."""
     dtype = x.dtype if dtype is None else dtype
-    g = None if weight is None else weight.float() + scale_offset
+    g = None if weight is None else weight.float() + o.scale_offset
     b = None if bias is None else bias.float()
+    group = o.group_of(x.shape[1])
     if gate is None and group == x.shape[1]:
-        y, _ = NormFunction.apply(x, g, b, kind, k, eps, outside, cast, dtype, dtype)
+        y, _ = NormFunction.apply(x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, dtype, dtype)
         return y
-    p = k / group if kind == "partial_rms" else None
-    spec = NormSpec(typing.cast(Kind, kind), p=p).replace(
-        eps=eps, eps_placement="outside" if outside else "inside", cast=cast,
-        gate=gate_position, gate_activation=activation if gate_position else None,
+    p = o.k / group if o.kind == "partial_rms" else None
+    spec = NormSpec(typing.cast(Kind, o.kind), p=p).replace(
+        eps=o.eps, eps_placement="outside" if o.outside else "inside", cast=o.cast,
+        gate=o.gate_position, gate_activation=o.activation if o.gate_position else None,
         group_size=group,
     )
-    affine = dtype if round_affine else torch.float32
-    return _gated.norm_rows(x, gate, spec, k, g, b, dtype, affine, dtype, eager=False)
+    affine = dtype if o.round_affine else torch.float32
+    return _gated.norm_rows(x, gate, spec, o.k, g, b, dtype, affine, dtype, eager=False)
 
 
 def _composite_vjp(
@@ -965,12 +965,8 @@ def _composite_vjp(
     the vector-Jacobian product through `_composite`, a graph that can be differentiated
     again (the kernels' own gradient cannot)."""
     values, terms, gate, _, weight, bias = ctx.saved_tensors
-    (kind, k, eps, outside, scale_offset, cast, rounding, group, gate_in, gate_out,
-     round_affine) = ctx.forward_options
     if bias is None and ctx.bias_dtype is not None:  # y is b plus terms free of b
         bias = values.new_zeros(values.shape[1], dtype=ctx.bias_dtype)
-    gate_position = "before" if gate_in != "none" else "after" if gate_out != "none" else None
-    activation = gate_in if gate_in != "none" else gate_out if gate_out != "none" else "silu"
     primals = [values, terms, gate, weight, bias]
     present = [i for i, p in enumerate(primals) if p is not None]
 
@@ -979,8 +975,7 @@ def _composite_vjp(
         assert v is not None
         if t is not None:  # float32_normalized: the float32 sum of the terms
             v = v.float() + t.float()
-        return _composite(v, z, w, b, kind, k, eps, outside, scale_offset, cast, group,
-                          gate_position, activation, round_affine, ctx.dx_dtype)
+        return _composite(v, z, w, b, ctx.kernel_options, ctx.dx_dtype)
 
     grads = dict(zip(present, torch.func.vjp(norm, *(primals[i] for i in present))[1](dy),
                      strict=True))
@@ -997,40 +992,19 @@ def _launch(
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    residual_rounding: str | None,
-    group: int | None,
-    gate_position: str | None,
-    activation: str,
-    round_affine: bool,
+    options: KernelOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, h)`` of `norm_rows` (h None) or `add_norm_rows`: the checks, then the op."""
-    group = x.shape[-1] if group is None else group
-    _check(x, residual, weight, bias, kind, k, cast, residual_rounding, group)
-    _check_gate(x, residual, gate, gate_position, activation)
-    if residual is None and _degenerate(kind, group):
-        y = _composite(x, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, group,
-                       gate_position, activation, round_affine)
-        return y, None
-    rounding = 0
-    if residual is not None:
-        assert residual_rounding is not None
-        rounding = RESIDUAL_ROUNDINGS.index(residual_rounding) + 1
-    gate_in = activation if gate_position == "before" else "none"
-    gate_out = activation if gate_position == "after" else "none"
-    options = (kind, k, eps, outside, scale_offset, cast, rounding, group, gate_in, gate_out,
-               round_affine)
+    _check(x, residual, gate, weight, bias, options)
+    if residual is None and _degenerate(options.kind, options.group_of(x.shape[1])):
+        return _composite(x, gate, weight, bias, options), None
     if _traced(x):
-        y, h, _ = _norm_rows_op(x, residual, gate, weight, bias, *options)
+        y, h, _ = _norm_rows_op(x, residual, gate, weight, bias,
+                                *_op_options(options, x.shape[1]))
     elif needs_graph(x, residual, gate, weight, bias):
         y, h, _ = _EagerNormRows.apply(x, residual, gate, weight, bias, options)
     else:
-        y, h, _ = _norm_rows(x, residual, gate, weight, bias, *options)
+        y, h, _ = _norm_rows(x, residual, gate, weight, bias, *_op_options(options, x.shape[1]))
     return y, None if residual is None else h
 
 
@@ -1038,33 +1012,18 @@ def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    options: KernelOptions,
     *,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    group: int | None = None,
     gate: torch.Tensor | None = None,
-    gate_position: str | None = None,
-    activation: str = "silu",
-    round_affine: bool = False,
 ) -> torch.Tensor:
     """``normkit.reference.normalize`` (``gated_normalize`` with a gate) on rows ``x`` (rows,
-    n), differentiable; y in x's dtype.
+    n), as ``options`` says, differentiable; y in x's dtype.
 
-    ``weight``/``bias``: (n,) in float32 or x's dtype, or None; the effective scale is
-    ``scale_offset + float32(weight)``. ``group``: the statistic per group of that many
-    contiguous elements (a divisor of n; None or n: the whole row), ``k`` within the group.
-    ``gate``: z, contiguous with x's shape and dtype, applied ``gate_position`` (``"before"``:
-    the norm of x a(z); ``"after"``: the norm's result times a(z)) with ``activation`` (a =
-    ``"silu"`` or ``"sigmoid"``); ``round_affine``: u = y_hat g + b rounded to x's dtype before a
-    gate after the norm. LayerNorm groups of n <= 2 take the composite path.
+    ``weight``/``bias``: (n,) in float32 or x's dtype, or None. ``gate``: z, contiguous with
+    x's shape and dtype, exactly when ``options.gate_position`` is set. LayerNorm groups of
+    n <= 2 take the composite path.
     """
-    y, _ = _launch(x, None, gate, weight, bias, kind, k, eps, outside, scale_offset, cast, None,
-                   group, gate_position, activation, round_affine)
-    return y
+    return _launch(x, None, gate, weight, bias, options)[0]
 
 
 def add_norm_rows(
@@ -1072,31 +1031,19 @@ def add_norm_rows(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    *,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    residual_rounding: str,
-    group: int | None = None,
-    gate: torch.Tensor | None = None,
-    gate_position: str | None = None,
-    activation: str = "silu",
-    round_affine: bool = False,
+    options: KernelOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, h)`` with ``h = x + residual`` and ``y`` = `norm_rows` of h, as rounded:
+    """``(y, h)`` with ``h = x + residual`` and ``y`` = `norm_rows` of h, rounded as
+    ``options.residual_rounding`` says:
 
     - ``"rounded"``: h rounded to x's dtype, and that h normalized and returned;
     - ``"float32"``: h kept in float32, normalized, and returned in float32;
     - ``"float32_normalized"``: the float32 h normalized, h returned rounded to x's dtype.
 
     The half-precision cast order and y's dtype follow x's dtype. ``residual`` has x's shape
-    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh. The other keywords
-    are `norm_rows`'; a gate is refused (a gated NormSpec has no residual).
+    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh. Options with a
+    gate are refused (a gated NormSpec has no residual).
     """
-    y, h = _launch(x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset, cast,
-                   residual_rounding, group, gate_position, activation, round_affine)
+    y, h = _launch(x, residual, None, weight, bias, options)
     assert h is not None
     return y, h
