@@ -20,14 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import normkit.jax as nkjax
-from normkit.bench.core import (
-    EPS,
-    Group,
-    Sweep,
-    backend_main,
-    plan_groups,
-    time_group,
-)
+from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
 from normkit.bridges import JaxBridge
 
 __all__ = ["measure", "plan", "versions"]

@@ -17,14 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normkit.bench.core import (
-    EPS,
-    Group,
-    Sweep,
-    backend_main,
-    plan_groups,
-    time_group,
-)
+from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
 from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 

@@ -31,19 +31,18 @@ Build = Callable[..., VjpFn]
 (a SKIP), ValueError for a variant that does not apply."""
 
 
-def check_inputs(
-    spec: NormSpec,
-    x: np.ndarray,
-    dy: np.ndarray,
-    scale: np.ndarray | None,
-    bias: np.ndarray | None,
-    residual: np.ndarray | None,
-    dh: np.ndarray | None,
-    alpha: np.ndarray | None,
-) -> None:
-    """ValueError unless ``dy`` has x's shape, residual and dh are given exactly when the spec
-    has a residual (of x's shape), alpha only for DyT (shape ``(1,)``), and scale and bias
-    match the spec (`normkit.reference.check_params`)."""
+_INPUTS = ("scale", "bias", "residual", "dh", "alpha", "gate")
+
+
+def check_inputs(spec: NormSpec, x: np.ndarray, dy: np.ndarray, **given: Any) -> None:
+    """ValueError unless ``dy`` has x's shape and the inputs ``given`` by name (`_INPUTS`; None
+    is not given) fit the spec: residual and dh exactly when the spec has a residual and the
+    gate exactly when it has one (each of x's shape), alpha only for DyT (shape ``(1,)``), and
+    scale and bias as `normkit.reference.check_params` asks. TypeError for another name."""
+    unknown = sorted(set(given) - set(_INPUTS))
+    if unknown:
+        raise TypeError(f"check_inputs got unknown inputs {unknown}; expected some of {_INPUTS}")
+    scale, bias, residual, dh, alpha, gate = (given.get(name) for name in _INPUTS)
     if np.shape(dy) != np.shape(x):
         raise ValueError(f"dy has shape {np.shape(dy)}, expected the shape of x, {np.shape(x)}")
     if (residual is None) != (spec.residual is None) or (dh is None) != (spec.residual is None):
@@ -52,7 +51,12 @@ def check_inputs(
             f"residual={spec.residual!r}, residual given: {residual is not None}, dh given: "
             f"{dh is not None}"
         )
-    for name, value in (("residual", residual), ("dh", dh)):
+    if (gate is None) != (spec.gate is None):
+        raise ValueError(
+            f"a gate is given exactly when the spec has one; the spec has gate={spec.gate!r}, "
+            f"gate given: {gate is not None}"
+        )
+    for name, value in (("residual", residual), ("dh", dh), ("gate", gate)):
         if value is not None and np.shape(value) != np.shape(x):
             raise ValueError(
                 f"{name} has shape {np.shape(value)}, expected the shape of x, {np.shape(x)}"
@@ -142,14 +146,9 @@ class Harness:
         check_variant(variant, self.variants)
         given, device = device, device_name(device)
         x, dy = np.asarray(x), np.asarray(dy)
-        check_inputs(spec, x, dy, scale, bias, residual, dh, alpha)
-        if (gate is None) != (spec.gate is None):
-            raise ValueError(
-                f"a gate is given exactly when the spec has one; the spec has "
-                f"gate={spec.gate!r}, gate given: {gate is not None}"
-            )
-        if gate is not None and np.shape(gate) != np.shape(x):
-            raise ValueError(f"gate has shape {np.shape(gate)}, expected x's, {np.shape(x)}")
+        check_inputs(
+            spec, x, dy, scale=scale, bias=bias, residual=residual, dh=dh, alpha=alpha, gate=gate
+        )
         params = initial_params(spec, x.shape, scale, bias, alpha)
         param_dtype = next(iter(params.values())).dtype if params else np.dtype(np.float32)
         # built first: a target that cannot run on a device says so (a SKIP) wherever it runs

@@ -57,17 +57,24 @@ def test_vjp_needs_one_cotangent_per_output(bridge):
 
 def test_check_inputs_names_the_problem():
     x = np.ones((2, 4), np.float32)
-    check_inputs(NormSpec(residual="rounded"), x, x, np.ones(4, np.float32), None, x, x, None)
+    check_inputs(NormSpec(residual="rounded"), x, x, scale=np.ones(4, np.float32), residual=x,
+                 dh=x)
     with pytest.raises(ValueError, match=r"dy has shape \(2, 3\), expected the shape of x"):
-        check_inputs(NormSpec(), x, x[:, :3], None, None, None, None, None)
+        check_inputs(NormSpec(), x, x[:, :3])
     with pytest.raises(ValueError, match="residual='rounded', residual given: True, dh given: False"):
-        check_inputs(NormSpec(residual="rounded"), x, x, None, None, x, None, None)
+        check_inputs(NormSpec(residual="rounded"), x, x, residual=x)
     with pytest.raises(ValueError, match=r"dh has shape \(4,\), expected the shape of x"):
-        check_inputs(NormSpec(residual="rounded"), x, x, None, None, x, x[0], None)
+        check_inputs(NormSpec(residual="rounded"), x, x, residual=x, dh=x[0])
     with pytest.raises(ValueError, match=r"alpha has shape \(\), expected \(1,\)"):
-        check_inputs(NormSpec("dyt"), x, x, None, None, None, None, np.float32(1))
+        check_inputs(NormSpec("dyt"), x, x, alpha=np.float32(1))
     with pytest.raises(ValueError, match="bias was given but the spec has bias=False"):
-        check_inputs(NormSpec(), x, x, None, np.zeros(4, np.float32), None, None, None)
+        check_inputs(NormSpec(), x, x, bias=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="the spec has gate='after', gate given: False"):
+        check_inputs(NormSpec(gate="after"), x, x)
+    with pytest.raises(ValueError, match=r"gate has shape \(2, 3\), expected the shape of x"):
+        check_inputs(NormSpec(gate="after"), x, x, gate=x[:, :3])
+    with pytest.raises(TypeError, match=r"unknown inputs \['weight'\]"):
+        check_inputs(NormSpec(), x, x, weight=x)
 
 
 def test_initial_params_come_from_the_spec_in_the_dtype_of_those_given():
