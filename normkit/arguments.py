@@ -87,6 +87,11 @@ def output_path(text: str) -> str:
     return text
 
 
+def add_output(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """The option ``flag PATH``: write ``what`` to PATH, or to stdout for ``-`` (`output_path`)."""
+    parser.add_argument(flag, metavar="PATH", type=output_path, help=f"write {what} (- for stdout)")
+
+
 def output_file(text: str) -> str:
     """Like `output_path`, without ``-``: a binary file cannot go to a terminal."""
     if text == "-":

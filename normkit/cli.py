@@ -137,10 +137,8 @@ def _add_conformance(parser: argparse.ArgumentParser) -> None:
         help="worker processes at once (default 2)")
     add("--no-pairwise", action="store_true",
         help="skip comparing implementations with each other")
-    add("--json", metavar="PATH", type=arguments.output_path,
-        help="write every case with its figures (- for stdout)")
-    add("--markdown", metavar="PATH", type=arguments.output_path,
-        help="write the report as Markdown (- for stdout)")
+    arguments.add_output(parser, "--json", "every case with its figures")
+    arguments.add_output(parser, "--markdown", "the report as Markdown")
 
 
 def _run_conformance(args: argparse.Namespace) -> int:

@@ -24,8 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only this device (repeatable): cpu, cuda:N (alias gpu:N), tpu:N, mps")
     add("--dtype", action="append", choices=DTYPES,
         help="only this dtype (repeatable); default float32 and bfloat16, float16 too off the CPU")
-    add("--json", metavar="PATH", type=arguments.output_path,
-        help="write every row, with every field, as JSON (- for stdout)")
+    arguments.add_output(parser, "--json", "every row, with every field, as JSON")
     add("--plot", metavar="PATH.png", type=arguments.output_file,
         help="speed ratios figure (PNG); GB/s beside it in NAME-gbps.png")
 
