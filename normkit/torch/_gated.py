@@ -19,7 +19,7 @@ import torch
 from normkit import _gating
 from normkit.spec import NormSpec
 from normkit.torch import _eager
-from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to
+from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to, apply
 
 
 def activation(z: torch.Tensor, name: str) -> torch.Tensor:
@@ -60,9 +60,9 @@ def norm_rows(
     if eager:
         y_hat = _eager._normalized(groups, _eager.eager_spec(spec), k, None)
     else:
-        y_hat, _ = NormFunction.apply(
-            groups, None, None, spec.kind, k, spec.eps, spec.eps_placement == "outside",
-            "after_scale", acc, acc, spec.variance == "fast",
+        y_hat, _ = apply(
+            NormFunction, groups, None, None, spec.kind, k, spec.eps,
+            spec.eps_placement == "outside", "after_scale", acc, acc, spec.variance == "fast",
         )
     y_hat = y_hat.reshape(v.shape)
 
@@ -75,4 +75,4 @@ def norm_rows(
         return affine_and_gate(lambda t, to: t.to(to).to(acc)).to(out)
     with torch.no_grad():
         value = affine_and_gate(_rounded_to)
-    return WithValue.apply(affine_and_gate(), value).to(out)
+    return apply(WithValue, affine_and_gate(), value).to(out)

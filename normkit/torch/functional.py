@@ -33,6 +33,7 @@ from normkit.torch._autograd import (
     _acc_dtype,
     _out_of_range,
     _shape_only,
+    apply,
 )
 from normkit.torch.kernels import Kernel, kernel_options
 
@@ -372,7 +373,7 @@ def _grad_in_format(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or not t.requires_grad:
         return t
     layout = _memory_format(t)
-    return t if layout is None else GradInFormat.apply(t, layout)
+    return t if layout is None else apply(GradInFormat, t, layout)
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format | None:
@@ -411,8 +412,14 @@ def _add(
         return total, total
     h = total.to(x.dtype)
     if rounding == "rounded" and x.dtype != acc:
-        return RoundThrough.apply(total, x.dtype), h
+        return apply(RoundThrough, total, x.dtype), h
     return total, h
+
+
+def _shaped(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t.reshape(shape)``, or t itself where it has that shape already (a reshape, even to
+    the same shape, is an op: an autograd node when t requires grad)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def _normalize_trailing(
@@ -430,10 +437,10 @@ def _normalize_trailing(
     bias = _param(bias, "bias", spec.bias, shape)
     alpha_t = _check_alpha(alpha, spec, x)
     out = output_dtype(x, spec, weight, bias, alpha)  # a default alpha takes no part
-    rows = x.reshape(x.numel() // n, n)
-    res_rows = None if residual is None else residual.reshape(rows.shape)
-    w = None if weight is None else weight.reshape(n)
-    b = None if bias is None else bias.reshape(n)
+    rows = _shaped(x, (x.numel() // n, n))
+    res_rows = None if residual is None else _shaped(residual, rows.shape)
+    w = None if weight is None else _shaped(weight, (n,))
+    b = None if bias is None else _shaped(bias, (n,))
     recorded = _recorded()
     chosen = "composite" if recorded else kernels.resolve(kernel, x, spec, n)
     kernel_dtypes = (torch.float32, x.dtype)
@@ -450,11 +457,11 @@ def _normalize_trailing(
         options = kernel_options(spec, n, round_affine)
         chosen_module = kernels.module(chosen)
         if res_rows is None:
-            gate_rows = None if gate is None else gate.reshape(rows.shape).contiguous()
+            gate_rows = None if gate is None else _shaped(gate, rows.shape).contiguous()
             y = chosen_module.norm_rows(rows.contiguous(), w, b, options, gate=gate_rows)
-            return y.reshape(x.shape), None
+            return _shaped(y, x.shape), None
         y, h = chosen_module.add_norm_rows(rows.contiguous(), res_rows.contiguous(), w, b, options)
-        return y.reshape(x.shape), h.reshape(x.shape)
+        return _shaped(y, x.shape), _shaped(h, x.shape)
     if (spec.backward == "autograd" or recorded) and spec.gate is None:
         values, h = rows, None
         if res_rows is not None:
@@ -483,14 +490,14 @@ def _normalize_trailing(
         values, h = _add(rows, res_rows, spec.residual, acc)
     if spec.kind == "dyt":
         assert alpha_t is not None
-        y = DytFunction.apply(values, g, b_acc, alpha_t, spec.cast, x.dtype, out)
+        y = apply(DytFunction, values, g, b_acc, alpha_t, spec.cast, x.dtype, out)
         return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
     fused = _fused(x, spec, shape, g, b_acc, out) if res_rows is None else None
     if fused is not None:
         return fused, None
-    y, _ = NormFunction.apply(
-        values, g, b_acc, spec.kind, k, spec.eps, spec.eps_placement == "outside", spec.cast,
-        x.dtype, out, spec.variance == "fast",
+    y, _ = apply(
+        NormFunction, values, g, b_acc, spec.kind, k, spec.eps, spec.eps_placement == "outside",
+        spec.cast, x.dtype, out, spec.variance == "fast",
     )
     return y.reshape(x.shape), None if h is None else h.reshape(x.shape)
 

@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from normkit.torch._autograd import NormFunction, _shape_only, needs_graph, signature_once
+from normkit.torch._autograd import (
+    NormFunction,
+    _shape_only,
+    apply,
+    needs_graph,
+    signature_once,
+)
 from normkit.torch.kernels.options import KernelOptions
 
 __all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
@@ -228,7 +234,7 @@ def _norm(
     n); ``r`` is each row's ``r(s)`` in float32."""
     module = _kernels(x.dtype, strict)
     if module is None:
-        y, r = NormFunction.apply(x, g, b, kind, k, eps, outside, cast)
+        y, r = apply(NormFunction, x, g, b, kind, k, eps, outside, cast)
         return y, r
     x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
     y = _output_like(x)
@@ -625,6 +631,20 @@ def _cpu_gated_norm_backward_vmap(
     return result
 
 
+def _filled(n: int, value: float, x: torch.Tensor) -> torch.Tensor:
+    """A float32 vector of ``n`` times ``value`` (the effective scale or bias a norm without
+    that parameter reads); in eager calls one shared tensor per (n, value), which the kernels
+    only read, saving its allocation on every call."""
+    if torch.compiler.is_compiling() or not _eager(x):
+        return torch.full((n,), value, dtype=torch.float32)
+    return _shared_filled(n, value, math.copysign(1.0, value))  # -0.0 == 0.0 as a cache key
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_filled(n: int, value: float, sign: float) -> torch.Tensor:
+    return torch.full((n,), math.copysign(value, sign), dtype=torch.float32)
+
+
 def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -644,27 +664,29 @@ def norm_rows(
     o = options
     n = x.shape[-1]
     if weight is None:
-        g = torch.ones(n, dtype=torch.float32)
+        g = _filled(n, 1.0, x)
     else:
         g = weight.to(torch.float32)
         if o.scale_offset != 0:
             g = g + o.scale_offset
     # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
     # kernel's common loop then skips it
-    b = torch.full((n,), -0.0, dtype=torch.float32) if bias is None else bias.to(torch.float32)
+    b = _filled(n, -0.0, x) if bias is None else bias.to(torch.float32)
     if (gate is None) != (o.gate_position is None):
         raise ValueError(f"gate_position={o.gate_position!r} needs gate rows, and only it")
     group = o.group_of(n)
     if o.gate_position is None and group == n:
-        norm = CpuNormFunction.apply if needs_graph(x, g, b) else CpuNormFunction.forward
-        y: torch.Tensor = norm(x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, strict)[0]
-        return y
+        plain = (o.kind, o.k, o.eps, o.outside, o.cast, strict)
+        if needs_graph(x, g, b):
+            y: torch.Tensor = apply(CpuNormFunction, x, g, b, *plain)[0]
+            return y
+        return CpuNormFunction.forward(x, g, b, *plain)[0]
     flat = (o.kind, o.k, group, o.eps, o.outside, o.cast, o.gate_position, o.activation,
             o.round_affine)
     if group <= (2 if o.kind == "layer" else 1):
         # degenerate groups take the composite path, as degenerate rows do (its closed forms)
         return _composite_gated(x, gate, g, b, *flat)
-    gated = (CpuGatedNormFunction.apply if needs_graph(x, gate, g, b)
-             else CpuGatedNormFunction.forward)
-    y = gated(x, gate, g, b, *flat, strict)[0]
-    return y
+    if needs_graph(x, gate, g, b):
+        y = apply(CpuGatedNormFunction, x, gate, g, b, *flat, strict)[0]
+        return y
+    return CpuGatedNormFunction.forward(x, gate, g, b, *flat, strict)[0]

@@ -65,7 +65,7 @@ except ImportError as error:
 
 from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
-from normkit.torch._autograd import NormFunction, needs_graph
+from normkit.torch._autograd import NormFunction, apply, needs_graph
 from normkit.torch.kernels.options import KernelOptions
 
 __all__ = [
@@ -946,7 +946,7 @@ def _composite(
     b = None if bias is None else bias.float()
     group = o.group_of(x.shape[1])
     if gate is None and group == x.shape[1]:
-        y, _ = NormFunction.apply(x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, dtype, dtype)
+        y, _ = apply(NormFunction, x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, dtype, dtype)
         return y
     p = o.k / group if o.kind == "partial_rms" else None
     spec = NormSpec(typing.cast(Kind, o.kind), p=p).replace(
