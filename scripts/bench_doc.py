@@ -1,6 +1,6 @@
 """docs/benchmarks.md's tables from one `normkit bench --json` file: the speed targets with their
-verdicts, each framework's 8192 x 4096 rows, and normkit RMSNorm's fraction of the copy floor
-over the whole sweep.
+verdicts, each framework's 8192 x 4096 rows, normkit RMSNorm's fraction of the copy floor over
+the whole sweep, and each layer's time per call on one token's row.
 
 Run: .venv/bin/python scripts/bench_doc.py bench.json > tables.md
 Ratios are the peer's median over normkit's in the same group (above 1: normkit faster); a
@@ -12,6 +12,8 @@ import json
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from normkit.bench.core import TOKEN_SHAPE, swept
 
 HIDDEN = (1024, 4096, 16384)
 TABLE_SHAPE = [8192, 4096]
@@ -149,15 +151,45 @@ def copy_fractions(rows: list[Row]) -> Iterable[str]:
         yield f"| {backend} | {mode} | {memory} | {dtype} | {cells} |"
 
 
+PEERS = {
+    "torch": ("torch.nn.RMSNorm", "torch.nn.LayerNorm"),
+    "tf": ("keras.layers.RMSNormalization", "keras.layers.LayerNormalization"),
+    "jax": ("flax.linen.RMSNorm", "flax.linen.LayerNorm"),
+}
+
+
+def token_table(rows: list[Row]) -> Iterable[str]:
+    """normkit's RMSNorm and LayerNorm against the framework's own on `TOKEN_SHAPE`, as
+    allocated: microseconds per call, where host work decides."""
+    yield ("| backend | mode | dtype | pass | layer | normkit us | framework's us | framework / "
+           "normkit |")
+    yield "|---|---|---|---|---|---:|---:|---:|"
+    for r in rows:
+        if (tuple(r["shape"]) != TOKEN_SHAPE or r["role"] != "normkit"
+                or r["memory"] != "as allocated" or r["backend"] not in PEERS):
+            continue
+        layer = r["implementation"].rsplit(".", 1)[-1]
+        if layer not in ("RMSNorm", "LayerNorm"):
+            continue
+        peer = PEERS[r["backend"]][layer == "LayerNorm"]
+        if peer not in r["ratios"]:
+            continue
+        ratio = float(r["ratios"][peer])
+        yield (f"| {r['backend']} | {r['mode']} | {r['dtype']} | {r['pass']} | {layer} | "
+               f"{r['median_s'] * 1e6:.0f} | {r['median_s'] * ratio * 1e6:.0f} | {ratio:.2f}x |")
+
+
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
-    rows = data["rows"]
+    rows = swept(data["rows"])
     sections = [("Targets", targets(rows))]
     ran = {r["backend"] for r in rows}
     sections += [(f"{b} ({' x '.join(map(str, TABLE_SHAPE))})", framework_table(rows, b))
                  for b in ("torch", "tf", "jax") if b in ran]
     sections.append(("RMSNorm forward against the copy floor", copy_fractions(rows)))
+    sections.append((f"One token ({' x '.join(map(str, TOKEN_SHAPE))}): time per call",
+                     token_table(data["rows"])))
     print(f"<!-- {data['seconds']:.0f} s, {len(rows)} rows, versions {data['versions']} -->")
     for title, lines in sections:
         print(f"\n### {title}\n")

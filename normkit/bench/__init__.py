@@ -18,8 +18,10 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 - ``memory``: ``"as allocated"`` (each implementation's outputs where it puts them) or, for
   torch on the CPU in a second worker, ``"on huge pages"`` (every output on transparent huge pages,
   torch's own and the copy's included: equal memory for all).
-- ``shape``: ``[rows, hidden]``, normalized over hidden; ``dtype``: of x, y, dy and dx.
-- ``median_s``, ``min_s``: over ``repeats`` timed rounds.
+- ``shape``: ``[rows, hidden]``, normalized over hidden: the sweep's hidden sizes at about
+  32M elements (1M with ``quick``), then one token's row ``[1, 4096]`` (`core.TOKEN_SHAPE`),
+  where a call's time is its host work; ``dtype``: of x, y, dy and dx.
+- ``median_s``, ``min_s``: over ``repeats`` timed rounds (`core.TOKEN_ROUNDS` for the token).
 - ``bytes_moved``: the least traffic the pass needs: forward reads x and writes y; forward+backward
   adds reading x and dy and writing dx (5 tensors); parameters are negligible.
 - ``gb_per_s``: ``bytes_moved / median_s / 1e9``.

@@ -29,6 +29,10 @@ ELEMENTS = 32 * 2**20
 QUICK_HIDDEN = (1024, 4096)
 QUICK_ELEMENTS = 2**20
 EPS = 1e-6
+TOKEN_SHAPE = (1, 4096)
+"""One token's row, as a decoding step normalizes it: a call's time there is host work (checks,
+dispatch, launches), not memory traffic, and it is timed over `TOKEN_ROUNDS` rounds."""
+TOKEN_ROUNDS = 200
 # Where every implementation's outputs live: as each allocates them, or all on transparent huge
 # pages (torch on the CPU: normkit's kernel advises its outputs onto huge pages, torch's
 # allocator does so only under THP_MEM_ALLOC_ENABLE=1, which it reads once per process).
@@ -73,8 +77,9 @@ class Sweep:
         return cls(dtypes=chosen, devices=where)
 
     def shapes(self) -> list[tuple[int, int]]:
-        """``(rows, hidden)`` for each hidden size: about ``elements`` elements each."""
-        return [(max(1, self.elements // h), h) for h in self.hidden]
+        """``(rows, hidden)`` for each hidden size, about ``elements`` elements each, then
+        `TOKEN_SHAPE`."""
+        return [(max(1, self.elements // h), h) for h in self.hidden] + [TOKEN_SHAPE]
 
     def dtypes_on(self, device: str) -> tuple[str, ...]:
         """The dtypes to time on ``device``."""
@@ -124,6 +129,11 @@ class Group:
         return self.bytes_moved // (2 * ITEMSIZE[self.dtype])
 
 
+def swept(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the hidden-size sweep: all but those of `TOKEN_SHAPE`."""
+    return [r for r in rows if tuple(r["shape"]) != TOKEN_SHAPE]
+
+
 def bytes_moved(shape: Sequence[int], dtype: str, pass_: str) -> int:
     """Bytes one pass must move at least: 2 tensors forward, 5 forward+backward (params ignored)."""
     tensors = {"forward": 2, "forward+backward": 5}[pass_]
@@ -164,8 +174,10 @@ def time_group(
     (``peak_memory_bytes``, ``saved_for_backward_bytes``).
     """
     copy_name, copy_fn = copy
+    token = group.shape == TOKEN_SHAPE
     timings = interleaved(
-        {**candidates, copy_name: copy_fn}, warmup=sweep.warmup, repeats=sweep.repeats, sync=sync
+        {**candidates, copy_name: copy_fn}, warmup=sweep.warmup * (10 if token else 1),
+        repeats=TOKEN_ROUNDS if token else sweep.repeats, sync=sync,
     )
     floor = timings[copy_name].median_s
     rows = []

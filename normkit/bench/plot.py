@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normkit.bench.core import AS_ALLOCATED
+from normkit.bench.core import AS_ALLOCATED, swept
 from normkit.files import write_atomically
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def ratios(rows: Sequence[Row]) -> dict[Comparison, dict[tuple[str, str], list[f
     peer of its group with the same kind, keyed by `Comparison` then ``(dtype, pass)``, one value
     per shape (in order of hidden size)."""
     found: dict[Comparison, dict[tuple[str, str], list[tuple[int, float]]]] = {}
-    for row in rows:
+    for row in swept(rows):
         if row["role"] != "normkit":
             continue
         for peer, ratio in row["ratios"].items():
@@ -185,6 +185,7 @@ def throughput_figure(rows: Sequence[Row], title: str = "") -> Figure:
     _matplotlib()
     from matplotlib.figure import Figure
 
+    rows = swept(rows)
     if not rows:
         raise ValueError("no rows to plot")
     fig_rows = list(dict.fromkeys((r["backend"], r["device"], r["memory"]) for r in rows))

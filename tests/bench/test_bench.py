@@ -20,7 +20,16 @@ import pytest
 import normkit.bench
 from normkit import backends
 from normkit.bench import cli, report
-from normkit.bench.core import FIELDS, PASSES, ROLES, Group, Sweep, bytes_moved
+from normkit.bench.core import (
+    FIELDS,
+    PASSES,
+    ROLES,
+    TOKEN_ROUNDS,
+    TOKEN_SHAPE,
+    Group,
+    Sweep,
+    bytes_moved,
+)
 
 PEERS = {
     "torch": {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "Llama RMSNorm (torch ops)", "normkit.torch.LayerNorm", "torch.nn.LayerNorm"},
@@ -73,6 +82,9 @@ def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dic
         assert {r["mode"] for r in rows} == MODES[backend]
         assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
         assert {r["shape"][1] for r in rows} == set(Sweep.make(quick=True).hidden)
+        token = [r for r in rows if tuple(r["shape"]) == TOKEN_SHAPE]
+        assert token and all(r["repeats"] == TOKEN_ROUNDS for r in token)
+        assert {(r["pass"], r["dtype"]) for r in token} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
     torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile" and r["memory"] == "as allocated"}
     assert len(torch_compiled) <= 1  # --quick: one compiled pair
     for row in data["rows"]:
@@ -159,7 +171,10 @@ def test_bytes_moved_and_the_copy_of_the_same_bytes() -> None:
 def test_sweep_defaults_and_dtype_errors() -> None:
     sweep = Sweep.make()
     assert sweep.hidden[0] == 1024 and sweep.hidden[-1] == 16384
-    assert all(abs(rows * hidden - 32 * 2**20) < hidden for rows, hidden in sweep.shapes())
+    *swept, token = sweep.shapes()
+    assert [hidden for _, hidden in swept] == list(sweep.hidden)
+    assert all(abs(rows * hidden - 32 * 2**20) < hidden for rows, hidden in swept)
+    assert token == TOKEN_SHAPE == (1, 4096)
     assert sweep.dtypes_on("cpu") == ("float32", "bfloat16")
     assert sweep.dtypes_on("cuda:0") == ("float32", "bfloat16", "float16")
     assert sweep.select(["cpu", "cuda:0"]) == ["cpu", "cuda:0"]

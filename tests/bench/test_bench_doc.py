@@ -63,3 +63,20 @@ def test_the_script_prints_every_section(tmp_path):
                          text=True, check=True).stdout
     assert "### Targets" in out and "### tf (8192 x 4096)" in out and "### torch" not in out
     assert "| **normkit.tf.RMSNorm** | eager | float32 | 10.0 |" in out
+
+
+def test_the_token_rows_have_their_own_table_and_stay_out_of_the_targets(tmp_path):
+    """A row of one token (1 x 4096) is host work: it is tabled per call, in microseconds, and
+    does not count as the sweep's hidden 4096 (its 0.50x would fail the target)."""
+    token = _row("normkit.tf.RMSNorm", 4096, 0.5)
+    token.update(shape=[1, 4096], median_s=40e-6)
+    rows = [_row("normkit.tf.RMSNorm", h, 1.0) for h in (1024, 4096, 16384)] + [token]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"seconds": 1.0, "versions": {}, "rows": rows}))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    (target,) = [line for line in out.splitlines() if "eager float32 forward" in line
+                 and "RMSNorm" in line]
+    assert target.endswith("| met |"), target
+    assert "### One token (1 x 4096): time per call" in out
+    assert "| tf | eager | float32 | forward | RMSNorm | 40 | 20 | 0.50x |" in out
