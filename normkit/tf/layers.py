@@ -41,26 +41,41 @@ normkit's files and conformance call it); the attribute is None where the spec h
 weight."""
 
 
-def _known(flag: Any) -> bool | None:
-    """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
-    eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
+def _eagerly(value: Any) -> bool:
+    """Whether ``value``, a tensor of this call, is known now (eager execution), not traced."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
-        if not tf.executing_eagerly():
-            return None
-    elif backend == "jax":
+        return bool(tf.executing_eagerly())
+    if backend == "jax":
         import jax
 
-        if isinstance(flag, jax.core.Tracer):
-            return None
-    elif backend == "torch":
+        return not isinstance(value, jax.core.Tracer)
+    if backend == "torch":
         import torch
 
-        if torch.compiler.is_compiling():
-            return None
-    return bool(ops.convert_to_numpy(flag))
+        return not torch.compiler.is_compiling()
+    return True
+
+
+def _known(flag: Any) -> bool | None:
+    """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
+    eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
+    return bool(ops.convert_to_numpy(flag)) if _eagerly(flag) else None
+
+
+def _recording() -> bool:
+    """Whether a gradient may be taken through this call's ops: always while tracing and off
+    the TensorFlow backend; eagerly on TensorFlow, whether a GradientTape records. Without one
+    the custom gradients are left out (their wrapper costs as much as the whole forward on one
+    token's row)."""
+    if keras.backend.backend() != "tensorflow":
+        return True
+    import tensorflow as tf
+    from tensorflow.python.eager import record
+
+    return not tf.executing_eagerly() or bool(record.could_possibly_record())
 
 
 def _traced_for_xla() -> bool:
@@ -107,13 +122,15 @@ class _Rows:
         # backends (Keras' torch backend: 2**-640 becomes 0, 2**512 inf).
         scalar = (lambda v: ops.convert_to_tensor(v, work)) if work == "float64" else float
         tiny = float(np.finfo(work).tiny)
-        self.bound = scalar(2.0**exponent)
+        self.bound_value = 2.0**exponent
+        self.bound = scalar(self.bound_value)
         self.big = scalar(2.0 ** (2 * exponent))
         self.tiny = scalar(tiny)
         # Below this s may have lost digits to squares below `tiny` (flushed, or subnormal):
         # their total error is at most tiny, a quarter ulp of s here. With eps outside,
         # r'(s) x_i = -r**2 x_i / (2 sqrt(s)) needs s to full precision however small it is.
-        self.small = scalar(tiny * 2.0 ** (np.finfo(work).nmant + 3))
+        self.small_value = tiny * 2.0 ** (np.finfo(work).nmant + 3)
+        self.small = scalar(self.small_value)
         # The largest r the plain path forms (larger only on rows that `rescaled` replaces):
         # r**3 stays finite, so its gradient does (see `_bounded`).
         self.clip_r = scalar(2.0 ** (1.25 * exponent))
@@ -153,17 +170,21 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
-    def plain(self, x: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """``(mean, s, r, ratio, bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or
+    def plain(self, x: Any, eager: bool) -> tuple[tuple[Any, Any, Any, Any, Any], bool | None]:
+        """``((mean, s, r, ratio, bad), any_bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or
         ``x - mean`` (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) /
         (-r**3 / 2)`` (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward,
         and whether the row must be recomputed by the guarded program (`needs_rescaling`, or a
         LayerNorm mean above ``1/r``, whose rounding the correction pass in `center` recovers).
-        The rows marked ``bad`` have ``r = 1``: their values are replaced. `plain_output`
-        differentiates through the statistics analytically, so they are constants to autodiff
-        (a custom gradient may not close over differentiated values on JAX), except with
-        `keras_order`, differentiated as Keras' layer is; ``s`` is given there only (None
-        otherwise), for `keras_output`'s rows whose ``dr`` overflows."""
+
+        Traced, ``bad`` marks those rows, which have ``r = 1`` (their values are replaced), and
+        ``any_bad`` is None. ``eager``: the rows are judged on the host from their row-sized
+        statistics (`any_bad_now`), ``any_bad`` is whether one is bad (the guarded program
+        then recomputes the input) and ``bad`` None: a guard op costs as much as the whole pass
+        on one token's row. `plain_output` differentiates through the statistics analytically,
+        so they are constants to autodiff (a custom gradient may not close over differentiated
+        values on JAX), except with `keras_order`, differentiated as Keras' layer is; ``s`` is
+        given there only (None otherwise), for `keras_output`'s rows whose ``dr`` overflows."""
         assert self.spec.eps is not None
         if not self.keras_order:
             x = ops.stop_gradient(x)
@@ -179,18 +200,36 @@ class _Rows:
         else:
             head = ops.where(self.head, x, ops.zeros_like(x))
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
-        # Per-row clamps that change only rows marked bad, so that their values stay finite.
+        kept = s if self.keras_order else None
+        # Traced, per-row clamps that change only rows marked bad, so that their values stay
+        # finite; eagerly a bad row sends the whole input to the guarded program instead.
         if self.outside:
-            root = ops.sqrt(self.maximum(s, self.small))
+            root = ops.sqrt(s if eager else self.maximum(s, self.small))
             r = 1.0 / (root + self.spec.eps)
             ratio = 1.0 + self.spec.eps / root
         else:
-            r = ops.rsqrt(self.maximum(s + self.spec.eps, 1 / self.clip_r**2))
+            total = s + self.spec.eps
+            r = ops.rsqrt(total if eager else self.maximum(total, 1 / self.clip_r**2))
             ratio = None
+        if eager:
+            return (mean, kept, r, ratio, None), self.any_bad_now(s, r, mean)
         bad = self.needs_rescaling(s, r)
         if mean is not None:
             bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
-        return mean, s if self.keras_order else None, ops.where(bad, 1.0, r), ratio, bad
+        return (mean, kept, ops.where(bad, 1.0, r), ratio, bad), None
+
+    def any_bad_now(self, s: Any, r: Any, mean: Any) -> bool:
+        """`plain`'s judgement of the rows on the host, from the row-sized ``s``, ``r`` and
+        ``mean`` (None for the RMS kinds): whether a row needs rescaling (`needs_rescaling`) or
+        has a LayerNorm mean above ``1/r``."""
+        r_now = ops.convert_to_numpy(r)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~((r_now >= 1 / self.bound_value) & (r_now <= self.bound_value))
+            if self.outside:
+                bad |= ops.convert_to_numpy(s) < self.small_value
+            if mean is not None:
+                bad |= ~(np.abs(ops.convert_to_numpy(mean)) * r_now <= 1.0)
+        return bool(bad.any())
 
     def plain_output(
         self,
@@ -225,16 +264,16 @@ class _Rows:
         own = (mean, r, ratio, bad)
         row_stats = [u for u in own if u is not None]
 
+        present = tuple(p for p in (scale, bias) if p is not None)
+        if not _recording():
+            return _affine_step(y_hat_of(x, mean, r), (scale, bias), present)
+
         @ops.custom_gradient
         def output(x: Any, *args: Any) -> Any:
             given = iter(args)
             mean, r, ratio, bad = (None if u is None else next(given) for u in own)
             params = tuple(given)
-            y = y_hat_of(x, mean, r)
-            if scale is not None:
-                y = y * params[0]
-            if bias is not None:
-                y = y + params[-1]
+            y = _affine_step(y_hat_of(x, mean, r), (scale, bias), params)
 
             def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
                 dy = args[0] if upstream is None else upstream
@@ -256,7 +295,7 @@ class _Rows:
 
             return y, grad
 
-        return output(x, *row_stats, *[p for p in (scale, bias) if p is not None])
+        return output(x, *row_stats, *present)
 
     def param_grads(
         self, dy: Any, y_hat: Any, scale: Any, bias: Any, params: tuple[Any, ...]
@@ -290,6 +329,8 @@ class _Rows:
         tensors only, so every other row's gradient is Keras' own, untouched.
         """
         present = tuple(p for p in (scale, bias) if p is not None)
+        if not _recording():
+            return _affine_step(x * r, (scale, bias), present)
 
         @ops.custom_gradient
         def output(x: Any, s: Any, r: Any, *params: Any) -> Any:
@@ -791,11 +832,7 @@ class _Norm(keras.layers.Layer):
         params = [] if affine is None else [p for p in affine if p is not None]
         if k == 1 or (spec.kind == "layer" and n == 2):
             return guarded(source, *params)
-        stats = rows.plain(x)
-
-        any_bad = ops.any(stats[-1])
-        known = _known(any_bad)
-
+        stats, known = rows.plain(x, _eagerly(x))
         row_stats = [u for u in stats if u is not None]
 
         # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in the
@@ -831,7 +868,7 @@ class _Norm(keras.layers.Layer):
             guarded_branch = recompute(guarded)
             plain_branch = plain if rows.keras_order else recompute(plain)
             return ops.cond(
-                any_bad,
+                ops.any(stats[-1]),
                 lambda: guarded_branch(source, *params),
                 lambda: plain_branch(*inputs, *row_stats, *params),
             )

@@ -1,7 +1,7 @@
 """A structural guard on normkit.tf's eager cost, which times nothing: the number of TensorFlow
 ops one eager call executes, forward and forward+backward, is at most that of Keras' own layer
 plus a stated constant. The guards that keep rows far from unit scale exact must cost per row
-(a few ops on row-sized tensors and one branch), not whole-tensor passes on every call."""
+(a judgement of row-sized statistics and one branch), not ops on every call."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ pytestmark = tensorflow_backend_only(
     "counts the TensorFlow ops of the TensorFlow backend's eager calls"
 )
 
-# The most ops normkit's call may execute beyond Keras' own layer's: the per-row checks (a
-# range test of r, any, the where that keeps a skipped row's cotangent finite) and their
-# derivatives.
-FORWARD_EXTRA = 10
-FORWARD_BACKWARD_EXTRA = 25
+# The most ops normkit's call may execute beyond Keras' own layer's: none. Eagerly the rows are
+# judged on the host from their statistics, so no guard op runs on the device (each costs as
+# much as the whole pass on one token's row); the backward's closed forms take fewer ops than
+# autodiff's.
+FORWARD_EXTRA = 0
+FORWARD_BACKWARD_EXTRA = 0
 
 
 def _executed_ops(run, size: int | None = None) -> int:
