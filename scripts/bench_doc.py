@@ -190,7 +190,8 @@ def main(path: str) -> None:
     sections.append(("RMSNorm forward against the copy floor", copy_fractions(rows)))
     sections.append((f"One token ({' x '.join(map(str, TOKEN_SHAPE))}): time per call",
                      token_table(data["rows"])))
-    print(f"<!-- {data['seconds']:.0f} s, {len(rows)} rows, versions {data['versions']} -->")
+    total = len(data["rows"])
+    print(f"<!-- {data['seconds']:.0f} s, {total} rows, versions {data['versions']} -->")
     for title, lines in sections:
         print(f"\n### {title}\n")
         print("\n".join(lines))
