@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from normkit import reference, tolerances
 from normkit.torch import LayerNorm, RMSNorm
+from normkit.torch.kernels import cpu
 
 pytest.importorskip("numba")
 
@@ -102,3 +103,23 @@ def test_an_eager_call_does_not_bind_its_arguments(monkeypatch: pytest.MonkeyPat
     got = torch.func.grad(lambda xi: (normalize(xi, spec, weight) * dy).sum())(x.detach())
     assert binds, "torch.func.grad went around Function.apply"
     np.testing.assert_allclose(got.numpy(), x.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_a_call_in_inference_mode_leaves_later_training_calls_intact(affine: bool) -> None:
+    """The shared constants that stand in for a missing bias or weight are made once; made first
+    under ``torch.inference_mode`` they must still be normal tensors, which a later training
+    call saves for its backward."""
+    n = 48
+    cpu._shared_filled.cache_clear()  # made afresh, under inference_mode
+    module = RMSNorm(n, elementwise_affine=affine)
+    with torch.inference_mode():
+        module(torch.randn(3, n))
+    x = torch.randn(3, n, requires_grad=True)
+    dy = torch.randn(3, n)
+    module(x).backward(dy)
+    assert x.grad is not None
+    spec = module.spec_for(torch.float32)
+    weight = module.weight.detach().numpy() if affine else None
+    grads = reference.normalize_vjp(x.detach().numpy(), dy.numpy(), spec, weight)
+    tolerances.assert_close(x.grad.numpy(), grads.dx, quantity="grad", what="dx")

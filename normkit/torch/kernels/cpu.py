@@ -636,13 +636,16 @@ def _filled(n: int, value: float, x: torch.Tensor) -> torch.Tensor:
     that parameter reads); in eager calls one shared tensor per (n, value), which the kernels
     only read, saving its allocation on every call."""
     if torch.compiler.is_compiling() or not _eager(x):
-        return torch.full((n,), value, dtype=torch.float32)
+        return torch.full((n,), value, dtype=torch.float32, device=x.device)
     return _shared_filled(n, value, math.copysign(1.0, value))  # -0.0 == 0.0 as a cache key
 
 
 @functools.lru_cache(maxsize=64)
 def _shared_filled(n: int, value: float, sign: float) -> torch.Tensor:
-    return torch.full((n,), math.copysign(value, sign), dtype=torch.float32)
+    # a normal CPU tensor whatever the context of the first call: an inference tensor could not
+    # be saved for the backward of a later training call, nor one on another default device
+    with torch.inference_mode(False):
+        return torch.full((n,), math.copysign(value, sign), dtype=torch.float32, device="cpu")
 
 
 def norm_rows(
