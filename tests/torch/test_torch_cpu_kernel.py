@@ -700,6 +700,35 @@ def test_compile_failure_falls_back_with_one_warning(broken_jit: None) -> None:
         _check(spec, x, dy, None, None, "fallback again")
 
 
+@pytest.mark.parametrize("spec", [NormSpec(), NormSpec(group_size=16, gate="after")],
+                         ids=["plain", "gated"])
+def test_cpu_tensors_under_another_default_device(spec: NormSpec) -> None:
+    """Inside ``with torch.device("meta")`` (as when a model is built) a call on CPU tensors
+    still runs the kernel on the CPU: its own buffers are made there, not on the default
+    device."""
+    x = torch.randn(4, 64, device="cpu", requires_grad=True)
+    z = torch.randn(4, 64, device="cpu") if spec.gate else None
+    weight = (1 + 0.1 * torch.randn(64, device="cpu")).requires_grad_(True)
+    dy = torch.randn(4, 64, device="cpu")
+    with torch.device("meta"):
+        y = normalize(x, spec, weight, gate=z, kernel="cpu")
+        y.backward(dy)
+    assert y.device.type == "cpu" and x.grad is not None and weight.grad is not None
+    xn, wn, dyn = (t.detach().double().numpy() for t in (x, weight, dy))
+    if z is None:
+        want_y = reference.normalize(xn, spec, wn)
+        grads = reference.normalize_vjp(xn, dyn, spec, wn)
+        dx, dw = grads.dx, grads.dscale
+    else:
+        zn = z.double().numpy()
+        want_y = reference.gated_normalize(xn, zn, spec, wn)
+        gated_grads = reference.gated_normalize_vjp(xn, zn, dyn, spec, wn)
+        dx, dw = gated_grads.dx, gated_grads.dscale
+    tolerances.assert_close(to_numpy(y), want_y, what="y")
+    tolerances.assert_close(to_numpy(x.grad), dx, quantity="grad", what="dx")
+    tolerances.assert_close(to_numpy(weight.grad), dw, quantity="grad", what="dweight")
+
+
 def test_compile_failure_is_an_error_when_strict(broken_jit: None) -> None:
     with pytest.raises(RuntimeError, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
         cpu.norm_rows(torch.randn(2, 8), None, None, kernels.KernelOptions("rms", 8, 1e-6),

@@ -238,7 +238,7 @@ def _norm(
         return y, r
     x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
     y = _output_like(x)
-    r = torch.empty(x.shape[0], dtype=torch.float32)
+    r = torch.empty(x.shape[0], dtype=torch.float32, device="cpu")
     with _lock:
         module.forward(
             _rows(x), _rows(g), _rows(b), _rows(y), _rows(r),
@@ -263,9 +263,10 @@ def _param_grad_buffers(
     """A backward kernel's float32 buffers for the parameters' gradients: the per-block partial
     sums of dg and db ((blocks, n), or (blocks, 0) where not needed) and their totals (n,)."""
     blocks = math.ceil(rows / BLOCK_ROWS)
-    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=torch.float32)
-    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=torch.float32)
-    dg, db = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+    f32 = torch.float32  # on the CPU, whatever the default device
+    dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=f32, device="cpu")
+    db_blocks = torch.empty(blocks, n if need_b else 0, dtype=f32, device="cpu")
+    dg, db = torch.zeros(n, dtype=f32, device="cpu"), torch.zeros(n, dtype=f32, device="cpu")
     return dg_blocks, db_blocks, dg, db
 
 
@@ -456,7 +457,7 @@ def _gated_norm(
     (x's shape and dtype; None without a gate) applied ``gate_position`` with ``activation``;
     ``round_affine`` rounds ``u = y_hat g + b`` to x's dtype before a gate after the norm."""
     rows, n = x.shape
-    r = torch.zeros(rows, n // group, dtype=torch.float32)
+    r = torch.zeros(rows, n // group, dtype=torch.float32, device="cpu")
     module = _kernels(x.dtype, strict, gated=True)
     if module is None:
         y = _composite_gated(x, z, g, b, kind, k, group, eps, outside, cast, gate_position,
