@@ -19,6 +19,8 @@ import numpy as np
 from normkit import reference
 from normkit.bridges import Bridge, VjpFn, device_name
 from normkit.conformance.targets import HookOutputs, check_variant
+from normkit.identify import Identification
+from normkit.identify import identify as identify_function
 from normkit.spec import NormSpec
 
 __all__ = ["Build", "Harness", "initial_params", "check_inputs"]
@@ -118,6 +120,16 @@ class Harness:
         self.variants = variants
         self.jit = jit
         self.devices = devices or bridge.devices
+
+    def identify(self, *, n: int = 64, device: str = "cpu", **variant: Any) -> Identification:
+        """What the layer ``build`` gives for ``variant`` computes on rows of ``n``
+        (`normkit.identify.identify`, with its parameters): for a peer, whose layer is what it
+        is whatever the spec, so ``build`` is asked with the default one."""
+        check_variant(variant, self.variants)
+        float32 = np.dtype(np.float32)
+        fn = self.build(NormSpec(), (n,), float32, dtype=float32, device=device_name(device),
+                        **variant)
+        return identify_function(fn, (n,), backend=self.bridge.name, params=True, device=device)
 
     def evaluate(
         self,

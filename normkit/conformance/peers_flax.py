@@ -10,8 +10,6 @@ from flax import nnx
 
 from normkit.bridges import FrameworkFn, JaxBridge
 from normkit.conformance.harness import Harness
-from normkit.identify import Identification
-from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
 LAYERS = ("flax.linen.RMSNorm", "flax.linen.LayerNorm", "flax.nnx.RMSNorm", "flax.nnx.LayerNorm")
@@ -55,11 +53,5 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
     return fn
 
 
-def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
-    """What the built-in ``layer`` computes, probed with float32 parameters."""
-    return identify_fn(peer_function(layer, n), (n,), backend="jax", params=True, device=device)
-
-
 _HARNESS = Harness(JaxBridge(), build, VARIANTS)
-devices = _HARNESS.devices
-evaluate = _HARNESS.evaluate
+devices, evaluate, identify = _HARNESS.devices, _HARNESS.evaluate, _HARNESS.identify

@@ -14,8 +14,6 @@ import tensorflow as tf
 
 from normkit.bridges import FrameworkFn, TensorFlowBridge
 from normkit.conformance.harness import Harness
-from normkit.identify import Identification
-from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
 LAYERS = (
@@ -63,11 +61,5 @@ def peer_function(layer: str, n: int) -> FrameworkFn:
     return fn
 
 
-def identify(*, layer: str, n: int = 64, device: str = "cpu") -> Identification:
-    """What the built-in ``layer`` computes, probed with float32 variables."""
-    return identify_fn(peer_function(layer, n), (n,), backend="tf", params=True, device=device)
-
-
 _HARNESS = Harness(TensorFlowBridge(), build, VARIANTS)
-devices = _HARNESS.devices
-evaluate = _HARNESS.evaluate
+devices, evaluate, identify = _HARNESS.devices, _HARNESS.evaluate, _HARNESS.identify

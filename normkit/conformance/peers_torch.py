@@ -11,8 +11,6 @@ import torch
 
 from normkit.bridges import FrameworkFn, TorchBridge
 from normkit.conformance.harness import Harness
-from normkit.identify import Identification
-from normkit.identify import identify as identify_fn
 from normkit.spec import NormSpec
 
 LAYERS = (
@@ -89,16 +87,5 @@ def peer_function(
     return fn
 
 
-def identify(
-    *, layer: str, weights: str = "input", n: int = 64, device: str = "cpu"
-) -> Identification:
-    """What the built-in ``layer`` computes, probed with parameters kept as ``weights`` says."""
-    return identify_fn(
-        peer_function(layer, n, device, weights), (n,), backend="torch", params=True,
-        device=device,
-    )
-
-
 _HARNESS = Harness(TorchBridge(), build, VARIANTS)
-devices = _HARNESS.devices
-evaluate = _HARNESS.evaluate
+devices, evaluate, identify = _HARNESS.devices, _HARNESS.evaluate, _HARNESS.identify
