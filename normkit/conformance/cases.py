@@ -206,127 +206,115 @@ _F32, _F16, _BF16, _F64 = "float32", "float16", "bfloat16", "float64"
 _AFTER, _BEFORE = "after_scale", "before_scale"
 
 
-def _residual_family(quick: bool) -> list[Member]:
-    """Each rounding of the sum, on half inputs (where they differ) and float32."""
-    if quick:
-        return [
+@dataclass(frozen=True)
+class Family:
+    """An extended field's own small family of cases: its members, and the few of a quick run."""
+
+    full: tuple[Member, ...]
+    quick: tuple[Member, ...]
+
+    def members(self, quick: bool) -> tuple[Member, ...]:
+        return self.quick if quick else self.full
+
+
+_AUTOGRAD = NormSpec(backward="autograd")
+_GROUPED = NormSpec(group_size=4)
+_MAMBA2 = NormSpec(gate="before", cast="before_scale", output_dtype="promote")
+_QWEN3_NEXT = NormSpec(gate="after", cast="before_scale")
+_KIMI = NormSpec(gate="after", gate_activation="sigmoid")
+_RESIDUAL_SETTINGS = ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32))
+_DYT_SETTINGS = ((_F32, _AFTER, _F32), (_F16, _AFTER, _F32), (_BF16, _AFTER, _F32),
+                 (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))
+
+FAMILIES: dict[str, Family] = {
+    # Each rounding of the sum, on half inputs (where they differ) and float32.
+    "residual": Family(
+        full=(
+            *((NormSpec(residual=mode), _RESIDUAL_SETTINGS) for mode in RESIDUALS),
+            (NormSpec("layer", residual="float32_normalized"), ((_BF16, _BEFORE, _F32),)),
+            (NormSpec(residual="rounded"), ((_F64, _AFTER, _F32),)),
+        ),
+        quick=(
             (NormSpec(residual="rounded"), ((_BF16, _BEFORE, _F32),)),
             (NormSpec(residual="float32"), ((_F16, _AFTER, _F32),)),
-        ]
-    settings = ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32))
-    found: list[Member] = [(NormSpec(residual=mode), settings) for mode in RESIDUALS]
-    found.append(
-        (NormSpec("layer", residual="float32_normalized"), ((_BF16, _BEFORE, _F32),))
-    )
-    found.append((NormSpec(residual="rounded"), ((_F64, _AFTER, _F32),)))
-    return found
-
-
-def _variance_family(quick: bool) -> list[Member]:
-    """LayerNorm with the fast variance (zero-mean rows: on rows of a large mean a float32
-    implementation's summation order moves the cancelling difference beyond the tolerance)."""
-    spec = NormSpec("layer", variance="fast")
-    if quick:
-        return [(spec, ((_F32, _AFTER, _F32),))]
-    return [(spec, ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32),
-                    (_F64, _AFTER, _F32)))]
-
-
-def _offset_family(quick: bool) -> list[Member]:
-    """``scale_offset + w`` in the half parameter's own dtype."""
-    spec = NormSpec(scale_offset=1.0, offset_dtype="param")
-    if quick:
-        return [(spec, ((_BF16, _AFTER, _BF16),))]
-    return [(spec, ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
-                    (_F32, _AFTER, _BF16)))]
-
-
-def _promote_family(quick: bool) -> list[Member]:
-    """The output in the promoted dtype: float32 params with half inputs, half params with
-    float32 inputs."""
-    spec = NormSpec(output_dtype="promote")
-    if quick:
-        return [(spec, ((_BF16, _BEFORE, _F32),))]
-    return [
-        (spec, ((_BF16, _BEFORE, _F32), (_F16, _AFTER, _F32), (_F32, _AFTER, _BF16),
-                (_F32, _AFTER, _F16))),
-        (NormSpec("layer", output_dtype="promote"), ((_BF16, _AFTER, _F32),)),
-    ]
-
-
-def _dyt_family(quick: bool) -> list[Member]:
-    """DyT: both initial alphas, with and without bias, on every dtype."""
-    if quick:
-        return [
+        ),
+    ),
+    # LayerNorm with the fast variance (zero-mean rows: on rows of a large mean a float32
+    # implementation's summation order moves the cancelling difference beyond the tolerance).
+    "variance": Family(
+        full=((NormSpec("layer", variance="fast"),
+               ((_F32, _AFTER, _F32), (_BF16, _AFTER, _F32), (_F16, _BEFORE, _F32),
+                (_F64, _AFTER, _F32))),),
+        quick=((NormSpec("layer", variance="fast"), ((_F32, _AFTER, _F32),)),),
+    ),
+    # scale_offset + w in the half parameter's own dtype.
+    "offset_dtype": Family(
+        full=((NormSpec(scale_offset=1.0, offset_dtype="param"),
+               ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
+                (_F32, _AFTER, _BF16))),),
+        quick=((NormSpec(scale_offset=1.0, offset_dtype="param"), ((_BF16, _AFTER, _BF16),)),),
+    ),
+    # The output in the promoted dtype: float32 params with half inputs, half params with
+    # float32 inputs.
+    "output_dtype": Family(
+        full=(
+            (NormSpec(output_dtype="promote"),
+             ((_BF16, _BEFORE, _F32), (_F16, _AFTER, _F32), (_F32, _AFTER, _BF16),
+              (_F32, _AFTER, _F16))),
+            (NormSpec("layer", output_dtype="promote"), ((_BF16, _AFTER, _F32),)),
+        ),
+        quick=((NormSpec(output_dtype="promote"), ((_BF16, _BEFORE, _F32),)),),
+    ),
+    # DyT: both initial alphas, with and without bias, on every dtype.
+    "dyt": Family(
+        full=(
+            *((NormSpec("dyt", alpha_init=alpha, bias=bias), _DYT_SETTINGS)
+              for alpha, bias in itertools.product((0.5, 1.0), (True, False))),
+            (NormSpec("dyt", residual="rounded"), ((_BF16, _AFTER, _F32),)),
+        ),
+        quick=(
             (NormSpec("dyt", alpha_init=0.5), ((_BF16, _AFTER, _F32),)),
             (NormSpec("dyt", alpha_init=1.0, bias=False), ((_F32, _AFTER, _F32),)),
-        ]
-    settings = ((_F32, _AFTER, _F32), (_F16, _AFTER, _F32), (_BF16, _AFTER, _F32),
-                (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))
-    found: list[Member] = [
-        (NormSpec("dyt", alpha_init=alpha, bias=bias), settings)
-        for alpha, bias in itertools.product((0.5, 1.0), (True, False))
-    ]
-    found.append((NormSpec("dyt", residual="rounded"), ((_BF16, _AFTER, _F32),)))
-    return found
-
-
-def _autograd_family(quick: bool) -> list[Member]:
-    """The gradients of autograd through the eager forward: half inputs, both casts, params in
-    the input dtype (as `module.to(dtype)`), and Llama's float32 weights."""
-    spec = NormSpec(backward="autograd")
-    if quick:
-        return [(spec, ((_BF16, _BEFORE, _BF16),))]
-    return [
-        (spec, ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
-                (_F16, _BEFORE, _F16))),
-        (NormSpec("layer", backward="autograd"), ((_BF16, _BEFORE, _BF16),)),
-        (spec.replace(output_dtype="promote"), ((_BF16, _BEFORE, _F32),)),
-        (spec.replace(residual="rounded"), ((_BF16, _BEFORE, _BF16),)),
-    ]
-
-
-def _gate_family(quick: bool) -> list[Member]:
-    """The gate before and after the norm, SiLU and sigmoid, each cast order: the Mamba2,
-    Qwen3-Next and Kimi Linear conventions among them."""
-    mamba2 = NormSpec(gate="before", cast="before_scale", output_dtype="promote")
-    qwen3_next = NormSpec(gate="after", cast="before_scale")
-    kimi = NormSpec(gate="after", gate_activation="sigmoid")
-    if quick:
-        return [(qwen3_next, ((_BF16, _BEFORE, _F32),)), (kimi, ((_F32, _AFTER, _F32),))]
-    return [
-        (mamba2, ((_BF16, _BEFORE, _F32), (_F32, _BEFORE, _F32))),
-        (qwen3_next, ((_BF16, _BEFORE, _BF16), (_F16, _BEFORE, _F32))),
-        (kimi, ((_BF16, _AFTER, _F32), (_F64, _AFTER, _F32))),
-        (NormSpec("layer", gate="before", gate_activation="sigmoid"), ((_F32, _AFTER, _F32),)),
-        (NormSpec("partial_rms", p=0.5, gate="after"), ((_BF16, _AFTER, _F32),)),
-    ]
-
-
-def _group_family(quick: bool) -> list[Member]:
-    """The statistic per group of 4 (`GROUPED_SHAPES`), RMS and LayerNorm, gated (Mamba2's
-    n_groups) and not."""
-    grouped = NormSpec(group_size=4)
-    if quick:
-        return [(grouped, ((_BF16, _BEFORE, _F32),))]
-    return [
-        (grouped, ((_F32, _AFTER, _F32), (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))),
-        (NormSpec("layer", group_size=4), ((_F16, _AFTER, _F32),)),
-        (NormSpec(gate="before", group_size=4, cast="before_scale"), ((_BF16, _BEFORE, _F32),)),
-    ]
-
-
-FAMILIES = {
-    "residual": _residual_family,
-    "variance": _variance_family,
-    "offset_dtype": _offset_family,
-    "output_dtype": _promote_family,
-    "dyt": _dyt_family,
-    "backward": _autograd_family,
-    "gate": _gate_family,
-    "group_size": _group_family,
+        ),
+    ),
+    # The gradients of autograd through the eager forward: half inputs, both casts, params in
+    # the input dtype (as `module.to(dtype)`), and Llama's float32 weights.
+    "backward": Family(
+        full=(
+            (_AUTOGRAD, ((_BF16, _AFTER, _BF16), (_BF16, _BEFORE, _BF16), (_F16, _AFTER, _F16),
+                         (_F16, _BEFORE, _F16))),
+            (NormSpec("layer", backward="autograd"), ((_BF16, _BEFORE, _BF16),)),
+            (_AUTOGRAD.replace(output_dtype="promote"), ((_BF16, _BEFORE, _F32),)),
+            (_AUTOGRAD.replace(residual="rounded"), ((_BF16, _BEFORE, _BF16),)),
+        ),
+        quick=((_AUTOGRAD, ((_BF16, _BEFORE, _BF16),)),),
+    ),
+    # The gate before and after the norm, SiLU and sigmoid, each cast order: the Mamba2,
+    # Qwen3-Next and Kimi Linear conventions among them.
+    "gate": Family(
+        full=(
+            (_MAMBA2, ((_BF16, _BEFORE, _F32), (_F32, _BEFORE, _F32))),
+            (_QWEN3_NEXT, ((_BF16, _BEFORE, _BF16), (_F16, _BEFORE, _F32))),
+            (_KIMI, ((_BF16, _AFTER, _F32), (_F64, _AFTER, _F32))),
+            (NormSpec("layer", gate="before", gate_activation="sigmoid"),
+             ((_F32, _AFTER, _F32),)),
+            (NormSpec("partial_rms", p=0.5, gate="after"), ((_BF16, _AFTER, _F32),)),
+        ),
+        quick=((_QWEN3_NEXT, ((_BF16, _BEFORE, _F32),)), (_KIMI, ((_F32, _AFTER, _F32),))),
+    ),
+    # The statistic per group of 4 (`GROUPED_SHAPES`), RMS and LayerNorm, gated (Mamba2's
+    # n_groups) and not.
+    "group_size": Family(
+        full=(
+            (_GROUPED, ((_F32, _AFTER, _F32), (_BF16, _BEFORE, _F32), (_F64, _AFTER, _F32))),
+            (NormSpec("layer", group_size=4), ((_F16, _AFTER, _F32),)),
+            (NormSpec(gate="before", group_size=4, cast="before_scale"),
+             ((_BF16, _BEFORE, _F32),)),
+        ),
+        quick=((_GROUPED, ((_BF16, _BEFORE, _F32),)),),
+    ),
 }
-"""The extended fields' own small families of cases, each `(quick) -> [(spec, settings)]`."""
+"""The extended fields' own small families of cases, by field."""
 
 
 def _checked_filters(kinds: tuple[str, ...], case_dtypes: tuple[str, ...]) -> None:
@@ -362,7 +350,7 @@ def matrix(
                 cases.append(Case(spec.replace(cast=cast, axis=axis), shape, dtype))
     shapes = QUICK_EXTENDED_SHAPES if quick else EXTENDED_SHAPES
     for family in FAMILIES.values():
-        for spec, settings in family(quick):
+        for spec, settings in family.members(quick):
             if spec.kind not in kinds:
                 continue
             family_shapes = shapes
