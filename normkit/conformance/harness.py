@@ -33,18 +33,22 @@ Build = Callable[..., VjpFn]
 (a SKIP), ValueError for a variant that does not apply."""
 
 
-_INPUTS = ("scale", "bias", "residual", "dh", "alpha", "gate")
-
-
-def check_inputs(spec: NormSpec, x: np.ndarray, dy: np.ndarray, **given: Any) -> None:
-    """ValueError unless ``dy`` has x's shape and the inputs ``given`` by name (`_INPUTS`; None
-    is not given) fit the spec: residual and dh exactly when the spec has a residual and the
-    gate exactly when it has one (each of x's shape), alpha only for DyT (shape ``(1,)``), and
-    scale and bias as `normkit.reference.check_params` asks. TypeError for another name."""
-    unknown = sorted(set(given) - set(_INPUTS))
-    if unknown:
-        raise TypeError(f"check_inputs got unknown inputs {unknown}; expected some of {_INPUTS}")
-    scale, bias, residual, dh, alpha, gate = (given.get(name) for name in _INPUTS)
+def check_inputs(
+    spec: NormSpec,
+    x: np.ndarray,
+    dy: np.ndarray,
+    *,
+    scale: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+    dh: np.ndarray | None = None,
+    alpha: np.ndarray | None = None,
+    gate: np.ndarray | None = None,
+) -> None:
+    """ValueError unless ``dy`` has x's shape and the inputs given (None: not given) fit the
+    spec: residual and dh exactly when the spec has a residual and the gate exactly when it has
+    one (each of x's shape), alpha only for DyT (shape ``(1,)``), and scale and bias as
+    `normkit.reference.check_params` asks."""
     if np.shape(dy) != np.shape(x):
         raise ValueError(f"dy has shape {np.shape(dy)}, expected the shape of x, {np.shape(x)}")
     if (residual is None) != (spec.residual is None) or (dh is None) != (spec.residual is None):
