@@ -42,7 +42,11 @@ weight."""
 
 
 def _eagerly(value: Any) -> bool:
-    """Whether ``value``, a tensor of this call, is known now (eager execution), not traced."""
+    """Whether ``value``, a tensor of this call, is known now (eager execution), not traced.
+
+    On JAX, ``jax.grad`` or ``jax.vjp`` without ``jit`` wraps concrete arrays in tracers: their
+    values are known (`_on_host` reads them), and a ``cond`` there would be compiled anew on
+    every call."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
@@ -51,7 +55,7 @@ def _eagerly(value: Any) -> bool:
     if backend == "jax":
         import jax
 
-        return not isinstance(value, jax.core.Tracer)
+        return not isinstance(_without_tangent(value), jax.core.Tracer)
     if backend == "torch":
         import torch
 
@@ -59,10 +63,25 @@ def _eagerly(value: Any) -> bool:
     return True
 
 
+def _without_tangent(value: Any) -> Any:
+    """On JAX, the array under autodiff's tracer of ``value`` (concrete outside ``jit``);
+    ``value`` itself elsewhere, or where it is no tracer."""
+    if keras.backend.backend() != "jax":
+        return value
+    import jax
+
+    return jax.lax.stop_gradient(value) if isinstance(value, jax.core.Tracer) else value
+
+
+def _on_host(value: Any) -> np.ndarray:
+    """``value``, known now (`_eagerly`), as a numpy array."""
+    return np.asarray(ops.convert_to_numpy(_without_tangent(value)))
+
+
 def _known(flag: Any) -> bool | None:
     """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
     eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
-    return bool(ops.convert_to_numpy(flag)) if _eagerly(flag) else None
+    return bool(_on_host(flag)) if _eagerly(flag) else None
 
 
 def _recording() -> bool:
@@ -222,13 +241,13 @@ class _Rows:
         """`plain`'s judgement of the rows on the host, from the row-sized ``s``, ``r`` and
         ``mean`` (None for the RMS kinds): whether a row needs rescaling (`needs_rescaling`) or
         has a LayerNorm mean above ``1/r``."""
-        r_now = ops.convert_to_numpy(r)
+        r_now = _on_host(r)
         with np.errstate(invalid="ignore", over="ignore"):
             bad = ~((r_now >= 1 / self.bound_value) & (r_now <= self.bound_value))
             if self.outside:
-                bad |= ops.convert_to_numpy(s) < self.small_value
+                bad |= _on_host(s) < self.small_value
             if mean is not None:
-                bad |= ~(np.abs(ops.convert_to_numpy(mean)) * r_now <= 1.0)
+                bad |= ~(np.abs(_on_host(mean)) * r_now <= 1.0)
         return bool(bad.any())
 
     def plain_output(
