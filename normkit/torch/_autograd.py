@@ -250,14 +250,16 @@ def _fast_statistic(x: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, to
     return xf - m1, torch.clamp_min(m2 - m1 * m1, 0.0)
 
 
-def _affine(y: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
-    """``y * g + b`` (either absent)."""
+def _affine(
+    y: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None, in_place: bool = False
+) -> torch.Tensor:
+    """``y * g + b`` (either absent); ``in_place``: written over ``y``."""
     if g is not None and b is not None:
-        return torch.addcmul(b, y, g)
+        return torch.addcmul(b, y, g, out=y) if in_place else torch.addcmul(b, y, g)
     if g is not None:
-        return y * g
+        return y.mul_(g) if in_place else y * g
     if b is not None:
-        return y + b
+        return y.add_(b) if in_place else y + b
     return y
 
 
@@ -266,32 +268,17 @@ def _rounded_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return round_through(y, dtype) if torch.compiler.is_compiling() else y.to(dtype).to(y.dtype)
 
 
-def _forward_in_place(
-    x: torch.Tensor,
-    g: torch.Tensor | None,
-    b: torch.Tensor | None,
-    k: int,
-    eps: float,
-    outside: bool,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`NormFunction.forward` for the RMS kinds on float32/float64 rows, the affine step in
-    place; None when a row needs scaling (`_scaled_statistic`)."""
+def _plain_r(x: torch.Tensor, k: int, eps: float, outside: bool) -> torch.Tensor | None:
+    """``r`` per row (shape ``(rows, 1)``) of the RMS kinds on float32/float64 rows, formed in
+    place from the plain statistic ``s = sum(x[:k]**2) / k``; None when a row needs scaling
+    (`_scaled_statistic`)."""
     head = x[:, :k]
     r = torch.linalg.vecdot(head, head).unsqueeze(-1).div_(k)
     if outside:
         r.sqrt_().add_(eps).reciprocal_()
     else:
         r.add_(eps).rsqrt_()
-    if bool(_out_of_range(r).any()):
-        return None
-    y = torch.mul(x, r)
-    if g is not None and b is not None:
-        torch.addcmul(b, y, g, out=y)
-    elif g is not None:
-        y.mul_(g)
-    elif b is not None:
-        y.add_(b)
-    return y, r.squeeze(-1)
+    return None if bool(_out_of_range(r).any()) else r
 
 
 def _backward(
@@ -468,9 +455,10 @@ class NormFunction(torch.autograd.Function):
             y = centered * r
         else:
             if _in_place(x) and kind != "layer" and dtype == x.dtype:
-                result = _forward_in_place(x, g, b, k, eps, outside)
-                if result is not None:
-                    return result[0].to(out), result[1]
+                plain_r = _plain_r(x, k, eps, outside)
+                if plain_r is not None:
+                    y = _affine(torch.mul(x, plain_r), g, b, in_place=True)
+                    return y.to(out), plain_r.squeeze(-1)
             rows = _scaled_statistic(x, kind, k, eps, outside)
             r = _rstd(rows.s, rows.eps, outside)
             y = rows.c * r
