@@ -121,7 +121,7 @@ def _run_reference(args: argparse.Namespace) -> int:
 def _add_conformance(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--full", action="store_true",
-        help="the whole matrix (994 cases per target and device: about 45 minutes on 2 CPU "
+        help="the whole matrix (994 cases per target and device: about 25 minutes on 2 CPU "
              "cores); by default a matrix that still touches every kind, option and dtype, "
              "forward and backward (a few minutes)")
     add("--backend", type=arguments.names,

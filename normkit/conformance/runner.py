@@ -128,8 +128,11 @@ def run(
     skipped = {t.name: reason for t in targets if (reason := t.missing())}
     runnable = [t for t in targets if t.name not in skipped]
     planned = {t.name: cases_for(t) for t in runnable}
+    cost = {t.name: t.cost for t in runnable}
+    copies = max(1, len(devices or ()))
     per_device = sum(len(c) for c in planned.values())
-    bar = Progress("conformance", per_device * max(1, len(devices or ()))) if progress else None
+    weight = sum(len(c) * cost[name] for name, c in planned.items())
+    bar = Progress("conformance", per_device * copies, work=weight * copies) if progress else None
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     slots = threading.Semaphore(jobs)
     results: list[Result] = []
@@ -176,11 +179,14 @@ def run(
                         )
                         results.extend(lost)
                         if bar is not None and lost:
-                            bar.advance(f"{crashed} crashed", by=len(lost))
+                            bar.advance(
+                                f"{crashed} crashed", by=len(lost), work=len(lost) * cost[crashed]
+                            )
             elif "devices" in event:
                 seen_devices[name] = event["devices"]
                 if bar is not None and not devices:
-                    bar.add(len(planned[name]) * (len(event["devices"]) - 1))
+                    more = len(planned[name]) * (len(event["devices"]) - 1)
+                    bar.add(more, work=more * cost[name])
             elif "identified" in event:
                 identified[name] = event["identified"]
             elif "batch_invariance" in event:
@@ -192,7 +198,7 @@ def run(
                 reported[name].add((result.case.id, result.device))
                 results.append(result)
                 if bar is not None:
-                    bar.advance(f"{name} {result.device}")
+                    bar.advance(f"{name} {result.device}", work=cost[name])
         if bar is not None:
             bar.close()
         pairs = _pairwise(results, Path(outdir)) if pairwise else []

@@ -88,6 +88,9 @@ class Target:
       params_in_input_dtype: for a peer, whether its parameters are kept in the input's dtype
         (torch's ``module.to(dtype)``) rather than float32.
       note: what the target is, for the report.
+      cost: the time a case takes, relative to the eager ``torch`` target's (measured on the
+        2-core machine of docs/benchmarks.md): the progress display's estimate of the time left
+        weighs each case by it.
     """
 
     name: str
@@ -99,6 +102,7 @@ class Target:
     claims: NormSpec | None = None
     params_in_input_dtype: bool = False
     note: str = ""
+    cost: float = 1.0
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -137,13 +141,17 @@ def _torch(
     note: str,
     packages: tuple[str, ...] = (),
     env: Mapping[str, str] | None = None,
+    *,
+    cost: float = 1.0,
     **variant: object,
 ) -> Target:
     """A normkit.torch target; ``variant`` as the hook's VARIANTS (``api``, ``kernel``, ...)."""
-    return Target(name, ("torch",), TORCH_HOOK, variant, env or {}, packages, note=note)
+    return Target(
+        name, ("torch",), TORCH_HOOK, variant, env or {}, packages, note=note, cost=cost
+    )
 
 
-def _keras(keras_backend: str, **variant: object) -> Target:
+def _keras(keras_backend: str, cost: float, **variant: object) -> Target:
     """normkit.tf on one Keras backend: on JAX or torch it needs Keras and that framework, not
     TensorFlow."""
     jit = ",jit" if variant.get("jit") else ""
@@ -156,11 +164,15 @@ def _keras(keras_backend: str, **variant: object) -> Target:
         {"KERAS_BACKEND": keras_backend},
         () if keras_backend == "tensorflow" else ("keras",),
         note=f"normkit.tf on the {keras_backend} Keras backend" + (" under jit" if jit else ""),
+        cost=cost,
     )
 
 
-def _jax(api: str) -> Target:
-    return Target(f"jax.{api}", ("jax",), JAX_HOOK, {"api": api}, note=f"normkit.jax {api}, jitted")
+def _jax(api: str, cost: float) -> Target:
+    return Target(
+        f"jax.{api}", ("jax",), JAX_HOOK, {"api": api}, note=f"normkit.jax {api}, jitted",
+        cost=cost,
+    )
 
 
 TARGETS: tuple[Target, ...] = (
@@ -171,16 +183,19 @@ TARGETS: tuple[Target, ...] = (
     ),
     _torch(
         "torch[triton]", "normkit.torch modules, Triton kernels (interpreted off a GPU)",
-        ("triton",), kernel="triton",
+        ("triton",), cost=20.0, kernel="triton",
     ),
-    _keras("tensorflow"),
-    _keras("tensorflow", jit=True),
-    _keras("jax", jit=True),
-    _keras("torch"),
-    _jax("linen"),
-    _jax("nnx"),
-    _jax("functional"),
+    _keras("tensorflow", cost=2.0),
+    _keras("tensorflow", cost=80.0, jit=True),
+    _keras("jax", cost=90.0, jit=True),
+    _keras("torch", cost=1.5),
+    # The first JAX target fills the compilation cache the other two read.
+    _jax("linen", cost=30.0),
+    _jax("nnx", cost=18.0),
+    _jax("functional", cost=18.0),
 )
+"""Every target, with its ``cost`` from a ``--full`` run on the 2-core machine (seconds per
+case: torch 0.007, the Triton interpreter 0.14, Keras under XLA 0.57-0.63, JAX 0.12-0.33)."""
 
 
 def _selects(name: str, target: Target) -> bool:

@@ -1,5 +1,7 @@
 """The conformance runner, report and CLI; `assert_conforms` on right and wrong implementations."""
 
+import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from normkit import cli, conformance
 from normkit.conformance import report, runner
 from normkit.conformance.cases import FULL_SHAPES, Case, matrix
 from normkit.conformance.targets import TARGETS, Target, select
+from normkit.progress import Progress
 
 ROOT = str(Path(__file__).resolve().parents[2])
 FAKES = "tests.helpers.conformance_fakes"
@@ -174,6 +177,25 @@ def test_a_stray_print_in_a_worker_neither_hangs_nor_corrupts_the_run():
     )
     rep = runner.run([chatty], lambda t: cases, progress=False)
     assert [r.status for r in rep.results] == ["PASS"] * len(cases)
+
+
+def test_progress_weighs_each_case_by_its_targets_cost(monkeypatch):
+    """A compiled target's case counts its ``cost`` in the estimate of the time left."""
+    recorded = []
+
+    class Recording(Progress):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, stream=io.StringIO(), **kwargs)
+            recorded.append(self)
+
+    monkeypatch.setattr(runner, "Progress", Recording)
+    cases = matrix(quick=True, kinds=("rms",), case_dtypes=("float32",))[:2]
+    cheap = dataclasses.replace(fake("cheap", "exact"), cost=1.0)
+    costly = dataclasses.replace(fake("costly", "exact"), cost=30.0)
+    runner.run([cheap, costly], lambda t: cases, pairwise=False)
+    (bar,) = recorded
+    assert (bar.total, bar.work) == (4, 62.0)
+    assert (bar.done, bar.work_done) == (4, 62.0)
 
 
 def test_a_stray_line_on_the_event_channel_is_a_crash_not_a_hang(monkeypatch):
