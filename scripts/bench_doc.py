@@ -60,6 +60,13 @@ def targets(rows: list[Row]) -> Iterable[str]:
             yield line
 
 
+# normkit's layers held to each framework's target: Flax's, linen and nnx.
+OURS: dict[str, Callable[[str], tuple[str, ...]]] = {
+    "tf": lambda layer: (f"normkit.tf.{layer}",),
+    "jax": lambda layer: (f"normkit.jax.{layer}", f"normkit.jax.nnx.{layer}"),
+}
+
+
 def _target_rows(rows: list[Row]) -> Iterable[str | None]:
     """Each target's row, None for those whose backend did not run."""
     pairs = {
@@ -74,12 +81,12 @@ def _target_rows(rows: list[Row]) -> Iterable[str | None]:
             for dtype in ("float32", "bfloat16"):
                 for pass_ in ("forward", "forward+backward"):
                     for layer, peer in layers:
-                        ours = f"normkit.{backend}.{layer}"
-                        found = _pick(rows, backend=backend, mode=mode, dtype=dtype,
-                                      implementation=ours, **{"pass": pass_})
-                        name = (f"{label[backend]} {mode} {dtype} {pass_}: `{ours}` >= 1.0x "
-                                f"`{peer}`")
-                        yield _target(name, found, _ratio(peer), 1.0, False)
+                        for ours in OURS[backend](layer):
+                            found = _pick(rows, backend=backend, mode=mode, dtype=dtype,
+                                          implementation=ours, **{"pass": pass_})
+                            name = (f"{label[backend]} {mode} {dtype} {pass_}: `{ours}` >= "
+                                    f"1.0x `{peer}`")
+                            yield _target(name, found, _ratio(peer), 1.0, False)
     torch_eager = dict(backend="torch", mode="eager", memory=EQUAL)
     floors = [("float32", "forward", 0.90), ("float32", "forward+backward", 0.80),
               ("bfloat16", "forward", 0.85)]

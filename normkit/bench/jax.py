@@ -1,10 +1,11 @@
-"""normkit.jax against flax.linen.RMSNorm / LayerNorm, jitted.
+"""normkit.jax (linen and nnx) against flax.linen.RMSNorm / LayerNorm, jitted.
 
 ``python -m normkit.bench.jax [--quick] [--device D] [--dtype T]`` prints the table;
 `normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
 also times a jitted ``jnp.copy`` of the same bytes (the copy floor). Forward+backward is one jitted
 function returning ``y`` and the VJP (gradients of ``x`` and the parameters). Parameters are
-float32; flax's modules get ``dtype=`` the input's so that they return it, as normkit's do.
+float32; flax's modules get ``dtype=`` the input's so that they return it, as normkit's do. An
+nnx module runs as its graph and state (``nnx.split``), merged inside the jitted function.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import normkit.jax as nkjax
 from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
@@ -29,29 +31,51 @@ MODE = "jax.jit"
 _BRIDGE = JaxBridge()
 
 
-def _modules(dtype: Any) -> dict[str, nn.Module]:
+Apply = Callable[[Any, jax.Array], Any]
+
+
+def _linen(module: nn.Module, x: jax.Array) -> tuple[Apply, Any]:
+    return module.apply, module.init(jax.random.key(0), x[:1])
+
+
+def _nnx(module: nnx.Module) -> tuple[Apply, Any]:
+    graph, state = nnx.split(module)
+    return lambda state, x: nnx.merge(graph, state)(x), state
+
+
+def _layers(dtype: Any, x: jax.Array) -> dict[str, tuple[Apply, Any]]:
+    """Each implementation's ``(apply, params)``: ``apply(params, x) -> y``."""
+    n, rngs = x.shape[-1], nnx.Rngs(0)
     return {
         # normkit's spec defaults (output in the input dtype, two-pass variance), as measured
         # before the modules took Flax's defaults.
-        "normkit.jax.RMSNorm": nkjax.RMSNorm(epsilon=EPS, output_dtype="input"),
-        "flax.linen.RMSNorm": nn.RMSNorm(epsilon=EPS, dtype=dtype),
-        "normkit.jax.LayerNorm": nkjax.LayerNorm(
-            epsilon=EPS, output_dtype="input", variance="two_pass"
+        "normkit.jax.RMSNorm": _linen(nkjax.RMSNorm(epsilon=EPS, output_dtype="input"), x),
+        "normkit.jax.nnx.RMSNorm": _nnx(
+            nkjax.nnx.RMSNorm(n, epsilon=EPS, output_dtype="input", rngs=rngs)
         ),
-        "flax.linen.LayerNorm": nn.LayerNorm(epsilon=EPS, dtype=dtype),
+        "flax.linen.RMSNorm": _linen(nn.RMSNorm(epsilon=EPS, dtype=dtype), x),
+        "normkit.jax.LayerNorm": _linen(
+            nkjax.LayerNorm(epsilon=EPS, output_dtype="input", variance="two_pass"), x
+        ),
+        "normkit.jax.nnx.LayerNorm": _nnx(
+            nkjax.nnx.LayerNorm(
+                n, epsilon=EPS, output_dtype="input", variance="two_pass", rngs=rngs
+            )
+        ),
+        "flax.linen.LayerNorm": _linen(nn.LayerNorm(epsilon=EPS, dtype=dtype), x),
     }
 
 
-def _task(module: nn.Module, x: jax.Array, dy: jax.Array, backward: bool) -> Callable[[], object]:
-    params = module.init(jax.random.key(0), x[:1])
-
+def _task(
+    apply: Apply, params: Any, x: jax.Array, dy: jax.Array, backward: bool
+) -> Callable[[], object]:
     @jax.jit
     def forward(params: Any, x: jax.Array) -> Any:
-        return module.apply(params, x)
+        return apply(params, x)
 
     @jax.jit
     def forward_backward(params: Any, x: jax.Array, dy: jax.Array) -> Any:
-        y, vjp = jax.vjp(module.apply, params, x)
+        y, vjp = jax.vjp(apply, params, x)
         return y, vjp(dy)
 
     if backward:
@@ -75,7 +99,7 @@ def devices() -> list[str]:
 
 
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
-    """Time one group: the four modules, interleaved with a jitted copy of the same bytes."""
+    """Time one group: the six modules, interleaved with a jitted copy of the same bytes."""
     device = _BRIDGE.device(group.device)
     dtype = jnp.dtype(group.dtype)
     rng = np.random.default_rng(0)
@@ -86,7 +110,10 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
         )
 
     x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
-    candidates = {k: _task(m, x, dy, group.backward) for k, m in _modules(dtype).items()}
+    candidates = {
+        k: _task(apply, params, x, dy, group.backward)
+        for k, (apply, params) in _layers(dtype, x).items()
+    }
     copy = jax.jit(jnp.copy)
     return time_group(
         group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer)))

@@ -34,7 +34,10 @@ from normkit.bench.core import (
 PEERS = {
     "torch": {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "Llama RMSNorm (torch ops)", "normkit.torch.LayerNorm", "torch.nn.LayerNorm"},
     "tf": {"normkit.tf.RMSNorm", "keras.layers.RMSNormalization", "normkit.tf.LayerNorm", "keras.layers.LayerNormalization"},
-    "jax": {"normkit.jax.RMSNorm", "flax.linen.RMSNorm", "normkit.jax.LayerNorm", "flax.linen.LayerNorm"},
+    "jax": {
+        "normkit.jax.RMSNorm", "normkit.jax.nnx.RMSNorm", "flax.linen.RMSNorm",
+        "normkit.jax.LayerNorm", "normkit.jax.nnx.LayerNorm", "flax.linen.LayerNorm",
+    },
 }
 MODES = {"torch": {"eager", "torch.compile"}, "tf": {"eager", "tf.function(jit_compile=True)"}, "jax": {"jax.jit"}}
 INSTALLED = [b.name for b in backends.BACKENDS if not b.missing()]

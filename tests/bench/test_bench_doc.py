@@ -22,7 +22,8 @@ def _load():
 
 def _row(implementation, hidden, ratio, *, backend="tf", mode="eager", pass_="forward",
          dtype="float32", memory="as allocated", fraction=0.5):
-    peer = {"tf": "keras.layers.RMSNormalization", "torch": "torch.nn.LayerNorm"}[backend]
+    peer = {"tf": "keras.layers.RMSNormalization", "torch": "torch.nn.LayerNorm",
+            "jax": "flax.linen.RMSNorm"}[backend]
     return {
         "implementation": implementation, "role": "normkit", "backend": backend,
         "device": "cpu", "pass": pass_, "mode": mode, "memory": memory,
@@ -39,6 +40,20 @@ def test_a_target_is_met_only_at_every_hidden_size():
     (line_missed,) = [t for t in bench_doc.targets(missed) if "RMSNorm" in t]
     assert line_met.endswith("| met |") and "4096: 1.00x" in line_met
     assert line_missed.endswith("| **not met** |") and "4096: 0.99x" in line_missed
+
+
+def test_flax_targets_hold_linen_and_nnx_each_to_flax_linen():
+    bench_doc = _load()
+    rows = [_row(name, h, r, backend="jax", mode="jax.jit")
+            for h in bench_doc.HIDDEN
+            for name, r in (("normkit.jax.RMSNorm", 1.1), ("normkit.jax.nnx.RMSNorm", 0.9))]
+    lines = [t for t in bench_doc.targets(rows) if t.startswith("| Flax")]
+    assert lines == [
+        "| Flax jax.jit float32 forward: `normkit.jax.RMSNorm` >= 1.0x `flax.linen.RMSNorm` | "
+        "1024: 1.10x, 4096: 1.10x, 16384: 1.10x | met |",
+        "| Flax jax.jit float32 forward: `normkit.jax.nnx.RMSNorm` >= 1.0x `flax.linen.RMSNorm` | "
+        "1024: 0.90x, 4096: 0.90x, 16384: 0.90x | **not met** |",
+    ]
 
 
 def test_copy_floor_targets_read_the_equal_memory_view():
