@@ -24,7 +24,8 @@ QUANTITIES = (*BASE_QUANTITIES, *GATE_QUANTITIES, *RESIDUAL_QUANTITIES, *DYT_QUA
 FORWARD_QUANTITIES = ("y", "h")
 
 __all__ = [
-    "QUANTITIES", "Inputs", "compare", "expected", "expected_dtypes", "quantities", "tolerance",
+    "QUANTITIES", "Inputs", "compare", "expected", "expected_dtypes", "param_dtype", "quantities",
+    "tolerance",
 ]
 
 
@@ -57,8 +58,8 @@ class Inputs(NamedTuple):
     gate: np.ndarray | None = None
 
 
-def _param_dtype(inputs: Inputs) -> np.dtype:
-    """The dtype of an absent parameter: that of the parameters given, else float32."""
+def param_dtype(inputs: Inputs) -> np.dtype:
+    """The dtype of an absent parameter: that of the first parameter given, else float32."""
     given = next((p for p in (inputs.scale, inputs.bias, inputs.alpha) if p is not None), None)
     return dtypes.float32 if given is None else np.asarray(given).dtype
 
@@ -69,7 +70,7 @@ def expected_dtypes(spec: NormSpec, inputs: Inputs) -> dict[str, np.dtype]:
     float32 without any), ``h`` in x's (float32 for ``residual="float32"`` with a half x; float64
     for a float64 x), ``dresidual`` in the residual's."""
     x = inputs.x
-    param = _param_dtype(inputs)
+    param = param_dtype(inputs)
 
     def own(a: np.ndarray | None) -> np.dtype:
         return param if a is None else np.asarray(a).dtype

@@ -18,6 +18,7 @@ import numpy as np
 
 from normkit import reference
 from normkit.bridges import Bridge, VjpFn, device_name
+from normkit.conformance.compare import Inputs, param_dtype
 from normkit.conformance.targets import HookOutputs, check_variant
 from normkit.identify import Identification
 from normkit.identify import identify as identify_function
@@ -33,22 +34,12 @@ Build = Callable[..., VjpFn]
 (a SKIP), ValueError for a variant that does not apply."""
 
 
-def check_inputs(
-    spec: NormSpec,
-    x: np.ndarray,
-    dy: np.ndarray,
-    *,
-    scale: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
-    residual: np.ndarray | None = None,
-    dh: np.ndarray | None = None,
-    alpha: np.ndarray | None = None,
-    gate: np.ndarray | None = None,
-) -> None:
-    """ValueError unless ``dy`` has x's shape and the inputs given (None: not given) fit the
-    spec: residual and dh exactly when the spec has a residual and the gate exactly when it has
-    one (each of x's shape), alpha only for DyT (shape ``(1,)``), and scale and bias as
-    `normkit.reference.check_params` asks."""
+def check_inputs(spec: NormSpec, inputs: Inputs) -> None:
+    """ValueError unless the case's arrays fit the spec: ``dy`` of x's shape, ``residual`` and
+    ``dh`` exactly when the spec has a residual and ``gate`` exactly when it has one (each of
+    x's shape), ``alpha`` only for DyT (shape ``(1,)``), and ``scale`` and ``bias`` as
+    `normkit.reference.check_params` asks (None: not given)."""
+    x, dy, scale, bias, residual, dh, alpha, gate = inputs
     if np.shape(dy) != np.shape(x):
         raise ValueError(f"dy has shape {np.shape(dy)}, expected the shape of x, {np.shape(x)}")
     if (residual is None) != (spec.residual is None) or (dh is None) != (spec.residual is None):
@@ -75,24 +66,16 @@ def check_inputs(
     reference.check_params(np.shape(x), spec, scale, bias)
 
 
-def initial_params(
-    spec: NormSpec,
-    shape: tuple[int, ...],
-    scale: np.ndarray | None,
-    bias: np.ndarray | None,
-    alpha: np.ndarray | None,
-) -> dict[str, np.ndarray]:
+def initial_params(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray]:
     """Every parameter the spec has, by name (``scale``, ``bias``, ``alpha``): as given, or its
-    initial value (``scale_init``, 0, ``alpha_init``) in the dtype of the first one given
-    (float32 without any)."""
-    given = [np.asarray(v) for v in (scale, bias, alpha) if v is not None]
-    dtype = given[0].dtype if given else np.dtype(np.float32)
-    param_shape = spec.param_shape(shape)
+    initial value (``scale_init``, 0, ``alpha_init``) in `param_dtype`."""
+    dtype = param_dtype(inputs)
+    param_shape = spec.param_shape(np.shape(inputs.x))
     params: dict[str, np.ndarray] = {}
     for name, value, present, init, size in (
-        ("scale", scale, spec.scale, spec.scale_init, param_shape),
-        ("bias", bias, bool(spec.bias), 0.0, param_shape),
-        ("alpha", alpha, spec.kind == "dyt", spec.alpha_init, (1,)),
+        ("scale", inputs.scale, spec.scale, spec.scale_init, param_shape),
+        ("bias", inputs.bias, bool(spec.bias), 0.0, param_shape),
+        ("alpha", inputs.alpha, spec.kind == "dyt", spec.alpha_init, (1,)),
     ):
         if present:
             params[name] = np.full(size, init, dtype) if value is None else np.asarray(value)
@@ -162,13 +145,13 @@ class Harness:
         check_variant(variant, self.variants)
         given, device = device, device_name(device)
         x, dy = np.asarray(x), np.asarray(dy)
-        check_inputs(
-            spec, x, dy, scale=scale, bias=bias, residual=residual, dh=dh, alpha=alpha, gate=gate
-        )
-        params = initial_params(spec, x.shape, scale, bias, alpha)
-        param_dtype = next(iter(params.values())).dtype if params else np.dtype(np.float32)
+        inputs = Inputs(x, dy, scale, bias, residual, dh, alpha, gate)
+        check_inputs(spec, inputs)
+        params = initial_params(spec, inputs)
         # built first: a target that cannot run on a device says so (a SKIP) wherever it runs
-        fn = self.build(spec, x.shape, param_dtype, dtype=x.dtype, device=device, **variant)
+        fn = self.build(
+            spec, x.shape, param_dtype(inputs), dtype=x.dtype, device=device, **variant
+        )
         seen = self.devices()
         if device not in seen:
             raise ValueError(f"device {given!r} is not one {self.bridge.name} sees: {seen}")

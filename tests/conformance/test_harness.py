@@ -10,6 +10,7 @@ import pytest
 
 from normkit import conformance
 from normkit.bridges import JaxBridge, TensorFlowBridge, TorchBridge
+from normkit.conformance.compare import Inputs
 from normkit.conformance.harness import check_inputs, initial_params
 from normkit.conformance.worker import jax_compilation_cache
 from normkit.spec import NormSpec
@@ -57,38 +58,40 @@ def test_vjp_needs_one_cotangent_per_output(bridge):
 
 def test_check_inputs_names_the_problem():
     x = np.ones((2, 4), np.float32)
-    check_inputs(NormSpec(residual="rounded"), x, x, scale=np.ones(4, np.float32), residual=x,
-                 dh=x)
+    check_inputs(
+        NormSpec(residual="rounded"), Inputs(x, x, scale=np.ones(4, np.float32), residual=x, dh=x)
+    )
     with pytest.raises(ValueError, match=r"dy has shape \(2, 3\), expected the shape of x"):
-        check_inputs(NormSpec(), x, x[:, :3])
+        check_inputs(NormSpec(), Inputs(x, x[:, :3]))
     with pytest.raises(ValueError, match="residual='rounded', residual given: True, dh given: False"):
-        check_inputs(NormSpec(residual="rounded"), x, x, residual=x)
+        check_inputs(NormSpec(residual="rounded"), Inputs(x, x, residual=x))
     with pytest.raises(ValueError, match=r"dh has shape \(4,\), expected the shape of x"):
-        check_inputs(NormSpec(residual="rounded"), x, x, residual=x, dh=x[0])
+        check_inputs(NormSpec(residual="rounded"), Inputs(x, x, residual=x, dh=x[0]))
     with pytest.raises(ValueError, match=r"alpha has shape \(\), expected \(1,\)"):
-        check_inputs(NormSpec("dyt"), x, x, alpha=np.float32(1))
+        check_inputs(NormSpec("dyt"), Inputs(x, x, alpha=np.float32(1)))
     with pytest.raises(ValueError, match="bias was given but the spec has bias=False"):
-        check_inputs(NormSpec(), x, x, bias=np.zeros(4, np.float32))
+        check_inputs(NormSpec(), Inputs(x, x, bias=np.zeros(4, np.float32)))
     with pytest.raises(ValueError, match="the spec has gate='after', gate given: False"):
-        check_inputs(NormSpec(gate="after"), x, x)
+        check_inputs(NormSpec(gate="after"), Inputs(x, x))
     with pytest.raises(ValueError, match=r"gate has shape \(2, 3\), expected the shape of x"):
-        check_inputs(NormSpec(gate="after"), x, x, gate=x[:, :3])
+        check_inputs(NormSpec(gate="after"), Inputs(x, x, gate=x[:, :3]))
     with pytest.raises(TypeError, match="unexpected keyword argument 'weight'"):
-        check_inputs(NormSpec(), x, x, weight=x)
+        check_inputs(NormSpec(), Inputs(x, x, weight=x))
 
 
 def test_initial_params_come_from_the_spec_in_the_dtype_of_those_given():
     spec = NormSpec("dyt", bias=True, alpha_init=0.75, scale_offset=-1.0)  # w starts at 2
-    params = initial_params(spec, (3, 4), None, None, None)
+    x = np.ones((3, 4), np.float32)
+    params = initial_params(spec, Inputs(x, x))
     assert list(params) == ["scale", "bias", "alpha"]
     assert {p.dtype for p in params.values()} == {np.dtype(np.float32)}
     np.testing.assert_array_equal(params["scale"], np.full(4, 2.0))
     np.testing.assert_array_equal(params["bias"], np.zeros(4))
     np.testing.assert_array_equal(params["alpha"], [0.75])
     given = np.full(4, 3.0, np.float64)
-    params = initial_params(spec, (3, 4), given, None, None)
+    params = initial_params(spec, Inputs(x, x, scale=given))
     assert params["scale"] is given and params["alpha"].dtype == np.float64
-    assert list(initial_params(NormSpec(scale=False), (3, 4), None, None, None)) == []
+    assert list(initial_params(NormSpec(scale=False), Inputs(x, x))) == []
 
 
 def test_workers_keep_jax_compilations_under_the_user_cache(monkeypatch, tmp_path):

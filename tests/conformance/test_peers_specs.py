@@ -12,6 +12,7 @@ import pytest
 
 from normkit import reference, tolerances
 from normkit.conformance import peers
+from normkit.conformance.compare import Inputs
 from normkit.conformance.harness import check_inputs
 from normkit.conformance.peers import PEERS
 
@@ -123,8 +124,8 @@ def test_peers_refuse_a_residual_or_alpha():
         spec = target.claims
         scale = np.ones(4, np.float32) if spec.scale else None
         bias = np.zeros(4, np.float32) if spec.bias else None
-        check_inputs(spec, x, x, scale=scale, bias=bias)
+        check_inputs(spec, Inputs(x, x, scale=scale, bias=bias))
         with pytest.raises(ValueError, match="the spec has residual=None, residual given: True"):
-            check_inputs(spec, x, x, scale=scale, bias=bias, residual=x, dh=x)
+            check_inputs(spec, Inputs(x, x, scale=scale, bias=bias, residual=x, dh=x))
         with pytest.raises(ValueError, match=f"alpha was given but the spec has kind='{spec.kind}'"):
-            check_inputs(spec, x, x, scale=scale, bias=bias, alpha=np.ones(1, np.float32))
+            check_inputs(spec, Inputs(x, x, scale=scale, bias=bias, alpha=np.ones(1, np.float32)))

@@ -109,15 +109,15 @@ def torch_forward_without_autograd(
     import torch
 
     from normkit.bridges import TorchBridge, device_name
+    from normkit.conformance.compare import param_dtype
     from normkit.conformance.harness import initial_params
 
     bridge = TorchBridge()
     place = device_name(device)
-    x, _, scale, bias, residual, _, alpha, gate = inputs
-    params = initial_params(spec, x.shape, scale, bias, alpha)
-    param_dtype = next(iter(params.values())).dtype if params else np.dtype(np.float32)
+    x, residual, gate = inputs.x, inputs.residual, inputs.gate
+    params = initial_params(spec, inputs)
     fn = hook(variant).build(
-        spec, x.shape, param_dtype, dtype=x.dtype, device=place, **variant.kwargs
+        spec, x.shape, param_dtype(inputs), dtype=x.dtype, device=place, **variant.kwargs
     )
     second = residual if residual is not None else gate
     args = [bridge.to_tensor(a, place) for a in (x, second) if a is not None]
