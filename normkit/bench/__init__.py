@@ -21,7 +21,8 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 - ``shape``: ``[rows, hidden]``, normalized over hidden: the sweep's hidden sizes at about
   32M elements (1M with ``quick``), then one token's row ``[1, 4096]`` (`core.TOKEN_SHAPE`),
   where a call's time is its host work; ``dtype``: of x, y, dy and dx.
-- ``median_s``, ``min_s``: over ``repeats`` timed rounds (`core.TOKEN_ROUNDS` for the token).
+- ``median_s``, ``min_s``: over ``repeats`` timed rounds (for the token `Sweep.token_rounds`:
+  200, 20 with ``quick``).
 - ``bytes_moved``: the least traffic the pass needs: forward reads x and writes y; forward+backward
   adds reading x and dy and writing dx (5 tensors); parameters are negligible.
 - ``gb_per_s``: ``bytes_moved / median_s / 1e9``.

@@ -31,8 +31,9 @@ QUICK_ELEMENTS = 2**20
 EPS = 1e-6
 TOKEN_SHAPE = (1, 4096)
 """One token's row, as a decoding step normalizes it: a call's time there is host work (checks,
-dispatch, launches), not memory traffic, and it is timed over `TOKEN_ROUNDS` rounds."""
+dispatch, launches), not memory traffic, and it is timed over many rounds (`Sweep.token_rounds`)."""
 TOKEN_ROUNDS = 200
+QUICK_TOKEN_ROUNDS = 20
 # Where every implementation's outputs live: as each allocates them, or all on transparent huge
 # pages (torch on the CPU: normkit's kernel advises its outputs onto huge pages, torch's
 # allocator does so only under THP_MEM_ALLOC_ENABLE=1, which it reads once per process).
@@ -59,21 +60,26 @@ class Sweep:
     devices: tuple[str, ...] | None = None
     quick: bool = False
     memory: str = AS_ALLOCATED
+    token_rounds: int = TOKEN_ROUNDS
 
     @classmethod
     def make(
         cls, quick: bool = False, devices: Sequence[str] | None = None,
         dtypes: Sequence[str] | None = None,
     ) -> Sweep:
-        """The default sweep (hidden 1024, 4096, 16384 at 32M elements, 8 rounds) or the quick one
-        (hidden 1024 and 4096, 1M elements, 3 rounds)."""
+        """The default sweep (hidden 1024, 4096, 16384 at 32M elements, 8 rounds; one token's row
+        over `TOKEN_ROUNDS`) or the quick one (hidden 1024 and 4096, 1M elements, 3 rounds; the
+        token's over `QUICK_TOKEN_ROUNDS`)."""
         for dtype in dtypes or ():
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
         chosen = tuple(dtypes) if dtypes else None
         where = tuple(devices) if devices else None
         if quick:
-            return cls(QUICK_HIDDEN, QUICK_ELEMENTS, 1, 3, chosen, where, quick=True)
+            return cls(
+                QUICK_HIDDEN, QUICK_ELEMENTS, 1, 3, chosen, where, quick=True,
+                token_rounds=QUICK_TOKEN_ROUNDS,
+            )
         return cls(dtypes=chosen, devices=where)
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -177,7 +183,7 @@ def time_group(
     token = group.shape == TOKEN_SHAPE
     timings = interleaved(
         {**candidates, copy_name: copy_fn}, warmup=sweep.warmup * (10 if token else 1),
-        repeats=TOKEN_ROUNDS if token else sweep.repeats, sync=sync,
+        repeats=sweep.token_rounds if token else sweep.repeats, sync=sync,
     )
     floor = timings[copy_name].median_s
     rows = []

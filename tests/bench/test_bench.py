@@ -23,8 +23,8 @@ from normkit.bench import cli, report
 from normkit.bench.core import (
     FIELDS,
     PASSES,
+    QUICK_TOKEN_ROUNDS,
     ROLES,
-    TOKEN_ROUNDS,
     TOKEN_SHAPE,
     Group,
     Sweep,
@@ -86,7 +86,7 @@ def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dic
         assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
         assert {r["shape"][1] for r in rows} == set(Sweep.make(quick=True).hidden)
         token = [r for r in rows if tuple(r["shape"]) == TOKEN_SHAPE]
-        assert token and all(r["repeats"] == TOKEN_ROUNDS for r in token)
+        assert token and all(r["repeats"] == QUICK_TOKEN_ROUNDS for r in token)
         assert {(r["pass"], r["dtype"]) for r in token} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
     torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile" and r["memory"] == "as allocated"}
     assert len(torch_compiled) <= 1  # --quick: one compiled pair

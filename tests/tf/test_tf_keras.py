@@ -252,7 +252,7 @@ def test_devices_refuses_other_keras_backends(monkeypatch):
 @on_tensorflow
 def test_bench_rows_time_each_layer_with_its_keras_peers_and_a_copy():
     from normkit.bench import tf as bench
-    from normkit.bench.core import FIELDS, TOKEN_ROUNDS, TOKEN_SHAPE, run
+    from normkit.bench.core import FIELDS, QUICK_TOKEN_ROUNDS, TOKEN_SHAPE, run
 
     rows = run(bench, quick=True, devices=["cpu"], dtypes=["float32"])
     # 3 shapes (2 swept, one token) x (forward, forward+backward) x (eager, XLA) groups of 4
@@ -262,7 +262,7 @@ def test_bench_rows_time_each_layer_with_its_keras_peers_and_a_copy():
     for (name, pass_, mode, shape), row in by_key.items():
         assert tuple(row) == FIELDS
         assert row["backend"] == "tf" and row["dtype"] == "float32" and row["device"] == "cpu"
-        assert row["repeats"] == (TOKEN_ROUNDS if shape == TOKEN_SHAPE else 3)
+        assert row["repeats"] == (QUICK_TOKEN_ROUNDS if shape == TOKEN_SHAPE else 3)
         if row["role"] == "copy floor":
             assert name == "copy (x * 1)" and row["fraction_of_copy_floor"] == 1.0
             continue
