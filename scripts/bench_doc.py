@@ -175,10 +175,10 @@ def token_table(rows: list[Row]) -> Iterable[str]:
         if (tuple(r["shape"]) != TOKEN_SHAPE or r["role"] != "normkit"
                 or r["memory"] != "as allocated" or r["backend"] not in PEERS):
             continue
-        layer = r["implementation"].rsplit(".", 1)[-1]
-        if layer not in ("RMSNorm", "LayerNorm"):
+        layer = r["implementation"].removeprefix(f"normkit.{r['backend']}.")  # "nnx.RMSNorm"
+        if layer.rsplit(".", 1)[-1] not in ("RMSNorm", "LayerNorm"):
             continue
-        peer = PEERS[r["backend"]][layer == "LayerNorm"]
+        peer = PEERS[r["backend"]][layer.endswith("LayerNorm")]
         if peer not in r["ratios"]:
             continue
         ratio = float(r["ratios"][peer])

@@ -53,7 +53,7 @@ class Comparison:
     memory: str
 
     def label(self, show_mode: bool) -> str:
-        short = self.normkit.rsplit(".", 1)[-1]
+        short = self.normkit.removeprefix(f"normkit.{self.backend}.")  # "RMSNorm", "nnx.RMSNorm"
         return f"{short} vs {self.peer}" + (f"\n[{self.mode}]" if show_mode else "")
 
 

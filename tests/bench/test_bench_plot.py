@@ -70,6 +70,16 @@ def test_ratios_pair_layers_of_one_kind_in_order_of_hidden_size() -> None:
     assert table[layer][("float32", "forward")] == [0.5, 0.5]
 
 
+def test_labels_tell_normkits_modules_of_one_framework_apart() -> None:
+    """linen's and nnx's RMSNorm against the same peer: two comparisons, two labels."""
+    def label(normkit: str) -> str:
+        return plot.Comparison("jax", "cpu", normkit, "flax.linen.RMSNorm", "jax.jit",
+                               "as allocated").label(show_mode=False)
+
+    assert label("normkit.jax.RMSNorm") == "RMSNorm vs flax.linen.RMSNorm"
+    assert label("normkit.jax.nnx.RMSNorm") == "nnx.RMSNorm vs flax.linen.RMSNorm"
+
+
 def test_plot_writes_the_ratios_and_the_detail(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.image
