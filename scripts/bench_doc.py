@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from normkit.bench.core import TOKEN_SHAPE, swept
+from normkit.bench.core import TOKEN_SHAPE, short_name, swept
 
 HIDDEN = (1024, 4096, 16384)
 TABLE_SHAPE = [8192, 4096]
@@ -60,11 +60,8 @@ def targets(rows: list[Row]) -> Iterable[str]:
             yield line
 
 
-# normkit's layers held to each framework's target: Flax's, linen and nnx.
-OURS: dict[str, Callable[[str], tuple[str, ...]]] = {
-    "tf": lambda layer: (f"normkit.tf.{layer}",),
-    "jax": lambda layer: (f"normkit.jax.{layer}", f"normkit.jax.nnx.{layer}"),
-}
+# The modules whose layers are held to each framework's target: Flax's, linen and nnx.
+OURS = {"tf": ("normkit.tf",), "jax": ("normkit.jax", "normkit.jax.nnx")}
 
 
 def _target_rows(rows: list[Row]) -> Iterable[str | None]:
@@ -81,7 +78,7 @@ def _target_rows(rows: list[Row]) -> Iterable[str | None]:
             for dtype in ("float32", "bfloat16"):
                 for pass_ in ("forward", "forward+backward"):
                     for layer, peer in layers:
-                        for ours in OURS[backend](layer):
+                        for ours in (f"{module}.{layer}" for module in OURS[backend]):
                             found = _pick(rows, backend=backend, mode=mode, dtype=dtype,
                                           implementation=ours, **{"pass": pass_})
                             name = (f"{label[backend]} {mode} {dtype} {pass_}: `{ours}` >= "
@@ -175,7 +172,7 @@ def token_table(rows: list[Row]) -> Iterable[str]:
         if (tuple(r["shape"]) != TOKEN_SHAPE or r["role"] != "normkit"
                 or r["memory"] != "as allocated" or r["backend"] not in PEERS):
             continue
-        layer = r["implementation"].removeprefix(f"normkit.{r['backend']}.")  # "nnx.RMSNorm"
+        layer = short_name(r["implementation"], r["backend"])  # "RMSNorm", "nnx.RMSNorm"
         if layer.rsplit(".", 1)[-1] not in ("RMSNorm", "LayerNorm"):
             continue
         peer = PEERS[r["backend"]][layer.endswith("LayerNorm")]

@@ -140,6 +140,13 @@ def swept(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if tuple(r["shape"]) != TOKEN_SHAPE]
 
 
+def short_name(implementation: str, backend: str) -> str:
+    """A normkit implementation's name without its backend's package: ``"RMSNorm"`` for
+    ``normkit.jax.RMSNorm``, ``"nnx.RMSNorm"`` for ``normkit.jax.nnx.RMSNorm``; another name
+    as it is."""
+    return implementation.removeprefix(f"normkit.{backend}.")
+
+
 def bytes_moved(shape: Sequence[int], dtype: str, pass_: str) -> int:
     """Bytes one pass must move at least: 2 tensors forward, 5 forward+backward (params ignored)."""
     tensors = {"forward": 2, "forward+backward": 5}[pass_]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normkit.bench.core import AS_ALLOCATED, swept
+from normkit.bench.core import AS_ALLOCATED, short_name, swept
 from normkit.files import write_atomically
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Comparison:
     memory: str
 
     def label(self, show_mode: bool) -> str:
-        short = self.normkit.removeprefix(f"normkit.{self.backend}.")  # "RMSNorm", "nnx.RMSNorm"
+        short = short_name(self.normkit, self.backend)
         return f"{short} vs {self.peer}" + (f"\n[{self.mode}]" if show_mode else "")
 
 
