@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any
@@ -344,7 +345,7 @@ class _Rows:
         per row, ``dr r**3`` (autodiff multiplies it by ``-1/2``, then by ``2 x / n``: factors
         that keep it finite). A row where it overflows (``d x`` summed over the row: |x| 1e9
         with |dy| 1e29) gets a zero ``dr`` and the statistic's share as the cotangent of ``s``
-        (`patched_rows`), in a branch the common case skips; the branch outputs row-sized
+        (`_patched_rows`), in a branch the common case skips; the branch outputs row-sized
         tensors only, so every other row's gradient is Keras' own, untouched.
         """
         present = tuple(p for p in (scale, bias) if p is not None)
@@ -371,32 +372,15 @@ class _Rows:
                 if known is None:
                     # The branch forms d again from dy: under XLA, d as its input would be
                     # written out, where the common case fuses it into its readers.
-                    ds, dr = ops.cond(
-                        every_row,
-                        lambda: (ops.zeros_like(dr), dr),
-                        lambda: self.patched_rows(x, r, scaled(dy), dr, finite),
-                    )
+                    kept, patched = _dr_branches(self.axes, self.n)
+                    ds, dr = _cond(every_row, kept, patched, x, r, dy, dr, finite, *params[:1])
                 elif not known:
-                    ds, dr = self.patched_rows(x, r, d, dr, finite)
+                    ds, dr = _patched_rows(self.axes, self.n, x, r, d, dr, finite)
                 return (d * r, ds, dr, *self.param_grads(dy, product, scale, bias, params))
 
             return y, grad
 
         return output(x, s, r, *present)
-
-    def patched_rows(self, x: Any, r: Any, d: Any, dr: Any, finite: Any) -> tuple[Any, Any]:
-        """``(ds, dr)`` of `keras_output`: on each row not ``finite``, ``dr = 0`` and
-        ``ds = r'(s) sum(d x) = -(n/2) r**2 mean(d y_hat)``, ``y_hat = x r``, whose mean (of
-        ``d (y_hat / n)``, summed) stays below ``max |d|`` (``y_hat`` has mean square at most 1);
-        autodiff then takes ``ds`` to ``x`` through ``s = mean(x**2)``, so that
-        ``dx = d r + (2 x / n) ds``, `normkit.reference.normalize_vjp`'s. A row whose ``ds`` is
-        not finite either (a NaN or inf cotangent) keeps autodiff's ``dr``; elsewhere ``ds`` is
-        0."""
-        y_hat = x * r
-        mean_d_y_hat = ops.sum(d * (y_hat * (1 / self.n)), axis=self.axes, keepdims=True)
-        ds = mean_d_y_hat * (r * r) * (-0.5 * self.n)
-        patch = ops.logical_and(ops.logical_not(finite), ops.isfinite(ds))
-        return ops.where(patch, ds, ops.zeros_like(ds)), ops.where(patch, ops.zeros_like(dr), dr)
 
     def needs_rescaling(self, s: Any, r: Any) -> Any:
         """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
@@ -492,6 +476,52 @@ class _Rows:
             + dc * ops.stop_gradient(slope)
             + 0.5 * dc * dc * ops.stop_gradient(curvature)
         )
+
+
+def _patched_rows(
+    axes: tuple[int, ...], n: int, x: Any, r: Any, d: Any, dr: Any, finite: Any
+) -> tuple[Any, Any]:
+    """``(ds, dr)`` of `_Rows.keras_output`: on each row not ``finite``, ``dr = 0`` and
+    ``ds = r'(s) sum(d x) = -(n/2) r**2 mean(d y_hat)``, ``y_hat = x r``, whose mean (of
+    ``d (y_hat / n)``, summed) stays below ``max |d|`` (``y_hat`` has mean square at most 1);
+    autodiff then takes ``ds`` to ``x`` through ``s = mean(x**2)``, so that
+    ``dx = d r + (2 x / n) ds``, `normkit.reference.normalize_vjp`'s. A row whose ``ds`` is
+    not finite either (a NaN or inf cotangent) keeps autodiff's ``dr``; elsewhere ``ds`` is
+    0."""
+    y_hat = x * r
+    mean_d_y_hat = ops.sum(d * (y_hat * (1 / n)), axis=axes, keepdims=True)
+    ds = mean_d_y_hat * (r * r) * (-0.5 * n)
+    patch = ops.logical_and(ops.logical_not(finite), ops.isfinite(ds))
+    return ops.where(patch, ds, ops.zeros_like(ds)), ops.where(patch, ops.zeros_like(dr), dr)
+
+
+@functools.lru_cache(maxsize=128)
+def _dr_branches(axes: tuple[int, ...], n: int) -> tuple[Any, Any]:
+    """The branches of `_Rows.keras_output`'s gradient for rows of ``n`` elements along
+    ``axes``, ``(x, r, dy, dr, finite[, scale]) -> (ds, dr)``: every row's ``dr`` kept, or the
+    rows whose ``dr`` overflowed patched (`_patched_rows`). One pair per layout, so that
+    `_cond` traces the same functions each call."""
+
+    def kept(x: Any, r: Any, dy: Any, dr: Any, finite: Any, *scale: Any) -> tuple[Any, Any]:
+        return ops.zeros_like(dr), dr
+
+    def patched(x: Any, r: Any, dy: Any, dr: Any, finite: Any, *scale: Any) -> tuple[Any, Any]:
+        d = dy * scale[0] if scale else dy
+        return _patched_rows(axes, n, x, r, d, dr, finite)
+
+    return kept, patched
+
+
+def _cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
+    """``true_fn(*operands)`` where the traced ``pred`` holds, else ``false_fn(*operands)``. On
+    JAX the operands go to `jax.lax.cond` as its arguments: the same functions then give the
+    same program, compiled once even outside ``jit`` (where ``jax.vjp`` traces a backward on
+    every call, and a cond of fresh closures is compiled anew each time)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+    return ops.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
 
 
 def _maximum(a: Any, b: Any) -> Any:
