@@ -85,12 +85,18 @@ def _known(flag: Any) -> bool | None:
     return bool(_on_host(flag)) if _eagerly(flag) else None
 
 
-def _recording() -> bool:
-    """Whether a gradient may be taken through this call's ops: always while tracing and off
-    the TensorFlow backend; eagerly on TensorFlow, whether a GradientTape records. Without one
-    the custom gradients are left out (their wrapper costs as much as the whole forward on one
-    token's row)."""
-    if keras.backend.backend() != "tensorflow":
+def _recording(*inputs: Any) -> bool:
+    """Whether a gradient may be taken through this call's ops on ``inputs`` (the input and the
+    weights): always while tracing and on the torch backend; eagerly on TensorFlow, whether a
+    GradientTape records; on JAX, whether one of them is a tracer (of autodiff, or of a ``jit``
+    a gradient may be taken through). Without one the custom gradients are left out (their
+    wrapper costs as much as the whole forward on one token's row)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return any(isinstance(v, jax.core.Tracer) for v in inputs)
+    if backend != "tensorflow":
         return True
     import tensorflow as tf
     from tensorflow.python.eager import record
@@ -98,10 +104,14 @@ def _recording() -> bool:
     return not tf.executing_eagerly() or bool(record.could_possibly_record())
 
 
-def _traced_for_xla() -> bool:
-    """Whether TensorFlow is tracing the call for XLA (``tf.function(jit_compile=True)``, or
-    Keras' ``jit_compile`` on a GPU), where the output's bits are XLA's fusions' anyway."""
-    if keras.backend.backend() != "tensorflow":
+def _traced_for_xla(x: Any) -> bool:
+    """Whether the call on ``x`` is traced for XLA, where the output's bits are XLA's fusions'
+    anyway: by TensorFlow (``tf.function(jit_compile=True)``, or Keras' ``jit_compile`` on a
+    GPU), or by JAX (``jax.jit``: ``x`` is traced beyond autodiff, `_eagerly`)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return not _eagerly(x)
+    if backend != "tensorflow":
         return False
     import tensorflow as tf
     from tensorflow.python.ops import control_flow_util
@@ -285,7 +295,7 @@ class _Rows:
         row_stats = [u for u in own if u is not None]
 
         present = tuple(p for p in (scale, bias) if p is not None)
-        if not _recording():
+        if not _recording(x, *present):
             return _affine_step(y_hat_of(x, mean, r), (scale, bias), present)
 
         @ops.custom_gradient
@@ -349,7 +359,7 @@ class _Rows:
         tensors only, so every other row's gradient is Keras' own, untouched.
         """
         present = tuple(p for p in (scale, bias) if p is not None)
-        if not _recording():
+        if not _recording(x, *present):
             return _affine_step(x * r, (scale, bias), present)
 
         @ops.custom_gradient
@@ -870,7 +880,7 @@ class _Norm(keras.layers.Layer):
         # Keras' autodiff order makes training bit-identical to Keras' RMSNormalization, in
         # eager calls and graphs. Not where XLA compiles: its fusions decide the bits there,
         # and a branch differentiated in place outputs its intermediates for the backward.
-        rows = _Rows(spec, axes, target, n, k, head, work, keras_order=not _traced_for_xla())
+        rows = _Rows(spec, axes, target, n, k, head, work, keras_order=not _traced_for_xla(x))
 
         def guarded(source: Any, *params: Any) -> Any:
             x = ops.cast(source, work)

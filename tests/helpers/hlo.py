@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _INSTRUCTION = re.compile(
@@ -36,3 +37,57 @@ def dropped_roundings(hlo: str) -> list[str]:
         if op == "convert" and dtype in ("f32", "f64") and first in made:
             found.append(line.strip())
     return found
+
+
+_FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "conditional"}
+_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """Each computation's instruction lines, by name (``ENTRY`` for the entry one)."""
+    found: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            name = "ENTRY" if header.group(1) else header.group(2)
+            found[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def _passes_in(computations: dict[str, list[str]], name: str, size: int) -> int:
+    """Instructions of ``name`` touching an array of at least ``size`` elements, conditionals
+    counted by their cheapest branch."""
+    numel: dict[str, int] = {}
+    count = 0
+    for line in computations[name]:
+        match = _LINE.match(line)
+        if not match:
+            continue
+        result, shape, op, rest = match.groups()
+        shapes = re.findall(r"\[([\d,]*)\]", shape)
+        numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
+        if op == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            assert branches is not None
+            count += min(
+                _passes_in(computations, b.strip().lstrip("%"), size)
+                for b in branches.group(1).split(",")
+            )
+        elif op not in _FREE:
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            if numel[result] >= size or any(numel.get(o, 0) >= size for o in operands):
+                count += 1
+    return count
+
+
+def passes(hlo: str, size: int) -> int:
+    """The passes over arrays of at least ``size`` elements that a compiled program's entry
+    computation makes: instructions reading or writing one, a conditional counted by its
+    cheapest branch (the common case's, which must not recompute or copy what the branch
+    skips)."""
+    return _passes_in(_computations(hlo), "ENTRY", size)

@@ -6,60 +6,13 @@ copy what the branch skips)."""
 
 from __future__ import annotations
 
-import math
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
 import normkit.jax as nkjax
-
-_FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "conditional"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-    """Each computation's instruction lines, by name (``ENTRY`` for the entry one)."""
-    found: dict[str, list[str]] = {}
-    name = None
-    for line in text.splitlines():
-        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
-        if header:
-            name = "ENTRY" if header.group(1) else header.group(2)
-            found[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            found[name].append(line)
-    return found
-
-
-def _passes(computations: dict[str, list[str]], name: str, size: int) -> int:
-    """Instructions of ``name`` touching an array of at least ``size`` elements, conditionals
-    counted by their cheapest branch."""
-    numel: dict[str, int] = {}
-    count = 0
-    for line in computations[name]:
-        match = _INSTRUCTION.match(line)
-        if not match:
-            continue
-        result, shape, op, rest = match.groups()
-        shapes = re.findall(r"\[([\d,]*)\]", shape)
-        numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
-        if op == "conditional":
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            assert branches is not None
-            count += min(
-                _passes(computations, b.strip().lstrip("%"), size)
-                for b in branches.group(1).split(",")
-            )
-        elif op not in _FREE:
-            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-            if numel[result] >= size or any(numel.get(o, 0) >= size for o in operands):
-                count += 1
-    return count
+from tests.helpers.hlo import passes
 
 
 def _program_passes(module: nn.Module, x: jax.Array, backward: bool) -> int:
@@ -75,8 +28,7 @@ def _program_passes(module: nn.Module, x: jax.Array, backward: bool) -> int:
         def run(params, x):
             return module.apply(params, x)
 
-    text = jax.jit(run).lower(params, x).compile().as_text()
-    return _passes(_computations(text), "ENTRY", x.size)
+    return passes(jax.jit(run).lower(params, x).compile().as_text(), x.size)
 
 
 PAIRS = {
