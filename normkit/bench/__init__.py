@@ -14,7 +14,8 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 - ``backend``: ``"torch"``, ``"tf"`` or ``"jax"``; ``device``: its `normkit.backends` name
   (``"cpu"``, ``"cuda:0"``, ...), the same for every backend.
 - ``pass``: ``"forward"`` or ``"forward+backward"`` (gradient of x and the parameters, given dy).
-- ``mode``: ``"eager"``, ``"torch.compile"``, ``"tf.function(jit_compile=True)"``, ``"jax.jit"``.
+- ``mode``: ``"eager"``, ``"torch.compile"``, ``"tf.function(jit_compile=True)"``, ``"jax.jit"``;
+  normkit.tf on Keras' JAX backend (backend ``"tf"``): ``"JAX eager"`` and ``"jax.jit"``.
 - ``memory``: ``"as allocated"`` (each implementation's outputs where it puts them) or, for
   torch on the CPU in a second worker, ``"on huge pages"`` (every output on transparent huge pages,
   torch's own and the copy's included: equal memory for all).
@@ -42,6 +43,7 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ from typing import Any
 from normkit import backends as _backends
 from normkit import workers
 from normkit.arguments import refuse_empty
-from normkit.bench.core import FIELDS, HUGE_PAGE_ENV, HUGE_PAGES, Sweep, sweep_to_dict
+from normkit.bench.core import ALSO_ON, FIELDS, HUGE_PAGE_ENV, HUGE_PAGES, Sweep, sweep_to_dict
 from normkit.progress import Progress
 
 __all__ = ["FIELDS", "Report", "Sweep", "run"]
@@ -78,15 +80,17 @@ def _work(
     report: Report,
     progress: Progress | None,
     env: Mapping[str, str] | None = None,
+    label: str | None = None,
 ) -> None:
-    """Time ``backend`` in a worker (its environment plus ``env``); its rows, versions, skip
-    reason or error go in ``report``."""
+    """Time ``backend`` in a worker (its environment plus ``env``); its rows and versions go in
+    ``report``, and its skip reason or error under ``label`` (default: the backend's name)."""
+    label = label or backend.name
 
     def on_event(event: dict[str, Any]) -> None:
         if "planned" in event:
-            report.versions[backend.name] = event["versions"]
+            report.versions.setdefault(backend.name, {}).update(event["versions"])
             if not event["planned"]:
-                report.skipped[backend.name] = (
+                report.skipped[label] = (
                     f"no device of {list(sweep.devices or ())} (it sees {event['devices']})"
                 )
             if progress is not None:
@@ -99,7 +103,23 @@ def _work(
     job = {"backend": backend.name, "sweep": sweep_to_dict(sweep)}
     error = workers.run(WORKER, job, {**backend.env, **(env or {})}, on_event)
     if error:
-        report.errors[backend.name] = error
+        report.errors[label] = error
+
+
+def _alternatives(
+    backend: _backends.Backend, sweep: Sweep, report: Report, progress: Progress | None
+) -> None:
+    """Time ``backend`` again on each alternative framework the benchmark measures (`ALSO_ON`:
+    normkit.tf on Keras' JAX backend), in a worker of its own; one not installed is skipped."""
+    for alternative in backend.alternatives:
+        if alternative.note not in ALSO_ON.get(backend.name, ()):
+            continue
+        label = f"{backend.name} [{alternative.note}]"
+        missing = [p for p in alternative.packages if importlib.util.find_spec(p) is None]
+        if missing:
+            report.skipped[label] = f"{', '.join(missing)} not installed"
+        else:
+            _work(backend, sweep, report, progress, alternative.env, label)
 
 
 def _huge_pages_unavailable() -> str:
@@ -148,7 +168,8 @@ def run(
       progress: draw a progress bar on stderr.
 
     torch's CPU groups are timed twice: as torch allocates, then in a second worker with every
-    output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). An empty
+    output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). normkit.tf
+    is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`). An empty
     ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
     argument out for all).
     """
@@ -166,6 +187,7 @@ def run(
         _work(backend, sweep, report, bar)
         if backend.name in HUGE_PAGE_ENV:
             _huge_pages_view(backend, sweep, report, bar)
+        _alternatives(backend, sweep, report, bar)
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - start

@@ -42,6 +42,9 @@ MEMORY_VIEWS = (AS_ALLOCATED, HUGE_PAGES)
 # The backends timed a second time on the CPU in the huge-pages view, and the environment that
 # makes their allocator put its outputs there.
 HUGE_PAGE_ENV: Mapping[str, Mapping[str, str]] = {"torch": {"THP_MEM_ALLOC_ENABLE": "1"}}
+# The backends timed again on an alternative framework (`normkit.backends.Alternative`, by its
+# note), in a worker of its own: normkit.tf on Keras' JAX backend.
+ALSO_ON: Mapping[str, tuple[str, ...]] = {"tf": ("Keras on JAX",)}
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,16 @@
-"""normkit.tf against Keras' own layers on the TensorFlow backend, eager and XLA-compiled.
+"""normkit.tf against Keras' own layers, eager and compiled, on the Keras backend in use.
+
+On TensorFlow (``KERAS_BACKEND=tensorflow``) the modes are eager and
+``tf.function(jit_compile=True)``, and every group also times ``x * 1`` over the same bytes,
+eager (the copy floor: ``tf.identity`` moves nothing, and XLA would fold a multiply by one). On
+JAX (``KERAS_BACKEND=jax``, timed by `normkit.bench.run` in a worker of its own) the layers run
+statelessly (``stateless_call``, as Keras' JAX trainer calls them), each op dispatched by JAX
+(`JAX_EAGER`) or the whole call jitted (`JAX_JIT`), beside a jitted ``jnp.copy``.
+Forward+backward takes the gradients of ``x`` and the weights given ``dy``. Layers run under
+the dtype policy of the input: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``.
 
 ``python -m normkit.bench.tf [--quick] [--device D] [--dtype T]`` prints the table;
-`normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
-also times ``x * 1`` over the same bytes, eager (the copy floor: ``tf.identity`` moves nothing, and
-XLA would fold a multiply by one). Layers run under the dtype policy of the input: ``float32``,
-``mixed_bfloat16`` or ``mixed_float16``.
+`normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema.
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ import keras
 import numpy as np
 
 from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
-from normkit.bridges import TensorFlowBridge
+from normkit.bridges import JaxBridge, TensorFlowBridge
 from normkit.tf.layers import LayerNorm, RMSNorm
 
-__all__ = ["measure", "plan", "versions"]
+__all__ = ["devices", "measure", "plan", "versions"]
 
 EAGER, XLA = "eager", "tf.function(jit_compile=True)"
-_BRIDGE = TensorFlowBridge()
-devices = _BRIDGE.devices
+JAX_EAGER, JAX_JIT = "JAX eager", "jax.jit"
+"""The modes on Keras' JAX backend."""
+KERAS_BACKENDS = ("tensorflow", "jax")
 POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
 
@@ -39,7 +46,7 @@ def _layers(policy: str) -> dict[str, keras.layers.Layer]:
     }
 
 
-def _task(
+def _tf_task(
     layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool
 ) -> Callable[[], object]:
     import tensorflow as tf
@@ -59,46 +66,85 @@ def _task(
     return lambda: fn(x)
 
 
-def _check_backend() -> None:
-    if keras.backend.backend() != "tensorflow":
+def _jax_task(
+    layer: keras.layers.Layer, x: Any, dy: Any, backward: bool, jit: bool
+) -> Callable[[], object]:
+    import jax
+
+    weights = [v.value for v in layer.trainable_variables]
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def forward(weights: Any, x: Any) -> Any:
+        return layer.stateless_call(weights, frozen, x)[0]
+
+    def forward_backward(weights: Any, x: Any) -> Any:
+        y, pullback = jax.vjp(forward, weights, x)
+        return y, pullback(dy)
+
+    fn = forward_backward if backward else forward
+    if jit:
+        fn = jax.jit(fn)
+    return lambda: jax.block_until_ready(fn(weights, x))
+
+
+def _keras_backend() -> str:
+    backend = keras.backend.backend()
+    if backend not in KERAS_BACKENDS:
         raise RuntimeError(
-            "normkit.bench.tf measures the TensorFlow backend; KERAS_BACKEND is "
-            f"{keras.backend.backend()!r}"
+            f"normkit.bench.tf measures Keras' backends {list(KERAS_BACKENDS)}; KERAS_BACKEND is "
+            f"{backend!r}"
         )
+    return backend
+
+
+def devices() -> list[str]:
+    """The devices the Keras backend in use sees (`normkit.backends` names)."""
+    bridge = TensorFlowBridge() if _keras_backend() == "tensorflow" else JaxBridge()
+    return bridge.devices()
 
 
 def versions() -> dict[str, str]:
-    """The versions this benchmark ran with."""
+    """The versions this benchmark ran with: Keras and its backend's framework."""
+    if _keras_backend() == "jax":
+        import jax
+
+        return {"jax": jax.__version__, "keras": keras.__version__}
     import tensorflow as tf
 
     return {"tensorflow": tf.__version__, "keras": keras.__version__}
 
 
 def plan(sweep: Sweep) -> list[Group]:
-    """Every device x dtype x shape x pass, eager and XLA."""
-    _check_backend()
-    return plan_groups("tf", sweep, devices(), lambda *_: (EAGER, XLA))
+    """Every device x dtype x shape x pass, eager and compiled."""
+    modes = (EAGER, XLA) if _keras_backend() == "tensorflow" else (JAX_EAGER, JAX_JIT)
+    return plan_groups("tf", sweep, devices(), lambda *_: modes)
+
+
+def _layers_built(dtype: str, shape: tuple[int, int]) -> dict[str, keras.layers.Layer]:
+    layers = _layers(POLICY[dtype])
+    for layer in layers.values():
+        layer.build(shape)
+    return layers
 
 
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
-    """Time one group: the four layers, interleaved with ``x * 1`` over the same bytes."""
-    _check_backend()
+    """Time one group: the four layers, interleaved with a copy of the same bytes."""
+    if _keras_backend() == "jax":
+        return _measure_jax(group, sweep)
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
     on_gpu = group.device != "cpu"
-    name = _BRIDGE.device(group.device).lstrip("/")
+    name = TensorFlowBridge().device(group.device).lstrip("/")
     with tf.device(f"/{name}"):
         x = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)
         dy = tf.cast(tf.constant(rng.standard_normal(group.shape, dtype=np.float32)), group.dtype)
         buffer = tf.cast(
             tf.constant(rng.standard_normal(group.copy_elements, dtype=np.float32)), group.dtype
         )
-        layers = _layers(POLICY[group.dtype])
-        for layer in layers.values():
-            layer.build(group.shape)
         candidates = {
-            k: _task(layer, x, dy, group.backward, group.mode == XLA) for k, layer in layers.items()
+            k: _tf_task(layer, x, dy, group.backward, group.mode == XLA)
+            for k, layer in _layers_built(group.dtype, group.shape).items()
         }
         sync = tf.test.experimental.sync_devices if on_gpu else None
         rows = time_group(group, sweep, candidates, ("copy (x * 1)", lambda: buffer * 1), sync=sync)
@@ -114,6 +160,31 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
                     tf.config.experimental.get_memory_info(name)["peak"] - before
                 )
     return rows
+
+
+def _measure_jax(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
+    """`measure` on Keras' JAX backend: the arrays on the group's device, a jitted copy."""
+    import jax
+    import jax.numpy as jnp
+
+    device = JaxBridge().device(group.device)
+    rng = np.random.default_rng(0)
+
+    def put(shape: Any) -> Any:
+        values = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), group.dtype)
+        return jax.device_put(values, device)
+
+    x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
+    with jax.default_device(device):
+        candidates = {
+            k: _jax_task(layer, x, dy, group.backward, group.mode == JAX_JIT)
+            for k, layer in _layers_built(group.dtype, group.shape).items()
+        }
+        copy = jax.jit(jnp.copy)
+        return time_group(
+            group, sweep, candidates,
+            ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer))),
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -39,8 +40,14 @@ PEERS = {
         "normkit.jax.LayerNorm", "normkit.jax.nnx.LayerNorm", "flax.linen.LayerNorm",
     },
 }
-MODES = {"torch": {"eager", "torch.compile"}, "tf": {"eager", "tf.function(jit_compile=True)"}, "jax": {"jax.jit"}}
 INSTALLED = [b.name for b in backends.BACKENDS if not b.missing()]
+KERAS_ON_JAX = "tf" in INSTALLED and importlib.util.find_spec("jax") is not None
+"""normkit.tf is timed again on Keras' JAX backend (its modes: JAX eager, jax.jit)."""
+MODES = {
+    "torch": {"eager", "torch.compile"},
+    "tf": {"eager", "tf.function(jit_compile=True)"} | ({"JAX eager", "jax.jit"} if KERAS_ON_JAX else set()),
+    "jax": {"jax.jit"},
+}
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -78,6 +85,7 @@ def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dic
     assert sorted(data["versions"]) == sorted(INSTALLED)
     huge = normkit.bench._huge_pages_unavailable()
     views = {"torch [on huge pages]"} if huge and "torch" in INSTALLED else set()
+    views |= {"tf [Keras on JAX]"} if "tf" in INSTALLED and not KERAS_ON_JAX else set()
     assert sorted(data["skipped"]) == sorted(set(PEERS) - set(INSTALLED) | views)
     for backend in INSTALLED:
         rows = [r for r in data["rows"] if r["backend"] == backend]
@@ -192,6 +200,22 @@ def test_an_empty_selection_is_refused_not_read_as_all(empty: str) -> None:
         normkit.bench.run(**{empty: []}, progress=False)
 
 
+@pytest.mark.skipif(not KERAS_ON_JAX, reason="needs keras, tensorflow and jax")
+def test_normkit_tf_is_timed_again_on_kerass_jax_backend(quick: dict[str, Any]) -> None:
+    """A second tf worker under KERAS_BACKEND=jax times the same layers over the same groups,
+    eager and jitted, each beside a jitted copy; its versions join tf's."""
+    groups = _groups([r for r in quick["data"]["rows"] if r["backend"] == "tf"])
+    on_jax = {"JAX eager", "jax.jit"}
+    by_mode: dict[str, set[tuple[Any, ...]]] = {}
+    for key, rows in groups.items():
+        by_mode.setdefault(key[3], set()).add(key[:3] + key[4:])
+        copy = "copy (jnp.copy)" if key[3] in on_jax else "copy (x * 1)"
+        assert {r["implementation"] for r in rows} == PEERS["tf"] | {copy}
+    assert set(by_mode) == MODES["tf"]
+    assert all(cells == by_mode["eager"] for cells in by_mode.values())
+    assert {"tensorflow", "keras", "jax"} <= set(quick["data"]["versions"]["tf"])
+
+
 def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "TorchBridge")
     monkeypatch.setattr(backends, "BACKENDS", (absent,))
@@ -202,11 +226,11 @@ def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest
 
 @pytest.mark.skipif("tf" not in INSTALLED, reason="needs tensorflow and keras")
 def test_a_failing_worker_is_reported_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    numpy_keras = dataclasses.replace(backends.get("tf"), env={"KERAS_BACKEND": "numpy"})
+    numpy_keras = dataclasses.replace(backends.get("tf"), env={"KERAS_BACKEND": "numpy"}, alternatives=())
     monkeypatch.setattr(backends, "BACKENDS", (numpy_keras,))
     result = normkit.bench.run(backends=["tf"], quick=True, progress=False)
     assert result.rows == []
-    assert "measures the TensorFlow backend; KERAS_BACKEND is 'numpy'" in result.errors["tf"]
+    assert "measures Keras' backends ['tensorflow', 'jax']; KERAS_BACKEND is 'numpy'" in result.errors["tf"]
 
 
 @pytest.mark.skipif("jax" not in INSTALLED, reason="needs jax and flax")
