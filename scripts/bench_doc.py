@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from normkit.bench.core import TOKEN_SHAPE, short_name, swept
+from normkit.bench.core import KERAS_JAX_MODES, TOKEN_SHAPE, short_name, swept
 
 HIDDEN = (1024, 4096, 16384)
 TABLE_SHAPE = [8192, 4096]
@@ -81,8 +81,9 @@ def _target_rows(rows: list[Row]) -> Iterable[str | None]:
                         for ours in (f"{module}.{layer}" for module in OURS[backend]):
                             found = _pick(rows, backend=backend, mode=mode, dtype=dtype,
                                           implementation=ours, **{"pass": pass_})
-                            name = (f"{label[backend]} {mode} {dtype} {pass_}: `{ours}` >= "
-                                    f"1.0x `{peer}`")
+                            where = "Keras/JAX" if mode in KERAS_JAX_MODES and (
+                                backend == "tf") else label[backend]
+                            name = f"{where} {mode} {dtype} {pass_}: `{ours}` >= 1.0x `{peer}`"
                             yield _target(name, found, _ratio(peer), 1.0, False)
     torch_eager = dict(backend="torch", mode="eager", memory=EQUAL)
     floors = [("float32", "forward", 0.90), ("float32", "forward+backward", 0.80),

@@ -45,6 +45,8 @@ HUGE_PAGE_ENV: Mapping[str, Mapping[str, str]] = {"torch": {"THP_MEM_ALLOC_ENABL
 # The backends timed again on an alternative framework (`normkit.backends.Alternative`, by its
 # note), in a worker of its own: normkit.tf on Keras' JAX backend.
 ALSO_ON: Mapping[str, tuple[str, ...]] = {"tf": ("Keras on JAX",)}
+KERAS_JAX_MODES = ("JAX eager", "jax.jit")
+"""The modes of normkit.tf's rows on Keras' JAX backend: op by op, and under ``jax.jit``."""
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,22 @@ from typing import Any
 import keras
 import numpy as np
 
-from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
+from normkit.bench.core import (
+    EPS,
+    KERAS_JAX_MODES,
+    Group,
+    Sweep,
+    backend_main,
+    plan_groups,
+    time_group,
+)
 from normkit.bridges import JaxBridge, TensorFlowBridge
 from normkit.tf.layers import LayerNorm, RMSNorm
 
 __all__ = ["devices", "measure", "plan", "versions"]
 
 EAGER, XLA = "eager", "tf.function(jit_compile=True)"
-JAX_EAGER, JAX_JIT = "JAX eager", "jax.jit"
-"""The modes on Keras' JAX backend."""
+JAX_EAGER, JAX_JIT = KERAS_JAX_MODES
 KERAS_BACKENDS = ("tensorflow", "jax")
 POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
