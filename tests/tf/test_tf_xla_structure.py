@@ -90,7 +90,7 @@ def test_xla_tracing_is_told_from_graph_tracing():
 
     def probe(tag):
         def body():
-            seen[tag] = _traced_for_xla()
+            seen[tag] = _traced_for_xla(tf.constant(0.0))
             return tf.constant(0.0)
 
         return body
