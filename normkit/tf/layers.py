@@ -370,10 +370,7 @@ class _Rows:
             def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
                 dy = args[0] if upstream is None else upstream
 
-                def scaled(dy: Any) -> Any:
-                    return dy if scale is None else dy * params[0]
-
-                d = scaled(dy)
+                d = dy if scale is None else dy * params[0]
                 dr = ops.sum(d * x, axis=self.axes, keepdims=True)
                 finite = ops.isfinite(dr * (r * r * r))
                 every_row = ops.all(finite)
@@ -383,7 +380,8 @@ class _Rows:
                     # The branch forms d again from dy: under XLA, d as its input would be
                     # written out, where the common case fuses it into its readers.
                     kept, patched = _dr_branches(self.axes, self.n)
-                    ds, dr = _cond(every_row, kept, patched, x, r, dy, dr, finite, *params[:1])
+                    gain = params[:1] if scale is not None else ()
+                    ds, dr = _cond(every_row, kept, patched, x, r, dy, dr, finite, *gain)
                 elif not known:
                     ds, dr = _patched_rows(self.axes, self.n, x, r, d, dr, finite)
                 return (d * r, ds, dr, *self.param_grads(dy, product, scale, bias, params))

@@ -390,6 +390,25 @@ def test_jax_vjp_of_an_eager_call_compiles_nothing_the_second_time(spec):
     tolerances.assert_close(np.asarray(dx), grads.dx, quantity="grad")
 
 
+@pytest.mark.parametrize("spec", [
+    NormSpec("rms", bias=True), NormSpec("rms", scale=False, bias=True), NormSpec("rms", scale=False),
+], ids=["scale-bias", "bias-only", "neither"])
+def test_overflowing_cotangent_rows_get_the_reference_gradient_whatever_the_weights(spec):
+    """A row whose ``sum(dy x)`` overflows (|x| 1e9, |dy| 1e29) takes the patched gradient of
+    Keras' RMSNorm order, formed from ``dy`` times the scale where there is one: a bias is
+    not a scale (on Keras' JAX backend, where the backward is traced on every call, the patch
+    once multiplied by the bias)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 16)) * np.array([1e9, 1.0, 1e9])[:, None]).astype(np.float32)
+    dy = (rng.standard_normal(x.shape) * np.array([1e29, 1.0, 1.0])[:, None]).astype(np.float32)
+    scale = np.linspace(0.5, 1.5, 16).astype(np.float32) if spec.scale else None
+    bias = np.linspace(-2.0, 3.0, 16).astype(np.float32) if spec.bias else None
+    y, dx, *_ = evaluate(spec, x, dy, scale, bias)
+    grads = reference.normalize_vjp(x, dy, spec, scale, bias)
+    tolerances.assert_close(np.asarray(y), reference.normalize(x, spec, scale, bias), quantity="forward")
+    tolerances.assert_close(np.asarray(dx), grads.dx, quantity="grad")
+
+
 @pytest.mark.skipif(keras_backend() != "jax", reason="compiles with jax.jit")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ours, theirs", [
