@@ -39,6 +39,10 @@ class Alternative:
     env: Mapping[str, str]
     note: str
 
+    def missing(self) -> list[str]:
+        """Its packages that are not installed."""
+        return _missing(self.packages)
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -60,12 +64,12 @@ class Backend:
 
     def missing(self) -> list[str]:
         """The needed packages that are not installed."""
-        return [p for p in self.packages if importlib.util.find_spec(p) is None]
+        return _missing(self.packages)
 
     def alternative(self) -> Alternative | None:
         """The first alternative whose packages are all installed, or None."""
         for alternative in self.alternatives:
-            if all(importlib.util.find_spec(p) is not None for p in alternative.packages):
+            if not alternative.missing():
                 return alternative
         return None
 
@@ -97,6 +101,11 @@ class Backend:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{self.name}: listing devices failed: {last}")
         return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _missing(packages: Iterable[str]) -> list[str]:
+    """The ``packages`` that are not installed (found without importing them)."""
+    return [p for p in packages if importlib.util.find_spec(p) is None]
 
 
 BACKENDS: tuple[Backend, ...] = (

@@ -43,7 +43,6 @@ Row schema (one dict per implementation and group; `FIELDS`, in this order):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +114,7 @@ def _alternatives(
         if alternative.note not in ALSO_ON.get(backend.name, ()):
             continue
         label = f"{backend.name} [{alternative.note}]"
-        missing = [p for p in alternative.packages if importlib.util.find_spec(p) is None]
+        missing = alternative.missing()
         if missing:
             report.skipped[label] = f"{', '.join(missing)} not installed"
         else:

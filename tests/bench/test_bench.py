@@ -216,6 +216,15 @@ def test_normkit_tf_is_timed_again_on_kerass_jax_backend(quick: dict[str, Any]) 
     assert {"tensorflow", "keras", "jax"} <= set(quick["data"]["versions"]["tf"])
 
 
+def test_an_alternative_framework_not_installed_is_skipped_naming_its_packages() -> None:
+    absent = backends.Alternative(("no_such_package_nk",), {"KERAS_BACKEND": "jax"}, "Keras on JAX")
+    tf_backend = dataclasses.replace(backends.get("tf"), alternatives=(absent,))
+    report = normkit.bench.Report()
+    normkit.bench._alternatives(tf_backend, Sweep.make(quick=True), report, None)
+    assert report.rows == [] and report.errors == {}
+    assert report.skipped == {"tf [Keras on JAX]": "no_such_package_nk not installed"}
+
+
 def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "TorchBridge")
     monkeypatch.setattr(backends, "BACKENDS", (absent,))
