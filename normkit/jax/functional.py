@@ -618,7 +618,9 @@ class _Plain(NamedTuple):
     careful: jax.Array
 
 
-def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None) -> _Plain:
+def _plain(
+    v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None, fused: bool = False
+) -> _Plain:
     """The common program's statistics, in as few passes over ``v`` as the spec allows (one
     fused reduction; LayerNorm's two-pass variance two), and which rows they cannot serve:
 
@@ -629,6 +631,8 @@ def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None)
       Elsewhere the plain means are within a few ulps of ``sqrt(s)`` and ``s``.
 
     With ``s`` given (the saved one, in the backward pass) only the mean is computed again.
+    ``fused``: ``y``'s pass alone reads the statistics (`_fused_apart`), and XLA may compute
+    them in that pass.
     """
     spec = plan.spec
     mean = None
@@ -642,6 +646,10 @@ def _plain(v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None)
             s = jnp.maximum(_read_mean(v * v, plan, reads) - mean * mean, 0)
         elif s is None:
             s = _read_mean(jnp.square(v - mean), plan, reads)
+            if not fused:
+                # Read by y's pass and the flags as well, the mean would otherwise reach the
+                # variance's reduction as a broadcast array XLA writes out: a pass more.
+                mean = lax.optimization_barrier(mean)
         careful = ~(mean * mean <= s)
     return _Plain(mean, s, careful | _needs_scaling(s, plan, gradient=False))
 
@@ -652,14 +660,17 @@ _CPU_FUSED_ROWS = 4096
 
 
 def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
-    """Whether the flags should read statistics of their own: a bfloat16 input, whose ``y``
-    XLA computes in one pass if nothing else reads its statistics. Sharing them makes it write
-    a float32 copy of ``x`` and read it in separate passes; for float32 inputs the shared
-    statistics' passes (a reduction, then ``y``) cost less than a reduction more, and float16
-    is not fused."""
+    """Whether the flags should read statistics of their own, so that XLA computes the
+    statistics and ``y`` in one pass (it does only if nothing else reads them): for a bfloat16
+    input, which sharing them makes XLA write out as float32 and read in separate passes, and
+    for a float32 LayerNorm, whose two statistics and ``y`` would take three passes. A float32
+    RMS statistic's shared pass (a reduction, then ``y``) costs less than a reduction more;
+    float16 is not fused."""
     rows = v.size // int(np.prod([v.shape[a] for a in plan.axes]))
     bfloat16 = plan.dtype == jnp.dtype(jnp.bfloat16)
-    return jax.default_backend() == "cpu" and bfloat16 and rows >= _CPU_FUSED_ROWS
+    float32_layer = plan.dtype == jnp.dtype(jnp.float32) and plan.spec.kind == "layer"
+    return (jax.default_backend() == "cpu" and (bfloat16 or float32_layer)
+            and rows >= _CPU_FUSED_ROWS)
 
 
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
@@ -881,11 +892,10 @@ def _forward(
         if eager or _careful_only(plan, reads):
             y = _affine(plan, _careful_y_hat(plan, v, reads), scale, bias, eager)
         else:
-            plain = _plain(v, plan, reads)
+            apart = not saved and _fused_apart(v, plan)
+            plain = _plain(v, plan, reads, fused=apart)
             y_hat = _plain_centered(v, plain) * _r(plain.s, spec.eps, spec)
-            careful = plain.careful
-            if not saved and _fused_apart(v, plan):
-                careful = _flagged(plan, x, residual, reads)
+            careful = _flagged(plan, x, residual, reads) if apart else plain.careful
 
             def fix(y: jax.Array) -> jax.Array:
                 # From the inputs again: a value the branch captured would be materialized.

@@ -75,16 +75,33 @@ def test_every_option_makes_as_many_passes_as_the_default(dtype: str) -> None:
         assert all(p <= a for p, a in zip(passes, allowed, strict=True)), (module, passes, allowed)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_two_pass_variance_makes_no_more_passes_than_flaxs_fast_variance(
+    dtype: str, backward: bool
+) -> None:
+    """The two-pass variance reads x once more than ``mean(x^2) - mean^2``, no more: the mean
+    reaches the variance's reduction as a row scalar, not as a broadcast array XLA writes out
+    (4 passes against Flax's 3 in the forward, before)."""
+    x = jnp.ones((64, 512), dtype)
+    mine = _program_passes(nkjax.LayerNorm(variance="two_pass"), x, backward)
+    flax_fast = _program_passes(nn.LayerNorm(use_fast_variance=True), x, backward)
+    assert mine <= flax_fast, f"normkit {mine} passes over x, Flax's fast variance {flax_fast}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("pair", PAIRS)
-def test_many_rows_bfloat16_forward_fuses_y_as_flax_does(pair: str) -> None:
+def test_many_rows_forward_fuses_y_as_flax_does(pair: str, dtype: str) -> None:
     """From 4096 rows on XLA's CPU backend computes Flax's forward in one pass over x (the
-    statistics and y fused). For a bfloat16 x normkit's y is fused the same way; its row flags
-    read x in reductions of their own (one; LayerNorm's mean and mean of squares two), and no
-    float32 copy of x is written (sharing the statistics with the flags made 3-5 passes)."""
+    statistics and y fused). normkit's y is fused the same way where that pays (a bfloat16 x,
+    a float32 LayerNorm); its row flags read x in reductions of their own (one; LayerNorm's
+    mean and mean of squares two), and no float32 copy of x is written (sharing the
+    statistics with the flags made 3-5 passes). A float32 RMS statistic is shared: one
+    reduction, then y."""
     if jax.default_backend() != "cpu":
         pytest.skip("the fusion of a row reduction with its use is XLA's CPU backend's")
     ours, theirs, kwargs = PAIRS[pair]
-    x = jnp.ones((4096, 128), "bfloat16")
+    x = jnp.ones((4096, 128), dtype)
     mine = _program_passes(ours(**kwargs), x, backward=False)
     flax_own = _program_passes(theirs(**kwargs), x, backward=False)
     flags = 1 if pair == "rms" else 2
