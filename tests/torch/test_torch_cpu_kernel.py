@@ -10,6 +10,7 @@ import itertools
 import os
 import platform
 import re
+import subprocess
 import sys
 import threading
 import warnings
@@ -496,17 +497,17 @@ def test_uses_torchs_thread_count(spy: Spy, monkeypatch: pytest.MonkeyPatch) -> 
     limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
     assert numba.get_num_threads() == min(before, limit)
     if "NUMBA_THREADING_LAYER" not in os.environ:
-        assert numba.threading_layer() == "workqueue"
+        assert numba.threading_layer() == cpu._threading_layer()
 
 
 def test_small_inputs_run_on_the_calling_thread(spy: Spy) -> None:
-    """Below `cpu.SERIAL` elements the kernels open no parallel region (whose start cost 140 us
-    against 2.3 us in the kernel for a row of 4096); from there on they use torch's thread
-    count."""
+    """Below `cpu._serial` elements the kernels open no parallel region (whose start cost 140 us
+    on numba's workqueue layer against 2.3 us in the kernel for a row of 4096); from there on
+    they use torch's thread count."""
     threads = cpu._threads()
     x = torch.randn(4, 8, requires_grad=True)
     RMSNorm(8, kernel="cpu")(x).sum().backward()
-    rows = cpu.SERIAL // 1024
+    rows = cpu._serial() // 1024
     RMSNorm(1024, kernel="cpu")(torch.randn(rows - 1, 1024))
     RMSNorm(1024, kernel="cpu")(torch.randn(rows, 1024))
     assert spy.workers == [1, 1, 1, threads]
@@ -539,6 +540,59 @@ def test_inference_skips_the_autograd_function(
     assert not alone.requires_grad and not frozen.requires_grad
     assert recorded.detach().numpy().tobytes() == alone.numpy().tobytes() == (
         frozen.numpy().tobytes())
+
+
+_OPENMP_PROCESS = """
+import ctypes, os, sys
+import numba
+import torch
+from normkit.torch import RMSNorm
+from normkit.torch.kernels import cpu
+
+cpu.SERIAL = 0  # every call with more than one thread in a parallel region
+openmp = ctypes.CDLL(None)
+levels = openmp.omp_get_max_active_levels()
+x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+module = RMSNorm(64, kernel="cpu")
+torch.set_num_threads(2)
+torch.ones(2**22) * 2  # torch's OpenMP threads are up
+torch.set_num_threads(1)
+threads = len(os.listdir("/proc/self/task"))
+with torch.no_grad():
+    module(x)  # the kernels' first call starts numba's threading layer
+    # numba's OpenMP layer sets the OpenMP thread count to its own (2 and more), and nesting
+    assert torch.get_num_threads() == 1, torch.get_num_threads()
+    assert openmp.omp_get_max_active_levels() == levels
+    torch.set_num_threads(2)
+    y = module(x)
+    # a pool of numba's own would start a thread per core (loading the kernels starts one)
+    started = len(os.listdir("/proc/self/task")) - threads
+    assert started < numba.config.NUMBA_NUM_THREADS, started
+    pid = os.fork()
+    if pid == 0:  # numba ends a forked child that starts GNU OpenMP's threads
+        os._exit(0 if torch.equal(module(x), y) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/task and fork: Linux")
+def test_the_kernel_runs_on_torchs_openmp_threads() -> None:
+    """Where torch's OpenMP runtime is global (its wheels), the kernel's parallel regions run
+    on torch's own threads, which busy-wait after each torch op, instead of threads of
+    numba's own beside them: the kernel starts no thread. Starting numba's OpenMP layer leaves
+    torch's thread count and OpenMP nesting as they were, and a forked child (numba would end
+    one that starts GNU OpenMP's threads) computes on its calling thread, with the same bits.
+    In a process of its own: the layer is chosen once per process."""
+    if cpu._threading_layer() != "omp":
+        pytest.skip("torch's OpenMP runtime is not global here: the workqueue layer runs")
+    if cpu._threads() < 2:
+        pytest.skip("one thread: no parallel region")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    done = subprocess.run([sys.executable, "-c", _OPENMP_PROCESS], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 class _Normalized(torch.utils.data.Dataset[torch.Tensor]):

@@ -9,10 +9,11 @@ are advised onto transparent huge pages (`_output_like`).
 
 The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
 If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
-and warn once; with ``strict`` they raise instead. Launches hold a lock (numba's workqueue
-threading layer, chosen because it survives ``fork``, is not reentrant) and run on
-``torch.get_num_threads()`` threads; inputs of fewer than `SERIAL` elements run on the calling
-thread, with the same results bit for bit.
+and warn once; with ``strict`` they raise instead. Launches hold a lock and run on
+``torch.get_num_threads()`` threads: torch's own OpenMP threads where numba can share them
+(`_threading_layer`), else numba's workqueue threads; inputs of fewer than `_serial` elements,
+and every input in a forked child of a process that shares them, run on the calling thread,
+with the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -49,16 +50,27 @@ BLOCK_ROWS = 64
 the results are the same bit for bit whatever the thread count."""
 INSTALL = "pip install 'normkit[torch]' (numba)"
 SERIAL = 2**20
-"""Inputs of fewer elements run on the calling thread: starting a parallel region of numba's
-workqueue takes 60-130 us. On the 2-core CI machine one thread did better up to about 2M
-elements (an RMSNorm forward of 1M: 257 us against 374 us; a row of 4096: 2.3 us in the kernel
-against 65 us); with more cores the parallel region pays off sooner."""
+"""Inputs of fewer elements run on the calling thread (`_serial`), on numba's workqueue layer:
+starting its parallel region takes 60-130 us. On the 2-core CI machine one thread did better
+up to about 2M elements (an RMSNorm forward of 1M: 257 us against 374 us; a row of 4096: 2.3 us
+in the kernel against 65 us); with more cores the parallel region pays off sooner. On torch's
+OpenMP threads a region starts in about 3 us, and a quarter of this is the threshold (rows of
+4096: 256 rows 94 us on two threads against 150 us on one, 64 rows 62 us against 60 us)."""
 HUGE_PAGE = 2**21
 HUGE_PAGE_MIN_BYTES = 2**25
 MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
+_state: dict[str, Any] = {
+    "module": None, "reason": None, "warned": False, "compiled": set(), "forked": False,
+}
+
+
+def _after_fork_in_child() -> None:
+    _state["forked"] = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def load(dtype: torch.dtype = torch.float32, gated: bool = False) -> ModuleType | None:
@@ -93,14 +105,51 @@ def unavailable_reason() -> str | None:
 
 
 def _configure_numba() -> None:
-    """Choose numba's fork-safe workqueue threading layer unless the user chose one."""
+    """Choose numba's threading layer (`_threading_layer`) unless the user chose one, and
+    start it."""
     import numba
 
     if "NUMBA_THREADING_LAYER" not in os.environ:
         try:
             numba.threading_layer()
         except ValueError:  # no parallel region has run yet: the layer can still be chosen
-            numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
+            numba.config.THREADING_LAYER = _threading_layer()  # type: ignore[attr-defined]
+    openmp = ctypes.CDLL(None)
+    if _openmp_shared() and hasattr(openmp, "omp_get_max_active_levels"):
+        # numba's OpenMP layer sets the calling thread's OpenMP thread count to its own, and
+        # the nesting depth, on its start: torch's settings, which are given back.
+        threads, levels = torch.get_num_threads(), openmp.omp_get_max_active_levels()
+        numba.get_num_threads()
+        torch.set_num_threads(threads)
+        openmp.omp_set_max_active_levels(levels)
+
+
+def _threading_layer() -> str:
+    """``"omp"`` where numba's OpenMP layer runs on torch's own threads, else the workqueue.
+
+    After a parallel op torch's OpenMP threads busy-wait for the next one (``GOMP_SPINCOUNT``);
+    the kernel's regions on those same threads start at once, where threads of numba's own
+    would share the cores with the spinning ones (on 2 cores a float32 forward into existing
+    memory ran 1.5-2x slower right after a torch op). numba's OpenMP pool binds to the
+    process's global OpenMP symbols, those of torch's runtime when torch loaded it globally,
+    as its wheels do; otherwise it would start a runtime of its own, and the workqueue layer
+    (threads of numba's own that survive ``fork``) is kept."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return "workqueue"
+    if not hasattr(ctypes.CDLL(None), "GOMP_parallel"):
+        return "workqueue"
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401 (whether numba's OpenMP layer loads here)
+    except ImportError:
+        return "workqueue"
+    return "omp"
+
+
+def _openmp_shared() -> bool:
+    """Whether the kernels run on numba's OpenMP layer (after `_configure_numba`)."""
+    import numba
+
+    return numba.config.THREADING_LAYER == "omp"  # type: ignore[attr-defined]
 
 
 def _kernels(dtype: torch.dtype, strict: bool, gated: bool = False) -> ModuleType | None:
@@ -125,10 +174,17 @@ def _threads() -> int:
     return max(1, min(torch.get_num_threads(), limit))
 
 
+def _serial() -> int:
+    """Inputs of fewer elements than this run on the calling thread (`SERIAL`)."""
+    return SERIAL // 4 if _openmp_shared() else SERIAL
+
+
 def _workers(x: torch.Tensor) -> int:
-    """The kernels' tasks for rows ``x``: 1 below `SERIAL` elements (the kernels then open no
-    parallel region), else `_threads`, set as numba's thread count. Under the launch lock."""
-    if x.numel() < SERIAL:
+    """The kernels' tasks for rows ``x``: 1 below `_serial` elements (the kernels then open no
+    parallel region) and in a forked child on numba's OpenMP layer (GNU OpenMP's threads do
+    not survive ``fork``; numba ends a child that starts them), else `_threads`, set as
+    numba's thread count. Under the launch lock."""
+    if x.numel() < _serial() or (_state["forked"] and _openmp_shared()):
         return 1
     import numba
 
