@@ -231,6 +231,29 @@ def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
         _check(NormSpec(), x, dy, None, None, "nan/inf")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_weights_give_nan_whatever_their_payload(dtype: str, spy: Spy) -> None:
+    """The common loop rounds to bfloat16 without a test for NaN (`_store_number`), where an
+    addition would carry a NaN's payload out of its exponent (0x7FFFFFFF to -0.0, 0xFFFFFFFF
+    to +0.0): a weight or bias holding a NaN sends the call to the careful loop, and those
+    columns come out NaN, the others as the reference's."""
+    x = _arrays((6, 16), dtype, 3)[0]
+    weight = np.linspace(0.5, 2, 16).astype(np.float32)
+    bias = np.linspace(-1, 1, 16).astype(np.float32)
+    payloads = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000], np.uint32).view(np.float32)
+    spec = NormSpec(bias=True)
+    for params in ((weight, bias), (bias, weight)):  # NaN in the weight, then in the bias
+        nan_params = params[0].copy()
+        nan_params[[2, 7, 11]] = payloads
+        scale, shift = (nan_params, params[1]) if params[0] is weight else (params[1], nan_params)
+        y = to_numpy(normalize(to_torch(x), spec, to_torch(scale), to_torch(shift),
+                               kernel="cpu"))
+        assert np.isnan(y[:, [2, 7, 11]].astype(np.float64)).all()
+        keep = np.setdiff1d(np.arange(16), [2, 7, 11])
+        expected = reference.normalize(x, spec, scale, shift)
+        tolerances.assert_close(y[:, keep], expected[:, keep], what="y beside the NaN columns")
+
+
 def test_eps_below_float32_is_refused_before_the_kernel() -> None:
     """1/eps = 1e39 would overflow float32: such an eps is refused (`NormSpec.check_eps`)."""
     x = torch.zeros(2, 8)
