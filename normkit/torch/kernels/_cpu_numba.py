@@ -216,40 +216,33 @@ def _load_impl(row: Any, j: Any) -> Any:
     return load_f32
 
 
-@overload(_store)
-def _store_impl(row: Any, j: Any, v: Any) -> Any:
-    if row.dtype == types.int16:
+def _storing(bf16_bits: Any) -> Any:
+    """The overload implementation of a store whose bfloat16 rounding is ``bf16_bits``."""
 
-        def store_bf16(row: Any, j: Any, v: Any) -> Any:
-            row[j] = _bf16_bits(v)
+    def implementation(row: Any, j: Any, v: Any) -> Any:
+        if row.dtype == types.int16:
 
-        return store_bf16
-    if row.dtype == types.uint16:
+            def store_bf16(row: Any, j: Any, v: Any) -> Any:
+                row[j] = bf16_bits(v)
 
-        def store_f16(row: Any, j: Any, v: Any) -> Any:
-            row[j] = _f16_bits(v)
+            return store_bf16
+        if row.dtype == types.uint16:
 
-        return store_f16
+            def store_f16(row: Any, j: Any, v: Any) -> Any:
+                row[j] = _f16_bits(v)
 
-    def store_f32(row: Any, j: Any, v: Any) -> Any:
-        row[j] = v
+            return store_f16
 
-    return store_f32
+        def store_f32(row: Any, j: Any, v: Any) -> Any:
+            row[j] = v
+
+        return store_f32
+
+    return implementation
 
 
-@overload(_store_number)
-def _store_number_impl(row: Any, j: Any, v: Any) -> Any:
-    if row.dtype == types.int16:
-
-        def store_bf16(row: Any, j: Any, v: Any) -> Any:
-            row[j] = _bf16_bits_of_number(v)
-
-        return store_bf16
-
-    def store_other(row: Any, j: Any, v: Any) -> Any:
-        _store(row, j, v)
-
-    return store_other
+overload(_store)(_storing(_bf16_bits))
+overload(_store_number)(_storing(_bf16_bits_of_number))
 
 
 @overload(_round_like)
