@@ -64,6 +64,7 @@ MADV_HUGEPAGE = 14
 _lock = threading.Lock()
 _state: dict[str, Any] = {
     "module": None, "reason": None, "warned": False, "compiled": set(), "forked": False,
+    "openmp": False,
 }
 
 
@@ -115,14 +116,18 @@ def _configure_numba() -> None:
             numba.threading_layer()
         except ValueError:  # no parallel region has run yet: the layer can still be chosen
             numba.config.THREADING_LAYER = _threading_layer()  # type: ignore[attr-defined]
+    # numba's OpenMP layer (chosen here or by numba) sets the calling thread's OpenMP thread
+    # count to its own, and the nesting depth, on its start: torch's settings, given back.
     openmp = ctypes.CDLL(None)
-    if _openmp_shared() and hasattr(openmp, "omp_get_max_active_levels"):
-        # numba's OpenMP layer sets the calling thread's OpenMP thread count to its own, and
-        # the nesting depth, on its start: torch's settings, which are given back.
-        threads, levels = torch.get_num_threads(), openmp.omp_get_max_active_levels()
-        numba.get_num_threads()
+    nesting = hasattr(openmp, "omp_get_max_active_levels")
+    threads = torch.get_num_threads()
+    levels = openmp.omp_get_max_active_levels() if nesting else 0
+    numba.get_num_threads()  # starts the layer
+    _state["openmp"] = numba.threading_layer() == "omp"  # whoever chose it
+    if _state["openmp"]:
         torch.set_num_threads(threads)
-        openmp.omp_set_max_active_levels(levels)
+        if nesting:
+            openmp.omp_set_max_active_levels(levels)
 
 
 def _threading_layer() -> str:
@@ -144,13 +149,6 @@ def _threading_layer() -> str:
     except ImportError:
         return "workqueue"
     return "omp"
-
-
-def _openmp_shared() -> bool:
-    """Whether the kernels run on numba's OpenMP layer (after `_configure_numba`)."""
-    import numba
-
-    return numba.config.THREADING_LAYER == "omp"  # type: ignore[attr-defined]
 
 
 def _kernels(dtype: torch.dtype, strict: bool, gated: bool = False) -> ModuleType | None:
@@ -177,7 +175,7 @@ def _threads() -> int:
 
 def _serial() -> int:
     """Inputs of fewer elements than this run on the calling thread (`SERIAL`)."""
-    return SERIAL // 4 if _openmp_shared() else SERIAL
+    return SERIAL // 4 if _state["openmp"] else SERIAL
 
 
 def _workers(x: torch.Tensor) -> int:
@@ -185,7 +183,7 @@ def _workers(x: torch.Tensor) -> int:
     parallel region) and in a forked child on numba's OpenMP layer (GNU OpenMP's threads do
     not survive ``fork``; numba ends a child that starts them), else `_threads`, set as
     numba's thread count. Under the launch lock."""
-    if x.numel() < _serial() or (_state["forked"] and _openmp_shared()):
+    if x.numel() < _serial() or (_state["forked"] and _state["openmp"]):
         return 1
     import numba
 
