@@ -109,21 +109,21 @@ def _bf16_value(h: int) -> float:
 
 
 @njit(cache=True)
-def _bf16_bits(v: float) -> int:
-    """``v`` rounded to nearest even bfloat16; NaN stays a (quiet) NaN."""
-    u = _bits_of_float(v)
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        return np.int16((u >> 16) | 0x40)
-    return np.int16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-
-
-@njit(cache=True)
 def _bf16_bits_of_number(v: float) -> int:
     """`_bf16_bits` of a ``v`` that is a number, an infinity or the NaN arithmetic makes from
     numbers (the default NaN, 0xFFC00000), without the test for other NaNs: a NaN's payload
     can carry the rounding's addition out of the exponent (0x7FFFFFFF to -0.0)."""
     u = _bits_of_float(v)
     return np.int16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@njit(cache=True)
+def _bf16_bits(v: float) -> int:
+    """``v`` rounded to nearest even bfloat16; NaN stays a (quiet) NaN."""
+    u = _bits_of_float(v)
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return np.int16((u >> 16) | 0x40)
+    return _bf16_bits_of_number(v)
 
 
 @njit(cache=True)
