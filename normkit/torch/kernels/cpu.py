@@ -85,7 +85,8 @@ def load(dtype: torch.dtype = torch.float32, gated: bool = False) -> ModuleType 
         with _lock:
             if _state["reason"] is None and key not in _state["compiled"]:
                 try:
-                    _configure_numba()
+                    if not _state["compiled"]:  # the first kernels: numba's layer starts
+                        _configure_numba()
                     from normkit.torch.kernels import _cpu_numba
 
                     kernels = ("gated_forward", "gated_backward") if gated else (
