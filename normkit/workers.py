@@ -53,6 +53,10 @@ def run(
             error = _read(proc.stdout, on_event)
         except Exception as exc:  # a broken pipe, or the caller's on_event: report, never hang
             error = f"{type(exc).__name__}: {exc}"
+        except BaseException:  # an interrupt: the worker does not outlive it
+            proc.kill()
+            proc.wait()
+            raise
         if error:
             proc.kill()
         proc.wait()

@@ -64,13 +64,14 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 @dataclass
 class Report:
     """One benchmark run: the rows, and per backend its versions, or why it was skipped or
-    failed."""
+    failed; ``interrupted`` when it was stopped before the end (its rows are those measured)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    interrupted: bool = False
 
 
 def _work(
@@ -170,7 +171,8 @@ def run(
     output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). normkit.tf
     is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`). An empty
     ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
-    argument out for all).
+    argument out for all). Interrupted (KeyboardInterrupt), it stops the worker and returns the
+    groups measured so far, with ``interrupted`` set.
     """
     refuse_empty(backends=backends, devices=devices, dtypes=dtypes)
     start = time.perf_counter()
@@ -178,15 +180,20 @@ def run(
     chosen = [_backends.get(name) for name in backends] if backends else list(_backends.BACKENDS)
     report = Report()
     bar = Progress("bench") if progress else None
-    for backend in chosen:
-        missing = backend.missing()
-        if missing:
-            report.skipped[backend.name] = f"{', '.join(missing)} not installed: {backend.install}"
-            continue
-        _work(backend, sweep, report, bar)
-        if backend.name in HUGE_PAGE_ENV:
-            _huge_pages_view(backend, sweep, report, bar)
-        _alternatives(backend, sweep, report, bar)
+    try:
+        for backend in chosen:
+            missing = backend.missing()
+            if missing:
+                report.skipped[backend.name] = (
+                    f"{', '.join(missing)} not installed: {backend.install}"
+                )
+                continue
+            _work(backend, sweep, report, bar)
+            if backend.name in HUGE_PAGE_ENV:
+                _huge_pages_view(backend, sweep, report, bar)
+            _alternatives(backend, sweep, report, bar)
+    except KeyboardInterrupt:
+        report.interrupted = True
     if bar is not None:
         bar.close()
     report.seconds = time.perf_counter() - start

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from normkit import arguments, backends
 
 HELP = "time normkit's norms against each framework's own layers and a memory copy"
+INTERRUPTED = 130
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,15 +36,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speed ratios figure (PNG); GB/s beside it in NAME-gbps.png")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _interruptible(work: Callable[[], T]) -> T:
+    """``work()`` with SIGTERM raising KeyboardInterrupt in it, as Ctrl-C does (main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return work()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write the files; 1 if a backend failed or no row was
-    measured, else 0."""
+    measured, 130 if it was interrupted (Ctrl-C or SIGTERM: the rows measured until then are
+    shown and written, with ``"interrupted": true`` in the JSON), else 0."""
     import normkit
     from normkit.bench import plot
     from normkit.bench import report as out
     from normkit.bench import run as bench
 
-    result = bench(backends=args.backend, devices=args.device, dtypes=args.dtype, quick=args.quick)
+    result = _interruptible(lambda: bench(
+        backends=args.backend, devices=args.device, dtypes=args.dtype, quick=args.quick
+    ))
     shown = sys.stderr if args.json == "-" else sys.stdout  # stdout is then the JSON's alone
     versions = "; ".join(
         f"{b}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for b, vs in result.versions.items()
@@ -50,9 +75,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{backend}: skipped, {reason}", file=shown)
     for backend, error in result.errors.items():
         print(f"normkit bench: error: {backend}: {error}", file=sys.stderr)
-    print(f"{len(result.rows)} rows in {result.seconds:.0f} s", file=shown)
+    stopped = ", interrupted before the end of the sweep" if result.interrupted else ""
+    print(f"{len(result.rows)} rows in {result.seconds:.0f} s{stopped}", file=shown)
     meta = {"normkit": normkit.__version__, "quick": args.quick, "versions": result.versions,
-            "skipped": result.skipped, "errors": result.errors, "seconds": result.seconds}
+            "skipped": result.skipped, "errors": result.errors, "seconds": result.seconds,
+            "interrupted": result.interrupted}
     if args.json:
         arguments.write_text(args.json, json.dumps({**meta, "rows": result.rows}, indent=1))
     if not result.rows:
@@ -64,4 +91,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.plot:
         plot.plot(args.plot, result.rows)
+    if result.interrupted:
+        return INTERRUPTED
     return 1 if result.errors else 0

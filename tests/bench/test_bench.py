@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from normkit.bench.core import (
     Group,
     Sweep,
     bytes_moved,
+    time_group,
 )
 
 PEERS = {
@@ -256,3 +259,42 @@ def test_importing_normkit_bench_imports_no_framework() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_terminated_run_writes_the_groups_it_measured_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SIGTERM (a time limit's kill) mid-sweep: the groups measured before it are shown and
+    written, the JSON says ``interrupted``, the status is 130, and SIGTERM's handler is put back."""
+    names = ["torch", "jax"]
+    present = [dataclasses.replace(backends.get(n), packages=(), alternatives=()) for n in names]
+    monkeypatch.setattr(backends, "BACKENDS", tuple(present))
+    sweep = Sweep.make(True, None, None)
+
+    def work(backend: backends.Backend, sweep_: Sweep, report_: normkit.bench.Report, *_: Any) -> None:
+        if backend.name == "jax":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+            raise AssertionError("SIGTERM did not interrupt the run")
+        group = Group("torch", "cpu", "forward", "eager", (4, 8), "float32")
+        report_.rows += time_group(group, sweep, {"normkit.torch.RMSNorm": lambda: None}, ("copy", lambda: None))
+
+    monkeypatch.setattr(normkit.bench, "_work", work)
+    monkeypatch.setattr(normkit.bench, "HUGE_PAGE_ENV", {})
+
+    class Unhandled(Exception):
+        pass
+
+    def unhandled(signum: int, frame: Any) -> None:  # what the bench's own handler must replace
+        raise Unhandled
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        status = cli.run(_args("--quick", "--json", str(tmp_path / "out.json")))
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert status == 130
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["interrupted"] is True and data["errors"] == {}
+    assert [(r["backend"], r["implementation"]) for r in data["rows"]] == [("torch", "normkit.torch.RMSNorm"), ("torch", "copy")]
