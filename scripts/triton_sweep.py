@@ -151,6 +151,34 @@ def host(log: Log) -> None:
         ("clone", lambda: small.clone()),
     ):
         log(what=f"host {what}", us=host_cost(fn))
+    backward_parts(log, module, small, w, grad, y)
+
+
+def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: torch.Tensor,
+                   grad: torch.Tensor, dy: torch.Tensor) -> None:
+    """The host cost of a forward+backward's pieces: the backward's launches called from this
+    thread, its buffers, and the autograd engine with and without its device thread."""
+    rows, n = small.shape
+    r = torch.ones(rows, device="cuda", dtype=torch.float32)
+    programs = nk._programs(small, rows, 1)
+    backward_rows = partial(nk._backward_rows, small, None, None, r, dy, None, w, None, None,
+                            "rms", n, EPS, False, 0.0, n, "none", "none", 0, small.dtype, True,
+                            False)
+
+    def calling_thread() -> None:
+        with torch.autograd.set_multithreading_enabled(False):
+            forward_backward(module, grad, dy)
+
+    for what, fn in (
+        ("_backward_rows (dx, dw) from this thread", backward_rows),
+        ("_programs", lambda: nk._programs(small, rows, 1)),
+        ("torch.zeros of the dw parts", lambda: torch.zeros(programs, n, device="cuda")),
+        ("torch.empty of the dw parts", lambda: torch.empty(programs, n, device="cuda")),
+        ("normkit RMSNorm(kernel='triton') forward with grad, then torch.autograd.grad",
+         lambda: torch.autograd.grad(module(grad), (grad, module.weight), dy)),
+        ("normkit RMSNorm(kernel='triton') fwd+bwd, backward on this thread", calling_thread),
+    ):
+        log(what=f"host {what}", us=host_cost(fn))
 
 
 def profile(log: Log) -> None:
