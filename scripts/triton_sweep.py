@@ -175,7 +175,7 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         ("torch.zeros of the dw parts", lambda: torch.zeros(programs, n, device="cuda")),
         ("torch.empty of the dw parts", lambda: torch.empty(programs, n, device="cuda")),
         ("normkit RMSNorm(kernel='triton') forward with grad, then torch.autograd.grad",
-         lambda: torch.autograd.grad(module(grad), (grad, module.weight), dy)),
+         lambda: torch.autograd.grad(module(grad), [grad, *module.parameters()], dy)),
         ("normkit RMSNorm(kernel='triton') fwd+bwd, backward on this thread", calling_thread),
     ):
         log(what=f"host {what}", us=host_cost(fn))

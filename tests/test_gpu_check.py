@@ -105,3 +105,25 @@ def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_pat
     assert "normkit bench --backend torch --backend jax --backend tf --device cuda:0" in log
     assert "stopped at its limit" in log
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.log", "summary.json"]
+
+
+def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path):
+    """scripts/jax_probe.py (the kernels step's first command) on a small shape here: each
+    layer, dtype and pass timed for normkit and Flax, with what XLA compiled."""
+    pytest.importorskip("flax")
+    out = tmp_path / "probe.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "jax_probe.py"), "--out", str(out),
+                           "--rows", "8", "--hidden", "64"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["what"] for r in records if "what" in r] == ["x * 2 without cond", "x * 2 with cond"]
+    layers = [r for r in records if "layer" in r]
+    assert {(r["dtype"], r["layer"], r["pass"]) for r in layers} == {
+        (d, layer, p) for d in ("float32", "bfloat16") for layer in ("RMSNorm", "LayerNorm")
+        for p in ("forward", "forward+backward", "training (grad of a loss)")
+    }
+    for r in layers:
+        assert r["ratio"] == pytest.approx(r["flax"]["ms"] / r["normkit"]["ms"])
+        assert r["normkit"]["conditionals"] >= 1 and r["flax"]["conditionals"] == 0  # normkit's guards
+        assert r["normkit"]["entry"][0].startswith("ENTRY ") and r["flax"]["fusions"] >= 1

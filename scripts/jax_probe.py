@@ -1,0 +1,146 @@
+"""Where normkit.jax's time goes against Flax's on a device: per layer, dtype and pass, the
+jitted median and what XLA compiled for it there (fusions, conditionals, the entry
+computation), and the cost of one ``lax.cond`` on its own.
+
+python3 scripts/jax_probe.py [--out FILE] [--rows R --hidden N]   (JAX's default device; one
+JSON line per figure)
+
+The passes are the bench's (forward; forward+backward as a ``vjp`` given dy) and the training
+form, the gradient of a loss inside the same program, where dy never reaches memory unless
+something makes XLA write it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import normkit.jax as nkjax
+
+ROUNDS = 20
+EPS = 1e-6
+ENTRY_LINES = 60
+
+
+class Log:
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "w")
+
+    def __call__(self, **record: Any) -> None:
+        line = json.dumps(record)
+        print(line if len(line) < 400 else line[:400] + " ...", flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+def median_ms(fn: Callable[[], Any]) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def entry(text: str) -> list[str]:
+    """The entry computation's instructions, without metadata."""
+    lines = text[text.index("\nENTRY ") :].splitlines()[1:]
+    body = [re.sub(r", metadata=\{[^}]*\}|, backend_config=.*$", "", line.strip())
+            for line in lines[: lines.index("}")]]
+    return body
+
+
+def programs(module: nn.Module, x: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple]]:
+    params = module.init(jax.random.key(0), x[:1])
+    dy = jnp.ones_like(x)
+
+    def vjp(p: Any, v: jax.Array, dy: jax.Array) -> Any:
+        y, pullback = jax.vjp(module.apply, p, v)
+        return y, pullback(dy)
+
+    def loss(p: Any, v: jax.Array) -> jax.Array:
+        y: jax.Array = module.apply(p, v)  # type: ignore[assignment]
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return {
+        "forward": (module.apply, (params, x)),
+        "forward+backward": (vjp, (params, x, dy)),
+        "training (grad of a loss)": (jax.grad(loss, argnums=(0, 1)), (params, x)),
+    }
+
+
+def layers(log: Log, rows: int, hidden: int) -> None:
+    """The bench's pairs: y in x's dtype, eps 1e-6, normkit's LayerNorm with its two-pass
+    variance."""
+    for dtype in ("float32", "bfloat16"):
+        pairs = {
+            "RMSNorm": (nkjax.RMSNorm(epsilon=EPS, output_dtype="input"),
+                        nn.RMSNorm(epsilon=EPS, dtype=dtype)),
+            "LayerNorm": (nkjax.LayerNorm(epsilon=EPS, output_dtype="input", variance="two_pass"),
+                          nn.LayerNorm(epsilon=EPS, dtype=dtype)),
+        }
+        x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32).astype(dtype)
+        for layer, (ours, theirs) in pairs.items():
+            mine, flax_own = programs(ours, x), programs(theirs, x)
+            for form in mine:
+                record: dict[str, Any] = {"dtype": dtype, "layer": layer, "pass": form}
+                for who, (fn, args) in (("normkit", mine[form]), ("flax", flax_own[form])):
+                    jitted = jax.jit(fn)
+                    text = jitted.lower(*args).compile().as_text()
+                    assert text is not None
+                    body = entry(text)
+                    record[who] = {
+                        "ms": median_ms(lambda: jitted(*args)),  # noqa: B023 - called at once
+                        "fusions": sum(" fusion(" in line for line in body),
+                        "conditionals": sum(" conditional(" in line for line in body),
+                        "entry": body[:ENTRY_LINES],
+                    }
+                record["ratio"] = record["flax"]["ms"] / record["normkit"]["ms"]
+                log(**record)
+
+
+def cond_cost(log: Log, rows: int, hidden: int) -> None:
+    """One ``lax.cond`` on a flag computed on the device, against the same work without it."""
+    x = jnp.ones((rows, hidden), jnp.float32)
+
+    def plain(v: jax.Array) -> jax.Array:
+        return v * 2
+
+    def branched(v: jax.Array) -> jax.Array:
+        y = v * 2
+        return lax.cond(jnp.any(v[:, 0] > 1e30), lambda y: y + 1, lambda y: y, y)
+
+    for name, fn in (("without cond", plain), ("with cond", branched)):
+        jitted = jax.jit(fn)
+        log(what=f"x * 2 {name}", ms=median_ms(lambda: jitted(x)))  # noqa: B023 - called at once
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="jax-probe.jsonl")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    args = parser.parse_args()
+    log = Log(args.out)
+    log(device=str(jax.devices()[0]), jax=jax.__version__)
+    started = time.perf_counter()
+    cond_cost(log, args.rows, args.hidden)
+    layers(log, args.rows, args.hidden)
+    log(seconds=round(time.perf_counter() - started, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
