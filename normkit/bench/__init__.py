@@ -169,7 +169,8 @@ def run(
 
     torch's CPU groups are timed twice: as torch allocates, then in a second worker with every
     output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). normkit.tf
-    is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`). An empty
+    is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`), also
+    where TensorFlow is not. An empty
     ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
     argument out for all). Interrupted (KeyboardInterrupt), it stops the worker and returns the
     groups measured so far, with ``interrupted`` set.
@@ -187,10 +188,10 @@ def run(
                 report.skipped[backend.name] = (
                     f"{', '.join(missing)} not installed: {backend.install}"
                 )
-                continue
-            _work(backend, sweep, report, bar)
-            if backend.name in HUGE_PAGE_ENV:
-                _huge_pages_view(backend, sweep, report, bar)
+            else:
+                _work(backend, sweep, report, bar)
+                if backend.name in HUGE_PAGE_ENV:
+                    _huge_pages_view(backend, sweep, report, bar)
             _alternatives(backend, sweep, report, bar)
     except KeyboardInterrupt:
         report.interrupted = True

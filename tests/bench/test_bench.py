@@ -228,6 +228,26 @@ def test_an_alternative_framework_not_installed_is_skipped_naming_its_packages()
     assert report.skipped == {"tf [Keras on JAX]": "no_such_package_nk not installed"}
 
 
+def test_kerass_jax_backend_is_timed_where_tensorflow_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with Keras and JAX but no TensorFlow (the GPU machine) still times normkit.tf,
+    on Keras' JAX backend; TensorFlow's own run is skipped with its install command."""
+    present = backends.Alternative((), {"KERAS_BACKEND": "jax"}, "Keras on JAX")
+    no_tensorflow = dataclasses.replace(
+        backends.get("tf"), packages=("no_such_package_nk", "keras"), alternatives=(present,)
+    )
+    monkeypatch.setattr(backends, "BACKENDS", (no_tensorflow,))
+    worked: list[tuple[str, dict[str, str] | None, str | None]] = []
+
+    def work(backend: backends.Backend, sweep: Sweep, report_: normkit.bench.Report, progress: Any,
+             env: dict[str, str] | None = None, label: str | None = None) -> None:
+        worked.append((backend.name, env, label))
+
+    monkeypatch.setattr(normkit.bench, "_work", work)
+    result = normkit.bench.run(quick=True, progress=False)
+    assert worked == [("tf", {"KERAS_BACKEND": "jax"}, "tf [Keras on JAX]")]
+    assert result.skipped == {"tf": "no_such_package_nk not installed: pip install 'normkit[tf]'"}
+
+
 def test_missing_backend_is_skipped_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     absent = backends.Backend("torch", "normkit.torch", "torch", ("no_such_package_nk",), "TorchBridge")
     monkeypatch.setattr(backends, "BACKENDS", (absent,))
