@@ -169,11 +169,11 @@ def run(
 
     torch's CPU groups are timed twice: as torch allocates, then in a second worker with every
     output on transparent huge pages (``memory="on huge pages"``, `HUGE_PAGE_ENV`). normkit.tf
-    is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`), also
-    where TensorFlow is not. An empty
-    ``backends``, ``devices`` or ``dtypes`` would select nothing: it raises ValueError (leave the
-    argument out for all). Interrupted (KeyboardInterrupt), it stops the worker and returns the
-    groups measured so far, with ``interrupted`` set.
+    is timed on TensorFlow, then on Keras' JAX backend where JAX is installed (`ALSO_ON`), with
+    or without TensorFlow. An empty ``backends``, ``devices`` or ``dtypes`` would select
+    nothing: it raises ValueError (leave the argument out for all). Interrupted
+    (KeyboardInterrupt), it stops the worker and returns the groups measured so far, with
+    ``interrupted`` set.
     """
     refuse_empty(backends=backends, devices=devices, dtypes=dtypes)
     start = time.perf_counter()

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             + (": no plot written" if args.plot else ""),
             file=sys.stderr,
         )
-        return 1
+        return INTERRUPTED if result.interrupted else 1
     if args.plot:
         plot.plot(args.plot, result.rows)
     if result.interrupted:
