@@ -318,3 +318,18 @@ def test_a_terminated_run_writes_the_groups_it_measured_and_says_so(
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["interrupted"] is True and data["errors"] == {}
     assert [(r["backend"], r["implementation"]) for r in data["rows"]] == [("torch", "normkit.torch.RMSNorm"), ("torch", "copy")]
+
+
+def test_a_run_terminated_before_its_first_group_exits_130_with_no_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(backends, "BACKENDS", (dataclasses.replace(backends.get("torch"), packages=()),))
+    monkeypatch.setattr(normkit.bench, "HUGE_PAGE_ENV", {})
+
+    def work(*_: Any) -> None:
+        raise KeyboardInterrupt  # as SIGTERM's handler raises it
+
+    monkeypatch.setattr(normkit.bench, "_work", work)
+    assert cli.run(_args("--quick", "--json", str(tmp_path / "out.json"))) == 130
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["interrupted"] is True and data["rows"] == []
