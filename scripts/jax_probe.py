@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import normkit.jax as nkjax
+from normkit.bench.timing import interleaved
 
+WARMUP = 2
 ROUNDS = 20
 EPS = 1e-6
 ENTRY_LINES = 60
@@ -44,14 +46,15 @@ class Log:
         self.file.flush()
 
 
-def median_ms(fn: Callable[[], Any]) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def medians_ms(candidates: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each candidate's median in ms, timed side by side (`normkit.bench.timing`)."""
+    blocking = {name: partial(_finished, fn) for name, fn in candidates.items()}
+    timings = interleaved(blocking, warmup=WARMUP, repeats=ROUNDS)
+    return {name: t.median_s * 1e3 for name, t in timings.items()}
+
+
+def _finished(fn: Callable[[], Any]) -> Any:
+    return jax.block_until_ready(fn())
 
 
 def entry(text: str) -> list[str]:
@@ -96,17 +99,20 @@ def layers(log: Log, rows: int, hidden: int) -> None:
             mine, flax_own = programs(ours, x), programs(theirs, x)
             for form in mine:
                 record: dict[str, Any] = {"dtype": dtype, "layer": layer, "pass": form}
+                runs = {}
                 for who, (fn, args) in (("normkit", mine[form]), ("flax", flax_own[form])):
-                    jitted = jax.jit(fn)
-                    text = jitted.lower(*args).compile().as_text()
+                    compiled = jax.jit(fn).lower(*args).compile()
+                    text = compiled.as_text()
                     assert text is not None
                     body = entry(text)
+                    runs[who] = partial(compiled, *args)
                     record[who] = {
-                        "ms": median_ms(lambda: jitted(*args)),  # noqa: B023 - called at once
                         "fusions": sum(" fusion(" in line for line in body),
                         "conditionals": sum(" conditional(" in line for line in body),
                         "entry": body[:ENTRY_LINES],
                     }
+                for who, ms in medians_ms(runs).items():
+                    record[who]["ms"] = ms
                 record["ratio"] = record["flax"]["ms"] / record["normkit"]["ms"]
                 log(**record)
 
@@ -122,9 +128,10 @@ def cond_cost(log: Log, rows: int, hidden: int) -> None:
         y = v * 2
         return lax.cond(jnp.any(v[:, 0] > 1e30), lambda y: y + 1, lambda y: y, y)
 
-    for name, fn in (("without cond", plain), ("with cond", branched)):
-        jitted = jax.jit(fn)
-        log(what=f"x * 2 {name}", ms=median_ms(lambda: jitted(x)))  # noqa: B023 - called at once
+    runs = {name: partial(jax.jit(fn), x) for name, fn in (("without cond", plain),
+                                                          ("with cond", branched))}
+    for name, ms in medians_ms(runs).items():
+        log(what=f"x * 2 {name}", ms=ms)
 
 
 def main() -> int:
