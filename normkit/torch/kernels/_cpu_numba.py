@@ -46,6 +46,21 @@ _TWO_P24 = np.float32(2.0**24)
 _TWO_P23 = np.float32(2.0**23)
 _REDUCE = {"reassoc", "contract"}
 CHUNK = 256
+_UNCOUNTED: dict[str, Any] = {"_nrt": False}  # numba's option (untyped in its stubs)
+
+
+def _row_jit(**options: Any) -> Any:
+    """``njit`` for everything under the entry points (the tasks, the row functions, their
+    loops): compiled without numba's reference counting (``_nrt=False``).
+
+    With it every array a function receives, and every row slice it makes, costs an atomic
+    increment and decrement of its owner's count: 40-50 per row in the backward, on counters
+    all threads share, about 300 ns per row on one thread (8192 x 4096 float32: as much as a
+    tenth of the call). These functions allocate nothing, and return an array only to one
+    another (an entry point, which counts, would release a reference never taken): the
+    arrays belong to the entry points' callers for the whole launch, and the entry points,
+    which count, make each task's scratch rows (`_scratch`)."""
+    return njit(cache=True, **_UNCOUNTED, **options)
 
 
 def signatures(dtype: str) -> tuple[str, str]:
@@ -103,12 +118,12 @@ def _bits_of_float(typingctx: Any, value: Any) -> Any:
     return types.uint32(types.float32), codegen
 
 
-@njit(cache=True)
+@_row_jit()
 def _bf16_value(h: int) -> float:
     return _float_from_bits(np.uint32(np.uint16(h)) << 16)
 
 
-@njit(cache=True)
+@_row_jit()
 def _bf16_bits_of_number(v: float) -> int:
     """`_bf16_bits` of a ``v`` that is a number, an infinity or the NaN arithmetic makes from
     numbers (the default NaN, 0xFFC00000), without the test for other NaNs: a NaN's payload
@@ -117,7 +132,7 @@ def _bf16_bits_of_number(v: float) -> int:
     return np.int16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
-@njit(cache=True)
+@_row_jit()
 def _bf16_bits(v: float) -> int:
     """``v`` rounded to nearest even bfloat16; NaN stays a (quiet) NaN."""
     u = _bits_of_float(v)
@@ -126,7 +141,7 @@ def _bf16_bits(v: float) -> int:
     return _bf16_bits_of_number(v)
 
 
-@njit(cache=True)
+@_row_jit()
 def _f16_value(h: int) -> float:
     e = np.uint32(h)
     sign = (e & 0x8000) << 16
@@ -139,7 +154,7 @@ def _f16_value(h: int) -> float:
     return -v if sign else v
 
 
-@njit(cache=True)
+@_row_jit()
 def _f16_bits(v: float) -> int:
     """``v`` rounded to nearest even float16; beyond 65520 infinity; NaN a quiet NaN."""
     u = _bits_of_float(v)
@@ -156,7 +171,7 @@ def _f16_bits(v: float) -> int:
     return np.uint16(sign | np.uint32((scaled + _TWO_P23) - _TWO_P23))
 
 
-@njit(cache=True)
+@_row_jit()
 def _round_to_odd(v: float) -> float:
     """The float64 ``v`` as float32, rounded to odd: a later rounding to a half format is then
     the correct rounding of ``v`` itself (no double-rounding error)."""
@@ -272,19 +287,19 @@ def _round_like_impl(row: Any, v: Any) -> Any:
 # for float32 squares, is taken again in float64 (`_exact_*`).
 
 
-@njit(cache=True, fastmath=_REDUCE)
+@_row_jit(fastmath=_REDUCE)
 def _add(acc: float, v: float) -> float:
     """``acc + v``, reassociable: a loop accumulating with it vectorizes."""
     return acc + v
 
 
-@njit(cache=True, fastmath=_REDUCE)
+@_row_jit(fastmath=_REDUCE)
 def _add_square(acc: float, v: float) -> float:
     """``acc + v^2``, reassociable: a loop accumulating with it vectorizes."""
     return acc + v * v
 
 
-@njit(cache=True, inline="always")
+@_row_jit(inline="always")
 def _chunk_sum(row: np.ndarray, square: bool, start: int, stop: int) -> float:
     """``sum(row)`` (``sum(row^2)`` with ``square``) over elements ``start:stop`` (unsigned: no
     negative-index check, so the loop vectorizes) in float32."""
@@ -298,7 +313,7 @@ def _chunk_sum(row: np.ndarray, square: bool, start: int, stop: int) -> float:
     return acc
 
 
-@njit(cache=True)
+@_row_jit()
 def _exact_sum(row: np.ndarray, square: bool) -> float:
     """``sum(row)`` (``sum(row^2)`` with ``square``) in float64."""
     acc = 0.0
@@ -311,7 +326,7 @@ def _exact_sum(row: np.ndarray, square: bool) -> float:
     return acc
 
 
-@njit(cache=True)
+@_row_jit()
 def _checked(total: float, row: np.ndarray, square: bool) -> float:
     """``total``, a chunked `_row_sum` of ``row``, or the exact one where float32 may have lost
     it: a sum of squares below `_FAST_LOW` (squares under float32's normal range) and any sum
@@ -321,7 +336,7 @@ def _checked(total: float, row: np.ndarray, square: bool) -> float:
     return _exact_sum(row, square)
 
 
-@njit(cache=True)
+@_row_jit()
 def _row_sum(row: np.ndarray, square: bool) -> float:
     """``sum(row)`` (``sum(row^2)`` with ``square``): float32 chunks added in float64."""
     n = np.uint64(row.size)
@@ -332,7 +347,7 @@ def _row_sum(row: np.ndarray, square: bool) -> float:
     return _checked(acc, row, square)
 
 
-@njit(cache=True, inline="always")
+@_row_jit(inline="always")
 def _chunk_centered_sums(row: np.ndarray, m_hi: float, m_lo: float, start: int, stop: int
                          ) -> tuple[float, float]:
     """``sum(c)`` and ``sum(c^2)`` over elements ``start:stop`` (unsigned) in float32,
@@ -346,7 +361,7 @@ def _chunk_centered_sums(row: np.ndarray, m_hi: float, m_lo: float, start: int, 
     return s1, s2
 
 
-@njit(cache=True, fastmath=_REDUCE)
+@_row_jit(fastmath=_REDUCE)
 def _exact_centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     """``sum(x - m0)`` and ``sum((x - m0)^2)`` in float64."""
     s1 = 0.0
@@ -358,7 +373,7 @@ def _exact_centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     return s1, s2
 
 
-@njit(cache=True)
+@_row_jit()
 def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     """``sum(x - m0)`` and ``sum((x - m0)^2)``: float32 chunks of the centered row (``m0``
     split into two float32 parts) added in float64; in float64 where that is not finite or
@@ -379,7 +394,7 @@ def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     return _exact_centered_sums(row, m0)
 
 
-@njit(cache=True, fastmath=_REDUCE)
+@_row_jit(fastmath=_REDUCE)
 def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
     """``sum(dy * g * x)`` in float64 (``dy * g`` rounded to float32, as in the chunked sum)."""
     acc = 0.0
@@ -388,7 +403,7 @@ def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
     return acc
 
 
-@njit(cache=True)
+@_row_jit()
 def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
     """``total``, a chunked ``sum(dy * g * x)``, or the exact one where it is not finite or below
     `_FAST_LOW` (products under float32's normal range)."""
@@ -397,7 +412,7 @@ def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -
     return _exact_dot(row, dy, g)
 
 
-@njit(cache=True)
+@_row_jit()
 def _corrected(m0: float, s1: float, s2: float, n: int) -> tuple[float, float]:
     """``(mean, s)`` from ``s1 = sum(x - m0)`` and ``s2 = sum((x - m0)^2)``: the mean ``m0``
     corrected by that of ``x - m0``, the variance clamped at 0 (a NaN stays NaN)."""
@@ -407,13 +422,13 @@ def _corrected(m0: float, s1: float, s2: float, n: int) -> tuple[float, float]:
     return m0 + s1 / n, s
 
 
-@njit(cache=True)
+@_row_jit()
 def _layer_moments(row: np.ndarray) -> tuple[float, float]:
     """``(mean, s)`` in two passes (`_corrected`)."""
     return _layer_moments_from(row, _row_sum(row, False))
 
 
-@njit(cache=True)
+@_row_jit()
 def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float]:
     """`_layer_moments` given the row's sum ``total`` (its first pass)."""
     m0 = total / row.size
@@ -421,7 +436,7 @@ def _layer_moments_from(row: np.ndarray, total: float) -> tuple[float, float]:
     return _corrected(m0, s1, s2, row.size)
 
 
-@njit(cache=True)
+@_row_jit()
 def _exact_moments(row: np.ndarray, kind: int, k: int) -> tuple[float, float]:
     """``(mean, s)`` summed in float64 throughout (the mean 0 for the RMS kinds)."""
     if kind != LAYER:
@@ -431,7 +446,7 @@ def _exact_moments(row: np.ndarray, kind: int, k: int) -> tuple[float, float]:
     return _corrected(m0, s1, s2, row.size)
 
 
-@njit(cache=True)
+@_row_jit()
 def _moments(x: np.ndarray, kind: int, k: int, exact: bool) -> tuple[float, float]:
     """``(mean, s)`` of a row: with ``exact`` summed in float64 throughout (`_exact_moments`),
     else in float32 chunks (LayerNorm in two passes, `_layer_moments`)."""
@@ -444,14 +459,14 @@ def _moments(x: np.ndarray, kind: int, k: int, exact: bool) -> tuple[float, floa
     return 0.0, _row_sum(x[:k], True) / k
 
 
-@njit(cache=True)
+@_row_jit()
 def _rstd(s: float, eps: float, outside: bool) -> float:
     if outside:
         return 1.0 / (np.sqrt(s) + eps)
     return 1.0 / np.sqrt(s + eps)
 
 
-@njit(cache=True)
+@_row_jit()
 def _dr_ds(r: float, s: float, outside: bool) -> float:
     """``r'(s)``: ``-r^3/2`` inside, ``-r^2/(2 sqrt(s))`` outside (0 at s = 0)."""
     if not outside:
@@ -461,13 +476,13 @@ def _dr_ds(r: float, s: float, outside: bool) -> float:
     return 0.0
 
 
-@njit(cache=True)
+@_row_jit()
 def _fast(v: float) -> bool:
     """Whether a row scalar is safe to apply in float32: finite, far from under/overflow."""
     return _FAST_LOW < abs(v) < _FAST_HIGH
 
 
-@njit(cache=True)
+@_row_jit()
 def _split(mean: float) -> tuple[float, float]:
     """``mean`` as a sum of two float32 values, high part first."""
     hi = np.float32(mean)
@@ -492,7 +507,7 @@ def _claim(typingctx: Any, counter: Any) -> Any:
 # ---- forward ---------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@_row_jit()
 def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
                 m_hi: float, m_lo: float, centered: bool, biased: bool) -> None:
     """``y = ((x - m_hi) - m_lo) r g + b`` in float32 (``y = x r g + b`` unless ``centered``,
@@ -513,7 +528,7 @@ def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: f
             _store_number(y, j, _load(x, j) * r * g[j])
 
 
-@njit(cache=True)
+@_row_jit()
 def _biased(b: np.ndarray) -> bool:
     """Whether the bias ``b`` has an element other than -0.0 (adding -0.0 changes no float,
     +0.0 turns -0.0 into +0.0)."""
@@ -523,7 +538,7 @@ def _biased(b: np.ndarray) -> bool:
     return False
 
 
-@njit(cache=True)
+@_row_jit()
 def _nan_free(values: np.ndarray) -> bool:
     """Whether no element of ``values`` is a NaN."""
     for j in range(values.size):
@@ -532,7 +547,7 @@ def _nan_free(values: np.ndarray) -> bool:
     return True
 
 
-@njit(cache=True)
+@_row_jit()
 def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kind: int,
                  k: int, eps: float, outside: bool, before_scale: bool, biased: bool,
                  clean: bool) -> float:
@@ -564,7 +579,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     return r
 
 
-@njit(cache=True)
+@_row_jit()
 def _blocks(rows: int, block: int) -> int:
     """How many blocks of ``block`` rows cover ``rows`` rows (the last may be short)."""
     return (rows + block - 1) // block
@@ -580,6 +595,16 @@ def _counter() -> np.ndarray:
 
 
 @njit(cache=True)
+def _scratch(x: np.ndarray, count: int, workers: int, block: int) -> np.ndarray:
+    """``count`` float32 rows of ``x``'s width for each task of a launch over ``x``'s rows:
+    (tasks, count, n), at least one task. The tasks count no references (`_row_jit`), so
+    their scratch is made here, by the entry point."""
+    rows, n = x.shape
+    tasks = 1 if workers == 1 else max(1, min(workers, _blocks(rows, block)))
+    return np.empty((tasks, count, n), np.float32)
+
+
+@_row_jit()
 def _forward_task(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.ndarray,
                   kind: int, k: int, eps: float, outside: bool, before_scale: bool,
                   biased: bool, clean: bool, block: int, claimed: np.ndarray) -> None:
@@ -620,7 +645,7 @@ def forward(x: np.ndarray, g: np.ndarray, b: np.ndarray, y: np.ndarray, r: np.nd
 # ---- backward --------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@_row_jit()
 def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outside: bool
                   ) -> float:
     """``dx_0`` when the statistic reads one element: ``r^3 (eps d_0 - x_0 S_1)`` inside,
@@ -631,7 +656,7 @@ def _first_of_one(x0: float, d0: float, tail: float, r: float, eps: float, outsi
     return r * r * r * (eps * d0 - x0 * tail)
 
 
-@njit(cache=True, inline="always")
+@_row_jit(inline="always")
 def _chunk_dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
     """``sum(dy g x)`` over elements ``start:stop`` (unsigned) in float32."""
     acc = np.float32(0.0)
@@ -640,7 +665,7 @@ def _chunk_dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: i
     return acc
 
 
-@njit(cache=True)
+@_row_jit()
 def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
     """``sum(dy g x)`` over elements ``start:stop``: float32 chunks added in float64, taken
     again in float64 where that is not finite or below `_FAST_LOW` (`_checked_dot`)."""
@@ -652,7 +677,7 @@ def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) ->
     return _checked_dot(acc, x[start:stop], dy[start:stop], g[start:stop])
 
 
-@njit(cache=True)
+@_row_jit()
 def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
                          ) -> tuple[float, float, float]:
     """``sum(c)``, ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0`` (the row shifted by
@@ -670,7 +695,7 @@ def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
     return sc, sd, sdc
 
 
-@njit(cache=True)
+@_row_jit()
 def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                    dg: np.ndarray, db: np.ndarray, r: float, q: float, mean_d: float,
                    m_hi: float, m_lo: float, rms_only: bool) -> None:
@@ -694,7 +719,7 @@ def _gradient_span(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
             _store_number(dx, j, r * (dyj * g[j] - mean_d) + c * q)
 
 
-@njit(cache=True)
+@_row_jit()
 def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                   dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float,
                   outside: bool, need_b: bool) -> tuple[float, float]:
@@ -760,7 +785,7 @@ def _add_rows(partial: np.ndarray, total: np.ndarray) -> None:
         total[j] = np.float32(acc[j])
 
 
-@njit(cache=True)
+@_row_jit()
 def _block_sums(dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, need_g: bool,
                 need_b: bool) -> tuple[np.ndarray, np.ndarray]:
     """Row block ``blk``'s sums of the scale's and the bias's gradients, zeroed: ``dg[blk]`` and
@@ -772,16 +797,16 @@ def _block_sums(dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, n
     return dg_rows, db_rows
 
 
-@njit(cache=True)
+@_row_jit()
 def _backward_task(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                    dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
-                   need_g: bool, need_b: bool, block: int, claimed: np.ndarray) -> None:
+                   need_g: bool, need_b: bool, block: int, claimed: np.ndarray,
+                   scratch: np.ndarray) -> None:
     """One task of `backward`: claims blocks of rows until none is left, each block's rows'
-    ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into a scratch row where not
-    needed)."""
-    rows, n = x.shape
+    ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into the task's ``scratch`` rows
+    where not needed)."""
+    rows = x.shape[0]
     blocks = _blocks(rows, block)
-    scratch = np.empty((2, n), np.float32)
     blk = _claim(claimed)
     while blk < blocks:
         dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
@@ -804,13 +829,14 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
     block's sums do not depend on which thread took it. Everything happens in this one launch:
     no torch op between the kernels, whose threads would wait on numba's."""
     claimed = _counter()
+    scratch = _scratch(x, 2, workers, block)
     if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
         _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b, block,
-                       claimed)
+                       claimed, scratch[0])
     else:
-        for _ in prange(min(workers, _blocks(x.shape[0], block))):
+        for task in prange(scratch.shape[0]):
             _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b,
-                           block, claimed)
+                           block, claimed, scratch[task])
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
@@ -825,7 +851,7 @@ def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np
 # reference's policy); a loop of the row then reads them from the cache.
 
 
-@njit(cache=True)
+@_row_jit()
 def _activate(z: np.ndarray, a: np.ndarray, slope: np.ndarray, sigmoid: bool, with_slope: bool
               ) -> None:
     """``a = act(z)`` and, ``with_slope``, ``slope = act'(z)`` in float32, from ``e = e^-|z|``
@@ -852,14 +878,14 @@ def _activate(z: np.ndarray, a: np.ndarray, slope: np.ndarray, sigmoid: bool, wi
                 slope[j] = sig * (one + zj * sig_neg)
 
 
-@njit(cache=True)
+@_row_jit()
 def _times(x: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
     """``out = x a`` in float32."""
     for j in range(x.size):
         out[j] = _load(x, j) * a[j]
 
 
-@njit(cache=True)
+@_row_jit()
 def _gated_scale_span(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray,
                       b: np.ndarray, r: float, m_hi: float, m_lo: float) -> None:
     """``y = (((x - m_hi) - m_lo) r g + b) a`` in float32."""
@@ -867,7 +893,7 @@ def _gated_scale_span(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray
         _store(y, j, (((_load(x, j) - m_hi) - m_lo) * r * g[j] + b[j]) * a[j])
 
 
-@njit(cache=True)
+@_row_jit()
 def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, b: np.ndarray,
                     kind: int, k: int, eps: float, outside: bool, before_scale: bool,
                     round_affine: bool) -> float:
@@ -891,7 +917,7 @@ def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, 
     return r
 
 
-@njit(cache=True)
+@_row_jit()
 def _gated_forward_row(x: np.ndarray, z: np.ndarray, y: np.ndarray, g: np.ndarray,
                        b: np.ndarray, r: np.ndarray, a: np.ndarray, v: np.ndarray, kind: int,
                        k: int, group: int, eps: float, outside: bool, before_scale: bool,
@@ -917,16 +943,15 @@ def _gated_forward_row(x: np.ndarray, z: np.ndarray, y: np.ndarray, g: np.ndarra
                                 before_scale, biased, clean)
 
 
-@njit(cache=True)
+@_row_jit()
 def _gated_forward_task(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray,
                         y: np.ndarray, r: np.ndarray, kind: int, k: int, group: int, eps: float,
                         outside: bool, before_scale: bool, gate: int, sigmoid: bool,
                         round_affine: bool, biased: bool, clean: bool, block: int,
-                        claimed: np.ndarray) -> None:
-    """One task of `gated_forward`, as `_forward_task`."""
-    rows, n = x.shape
+                        claimed: np.ndarray, buffers: np.ndarray) -> None:
+    """One task of `gated_forward`, as `_forward_task`, with its two row ``buffers``."""
+    rows = x.shape[0]
     blocks = _blocks(rows, block)
-    buffers = np.empty((2, 0 if gate == NO_GATE else n), np.float32)
     blk = _claim(claimed)
     while blk < blocks:
         for i in range(blk * block, min(rows, blk * block + block)):
@@ -948,16 +973,17 @@ def gated_forward(x: np.ndarray, z: np.ndarray, g: np.ndarray, b: np.ndarray, y:
     biased = _biased(b)
     clean = _nan_free(g) and _nan_free(b)
     claimed = _counter()
+    buffers = _scratch(z, 2, workers, block)
     if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
         _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
-                            sigmoid, round_affine, biased, clean, block, claimed)
+                            sigmoid, round_affine, biased, clean, block, claimed, buffers[0])
         return
-    for _ in prange(min(workers, _blocks(x.shape[0], block))):
+    for task in prange(buffers.shape[0]):
         _gated_forward_task(x, z, g, b, y, r, kind, k, group, eps, outside, before_scale, gate,
-                            sigmoid, round_affine, biased, clean, block, claimed)
+                            sigmoid, round_affine, biased, clean, block, claimed, buffers[task])
 
 
-@njit(cache=True)
+@_row_jit()
 def _gate_after_gradient_span(x: np.ndarray, dy: np.ndarray, dz: np.ndarray,
                               slope: np.ndarray, g: np.ndarray, b: np.ndarray, r: float,
                               m_hi: float, m_lo: float) -> None:
@@ -967,7 +993,7 @@ def _gate_after_gradient_span(x: np.ndarray, dy: np.ndarray, dz: np.ndarray,
         _store(dz, j, _load(dy, j) * u * slope[j])
 
 
-@njit(cache=True)
+@_row_jit()
 def _gate_after_gradient(x: np.ndarray, dy: np.ndarray, dz: np.ndarray, slope: np.ndarray,
                          g: np.ndarray, b: np.ndarray, r: float, mean: float) -> None:
     """``dz = dy u a'(z)``, ``u = (x - mean) r g + b`` (unrounded): in float32 with the mean
@@ -981,7 +1007,7 @@ def _gate_after_gradient(x: np.ndarray, dy: np.ndarray, dz: np.ndarray, slope: n
             _store(dz, j, _round_like(dz, np.float64(_load(dy, j)) * u * slope[j]))
 
 
-@njit(cache=True)
+@_row_jit()
 def _gate_before_gradient(x: np.ndarray, e: np.ndarray, a: np.ndarray, slope: np.ndarray,
                           dx: np.ndarray, dz: np.ndarray) -> None:
     """``dx = e a`` and ``dz = e x slope`` in float32."""
@@ -990,7 +1016,7 @@ def _gate_before_gradient(x: np.ndarray, e: np.ndarray, a: np.ndarray, slope: np
         _store(dz, j, e[j] * _load(x, j) * slope[j])
 
 
-@njit(cache=True)
+@_row_jit()
 def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
                         dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
                         dg: np.ndarray, db: np.ndarray, a: np.ndarray, slope: np.ndarray,
@@ -1028,17 +1054,16 @@ def _gated_backward_row(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndar
         _gate_before_gradient(x, e, a, slope, dx, dz)
 
 
-@njit(cache=True)
+@_row_jit()
 def _gated_backward_task(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray,
                          dx: np.ndarray, dz: np.ndarray, g: np.ndarray, b: np.ndarray,
                          dg: np.ndarray, db: np.ndarray, kind: int, k: int, group: int,
                          eps: float, outside: bool, gate: int, sigmoid: bool, need_g: bool,
-                         need_b: bool, block: int, claimed: np.ndarray) -> None:
-    """One task of `gated_backward`, as `_backward_task`."""
-    rows, n = x.shape
+                         need_b: bool, block: int, claimed: np.ndarray, scratch: np.ndarray,
+                         buffers: np.ndarray) -> None:
+    """One task of `gated_backward`, as `_backward_task`, with its four row ``buffers``."""
+    rows = x.shape[0]
     blocks = _blocks(rows, block)
-    scratch = np.empty((2, n), np.float32)
-    buffers = np.empty((4, 0 if gate == NO_GATE else n), np.float32)
     blk = _claim(claimed)
     while blk < blocks:
         dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
@@ -1060,13 +1085,17 @@ def gated_backward(x: np.ndarray, z: np.ndarray, r: np.ndarray, dy: np.ndarray, 
     which ``dz`` reads after the norm. The parameters' gradients are summed per block of rows
     as in `backward`."""
     claimed = _counter()
+    scratch = _scratch(x, 2, workers, block)
+    buffers = _scratch(z, 4, workers, block)
     if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
         _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps, outside,
-                             gate, sigmoid, need_g, need_b, block, claimed)
+                             gate, sigmoid, need_g, need_b, block, claimed, scratch[0],
+                             buffers[0])
     else:
-        for _ in prange(min(workers, _blocks(x.shape[0], block))):
+        for task in prange(scratch.shape[0]):
             _gated_backward_task(x, z, r, dy, dx, dz, g, b, dg, db, kind, k, group, eps,
-                                 outside, gate, sigmoid, need_g, need_b, block, claimed)
+                                 outside, gate, sigmoid, need_g, need_b, block, claimed,
+                                 scratch[task], buffers[task])
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:
