@@ -353,6 +353,22 @@ def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
         assert _PACKED_FLOAT.search(machine_code), f"{name} on {dtype} rows runs scalar"
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="reads x86 machine code")
+@pytest.mark.parametrize("name", ["_biased", "_nan_free"])
+def test_the_parameter_scans_compile_to_vector_code(name: str) -> None:
+    """Structural guard for speed (nothing is timed): each launch scans the weight and the
+    bias (is there a bias, is there a NaN); a scan that stops at its first find runs one
+    element at a time, 3 us on a row of 4096, most of a one-token call's kernel time."""
+    from numba import njit, typeof
+
+    m = importlib.import_module("normkit.torch.kernels._cpu_numba")
+    fresh = njit(getattr(m, name).py_func)  # uncached, so that its machine code can be read
+    fresh.compile((typeof(np.empty(1, np.float32)),))
+    machine_code = "".join(fresh.inspect_asm().values())
+    assert re.search(r"\bv\w*cmp\w*\s+.*\b[yz]mm", machine_code), f"{name} runs scalar"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_tasks_count_no_references(dtype: str) -> None:
     """Structural guard for speed (nothing is timed): a task and the row functions it calls

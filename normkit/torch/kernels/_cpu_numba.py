@@ -531,20 +531,22 @@ def _scale_span(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, r: f
 @_row_jit()
 def _biased(b: np.ndarray) -> bool:
     """Whether the bias ``b`` has an element other than -0.0 (adding -0.0 changes no float,
-    +0.0 turns -0.0 into +0.0)."""
+    +0.0 turns -0.0 into +0.0). A count over every element rather than a search that stops
+    at the first: the count vectorizes, the search ran one element at a time (a row of 4096
+    read by the scans of ``g`` and ``b`` cost 3 us, most of a one-token call's kernel time)."""
+    others = 0
     for j in range(b.size):
-        if _bits_of_float(b[j]) != np.uint32(0x80000000):
-            return True
-    return False
+        others += np.int64(_bits_of_float(b[j]) != np.uint32(0x80000000))
+    return others != 0
 
 
 @_row_jit()
 def _nan_free(values: np.ndarray) -> bool:
-    """Whether no element of ``values`` is a NaN."""
+    """Whether no element of ``values`` is a NaN (a count, as in `_biased`)."""
+    nans = 0
     for j in range(values.size):
-        if np.isnan(values[j]):
-            return False
-    return True
+        nans += np.int64(np.isnan(values[j]))
+    return nans == 0
 
 
 @_row_jit()

@@ -219,10 +219,18 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     the duration of a kernel call.
     """
     assert t.is_contiguous()
-    dtype = _NUMPY_DTYPES[t.dtype]
-    if t.numel() == 0:
-        return np.empty(t.shape, dtype)
-    return np.asarray(_Memory(t.data_ptr(), tuple(t.shape), _TYPESTRS[t.dtype]))
+    return _view(t.data_ptr(), t.shape, t.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _view(address: int, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    """The view `_rows` makes of the memory at ``address``: an address, a shape and a dtype,
+    nothing it owns, so one view serves every tensor there of that shape and dtype (the
+    weight on every call, and a freed output's memory handed out again). Making one costs
+    about 1 us, several times the lookup; a call makes 5 (forward) to 9 (backward)."""
+    if math.prod(shape) == 0:
+        return np.empty(shape, _NUMPY_DTYPES[dtype])
+    return np.asarray(_Memory(address, tuple(shape), _TYPESTRS[dtype]))
 
 
 _TYPESTRS = {dtype: np.dtype(numpy).str for dtype, numpy in _NUMPY_DTYPES.items()}
@@ -332,12 +340,14 @@ def _param_grad_buffers(
     rows: int, n: int, need_g: bool, need_b: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A backward kernel's float32 buffers for the parameters' gradients: the per-block partial
-    sums of dg and db ((blocks, n), or (blocks, 0) where not needed) and their totals (n,)."""
+    sums of dg and db ((blocks, n), or (blocks, 0) where not needed) and their totals (n,),
+    which the kernel writes whole where needed and which are zeros where not."""
     blocks = math.ceil(rows / BLOCK_ROWS)
     f32 = torch.float32  # on the CPU, whatever the default device
     dg_blocks = torch.empty(blocks, n if need_g else 0, dtype=f32, device="cpu")
     db_blocks = torch.empty(blocks, n if need_b else 0, dtype=f32, device="cpu")
-    dg, db = torch.zeros(n, dtype=f32, device="cpu"), torch.zeros(n, dtype=f32, device="cpu")
+    dg = (torch.empty if need_g else torch.zeros)(n, dtype=f32, device="cpu")
+    db = (torch.empty if need_b else torch.zeros)(n, dtype=f32, device="cpu")
     return dg_blocks, db_blocks, dg, db
 
 
@@ -703,6 +713,12 @@ def _cpu_gated_norm_backward_vmap(
     return result
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32: ``t`` itself when it is (``Tensor.to`` would return it too, after
+    parsing its arguments, about 0.7 us a call)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
 def _filled(n: int, value: float, x: torch.Tensor) -> torch.Tensor:
     """A float32 vector of ``n`` times ``value`` (the effective scale or bias a norm without
     that parameter reads); in eager calls one shared tensor per (n, value), which the kernels
@@ -741,12 +757,12 @@ def norm_rows(
     if weight is None:
         g = _filled(n, 1.0, x)
     else:
-        g = weight.to(torch.float32)
+        g = _float32(weight)
         if o.scale_offset != 0:
             g = g + o.scale_offset
     # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
     # kernel's common loop then skips it
-    b = _filled(n, -0.0, x) if bias is None else bias.to(torch.float32)
+    b = _filled(n, -0.0, x) if bias is None else _float32(bias)
     if (gate is None) != (o.gate_position is None):
         raise ValueError(f"gate_position={o.gate_position!r} needs gate rows, and only it")
     group = o.group_of(n)
