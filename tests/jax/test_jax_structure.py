@@ -6,6 +6,9 @@ copy what the branch skips)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,8 +18,14 @@ import normkit.jax as nkjax
 from tests.helpers.hlo import passes
 
 
-def _program_passes(module: nn.Module, x: jax.Array, backward: bool) -> int:
+def _compiled_passes(module: nn.Module, x: jax.Array, run: Callable[[Any, jax.Array], Any]
+                     ) -> int:
+    """Passes over x of ``run(params, x)`` compiled by jit, with ``module``'s parameters."""
     params = module.init(jax.random.key(0), x[:1])
+    return passes(jax.jit(run).lower(params, x).compile().as_text(), x.size)
+
+
+def _program_passes(module: nn.Module, x: jax.Array, backward: bool) -> int:
     if backward:
 
         def run(params, x):
@@ -28,7 +37,7 @@ def _program_passes(module: nn.Module, x: jax.Array, backward: bool) -> int:
         def run(params, x):
             return module.apply(params, x)
 
-    return passes(jax.jit(run).lower(params, x).compile().as_text(), x.size)
+    return _compiled_passes(module, x, run)
 
 
 PAIRS = {
@@ -109,12 +118,10 @@ def test_many_rows_forward_fuses_y_as_flax_does(pair: str, dtype: str) -> None:
 
 
 def _training_passes(module: nn.Module, x: jax.Array) -> int:
-    params = module.init(jax.random.key(0), x[:1])
-
     def loss(params, x):
         return jnp.sum(module.apply(params, x).astype(jnp.float32) ** 2)
 
-    return passes(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text(), x.size)
+    return _compiled_passes(module, x, jax.grad(loss, argnums=(0, 1)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
