@@ -1,6 +1,7 @@
 """Where normkit.jax's time goes against Flax's on a device: per layer, dtype and pass, the
 jitted median and what XLA compiled for it there (fusions, conditionals, the entry
-computation), and the cost of one ``lax.cond`` on its own.
+computation), the cost of one ``lax.cond`` on its own, and what each piece of normkit's guard
+costs (`variants`).
 
 python3 scripts/jax_probe.py [--out FILE] [--rows R --hidden N]   (JAX's default device; one
 JSON line per figure)
@@ -28,6 +29,7 @@ from jax import lax
 
 import normkit.jax as nkjax
 from normkit.bench.timing import interleaved
+from normkit.jax import functional
 
 WARMUP = 2
 ROUNDS = 20
@@ -101,20 +103,58 @@ def layers(log: Log, rows: int, hidden: int) -> None:
                 record: dict[str, Any] = {"dtype": dtype, "layer": layer, "pass": form}
                 runs = {}
                 for who, (fn, args) in (("normkit", mine[form]), ("flax", flax_own[form])):
-                    compiled = jax.jit(fn).lower(*args).compile()
-                    text = compiled.as_text()
-                    assert text is not None
-                    body = entry(text)
-                    runs[who] = partial(compiled, *args)
-                    record[who] = {
-                        "fusions": sum(" fusion(" in line for line in body),
-                        "conditionals": sum(" conditional(" in line for line in body),
-                        "entry": body[:ENTRY_LINES],
-                    }
+                    runs[who], record[who] = compiled_record(fn, args)
                 for who, ms in medians_ms(runs).items():
                     record[who]["ms"] = ms
                 record["ratio"] = record["flax"]["ms"] / record["normkit"]["ms"]
                 log(**record)
+
+
+def compiled_record(fn: Callable[..., Any], args: tuple) -> tuple[Callable[[], Any], dict]:
+    """``fn`` compiled for ``args``, ready to time, and its fusions, conditionals and entry."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    text = compiled.as_text()
+    assert text is not None
+    body = entry(text)
+    return partial(compiled, *args), {
+        "fusions": sum(" fusion(" in line for line in body),
+        "conditionals": sum(" conditional(" in line for line in body),
+        "entry": body[:ENTRY_LINES],
+    }
+
+
+def variants(log: Log, rows: int, hidden: int) -> None:
+    """normkit's float32 forward and forward+backward as shipped, with the flags reading
+    statistics of their own (`functional._fused_apart`, on the CPU only as shipped), and with
+    the guard's branch removed (`functional._patched` passing the plain result through: wrong
+    for rows that need the careful program, none here), against Flax: what the conditional and
+    the statistics' second reader each cost on this device."""
+    x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32)
+    shipped = (functional._fused_apart, functional._patched)
+    pieces = {
+        "as shipped": shipped,
+        "flags apart": (lambda v, plan: True, shipped[1]),
+        "no branch": (shipped[0], lambda bad, value, fix: value),
+        "flags apart, no branch": (lambda v, plan: True, lambda bad, value, fix: value),
+    }
+    for layer, ours, theirs in (
+        ("RMSNorm", nkjax.RMSNorm(epsilon=EPS, output_dtype="input"), nn.RMSNorm(epsilon=EPS)),
+        ("LayerNorm", nkjax.LayerNorm(epsilon=EPS, output_dtype="input", variance="two_pass"),
+         nn.LayerNorm(epsilon=EPS)),
+    ):
+        for form in ("forward", "forward+backward"):
+            runs, record = {}, {}
+            for name, (fused_apart, patched) in pieces.items():
+                functional._fused_apart, functional._patched = fused_apart, patched
+                try:
+                    runs[name], record[name] = compiled_record(*programs(ours, x)[form])
+                finally:
+                    functional._fused_apart, functional._patched = shipped
+            runs["flax"], record["flax"] = compiled_record(*programs(theirs, x)[form])
+            for name, ms in medians_ms(runs).items():
+                record[name]["ms"] = ms
+                del record[name]["entry"]
+            log(dtype="float32", layer=layer, variants=form, **record)
 
 
 def cond_cost(log: Log, rows: int, hidden: int) -> None:
@@ -144,6 +184,7 @@ def main() -> int:
     log(device=str(jax.devices()[0]), jax=jax.__version__)
     started = time.perf_counter()
     cond_cost(log, args.rows, args.hidden)
+    variants(log, args.rows, args.hidden)
     layers(log, args.rows, args.hidden)
     log(seconds=round(time.perf_counter() - started, 1))
     return 0

@@ -157,9 +157,11 @@ def host(log: Log) -> None:
 def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: torch.Tensor,
                    grad: torch.Tensor, dy: torch.Tensor) -> None:
     """The host cost of a forward+backward's pieces: the backward's launches called from this
-    thread, its buffers, and the autograd engine with and without its device thread."""
+    thread, its buffers, the autograd engine with and without its device thread, the backward
+    without its launches, the custom op's autograd, and a Python autograd.Function that
+    launches nothing backward."""
     rows, n = small.shape
-    r = torch.ones(rows, device="cuda", dtype=torch.float32)
+    r = torch.ones(rows, device=small.device, dtype=torch.float32)
     programs = nk._programs(small, rows, 1)
     backward_rows = partial(nk._backward_rows, small, None, None, r, dy, None, w, None, None,
                             "rms", n, EPS, False, 0.0, n, "none", "none", 0, small.dtype, True,
@@ -169,16 +171,47 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         with torch.autograd.set_multithreading_enabled(False):
             forward_backward(module, grad, dy)
 
+    outputs = backward_rows()
+
+    def without_backward_launches() -> None:
+        nk._backward_rows = lambda *args: outputs
+        try:
+            forward_backward(module, grad, dy)
+        finally:
+            nk._backward_rows = launching
+
+    launching = nk._backward_rows
+    options = nk._op_options(KernelOptions("rms", n, EPS), n)
+    weight = next(module.parameters())
+
     for what, fn in (
         ("_backward_rows (dx, dw) from this thread", backward_rows),
         ("_programs", lambda: nk._programs(small, rows, 1)),
-        ("torch.zeros of the dw parts", lambda: torch.zeros(programs, n, device="cuda")),
-        ("torch.empty of the dw parts", lambda: torch.empty(programs, n, device="cuda")),
+        ("torch.zeros of the dw parts", lambda: torch.zeros(programs, n, device=small.device)),
+        ("torch.empty of the dw parts", lambda: torch.empty(programs, n, device=small.device)),
         ("normkit RMSNorm(kernel='triton') forward with grad, then torch.autograd.grad",
          lambda: torch.autograd.grad(module(grad), [grad, *module.parameters()], dy)),
         ("normkit RMSNorm(kernel='triton') fwd+bwd, backward on this thread", calling_thread),
+        ("normkit RMSNorm(kernel='triton') fwd+bwd, the backward's results made once",
+         without_backward_launches),
+        ("the custom op (torch.library) fwd+bwd",
+         lambda: nk._norm_rows_op(grad, None, None, weight, None, *options)[0].backward(dy)),
+        ("autograd.Function clone fwd+bwd", lambda: _Clone.apply(grad).backward(dy)),
     ):
         log(what=f"host {what}", us=host_cost(fn))
+
+
+class _Clone(torch.autograd.Function):
+    """One copy forward, nothing launched backward: what autograd adds around a Python
+    backward on CUDA."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        return dy
 
 
 def profile(log: Log) -> None:
