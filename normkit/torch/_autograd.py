@@ -310,7 +310,7 @@ def _backward(
     if r is None:
         rows = _scaled_statistic(x, kind, k, eps, outside)
     else:
-        if _in_place(x) and kind != "layer" and k > 1 and not bool(_out_of_range(r).any()):
+        if _in_place(x) and kind != "layer" and k > 1:
             grads = _backward_in_place(x, r, g, dy.to(x.dtype), k, outside, need_g, need_b)
             if grads is not None:
                 return grads
@@ -362,29 +362,32 @@ def _backward_in_place(
     need_g: bool,
     need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """`_backward` for the RMS kinds on float32/float64 rows with ``k > 1`` and ``r`` in range,
-    in one buffer; None (eps outside) when a row's s is below `_TINY_S` (`_direction`).
+    """`_backward` for the RMS kinds on float32/float64 rows with ``k > 1``, in one buffer;
+    None when a row needs the general path: its ``r`` is out of range, its ``(2/k) r'(s) sum_j
+    d_j x_j`` is not finite (``dy x`` large enough to overflow where ``dy y_hat`` does not, or a
+    NaN or infinity in dy), or (eps outside) its s is below `_TINY_S` (`_direction`).
 
     ``p = dy * x`` gives ``sum_j d_j x_j = p @ g`` and ``dg = p^T r`` (matrix-vector
     products); ``p`` is then overwritten with ``dx = r (dy * g) + (2/k) r'(s) (sum_j d_j x_j) x``
     (the last term on the first k columns).
     """
+    refused = _out_of_range(r)
     if outside:
         # r'(s) = -r^2 / (2 sqrt(s)); sqrt(s) is recomputed: 1/r - eps would lose precision.
         head = x[:, :k]
         s = torch.linalg.vecdot(head, head).div_(k)
-        if bool((s < _TINY_S[s.dtype]).any()):
-            return None
+        refused |= s < _TINY_S[s.dtype]
         root = s.sqrt_()
-    p = torch.mul(dy, x)
-    dot = torch.mv(p, g) if g is not None else p.sum(dim=-1)
-    dg = torch.mv(p.t(), r) if need_g else None
-    db = dy.sum(dim=0) if need_b else None
-    if outside:
         coef = torch.where(root > 0, -r * r / torch.where(root > 0, root, 1.0), 0.0) / k
     else:
         coef = r * r * r * (-1.0 / k)
-    coef = coef.mul_(dot).unsqueeze(-1)
+    p = torch.mul(dy, x)
+    coef = coef.mul_(torch.mv(p, g) if g is not None else p.sum(dim=-1))
+    if bool((refused | ~torch.isfinite(coef)).any()):
+        return None
+    dg = torch.mv(p.t(), r) if need_g else None
+    db = dy.sum(dim=0) if need_b else None
+    coef = coef.unsqueeze(-1)
     dx = torch.mul(dy, g, out=p) if g is not None else p.copy_(dy)
     dx.mul_(r.unsqueeze(-1))
     dx[:, :k].addcmul_(x[:, :k], coef)
@@ -490,6 +493,59 @@ class NormFunction(torch.autograd.Function):
             need_g and g is not None, need_b and ctx.has_b,
         )
         return (dx if need_x else None), dg, db, None, None, None, None, None, None, None, None
+
+
+@signature_once
+class FusedLayerNorm(torch.autograd.Function):
+    """torch's fused LayerNorm, ``apply(x, shape, g, b, eps) -> (y, mean, rstd)``
+    (``torch.native_layer_norm``; mean and rstd not differentiable), on rows whose statistics
+    it serves (`normkit.torch.functional._fused` checks them). Its fused backward is kept where
+    its gradients are finite: it sums ``dy x`` per row, which overflows where ``dy y_hat``
+    does not (dy ~ 1e29 on rows of |x| ~ 1e9). Gradients that come back NaN or infinite, and
+    those of a double backward, are computed by `_backward`, which has NaN and infinity only
+    where the reference does."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, shape: list[int], g: torch.Tensor | None, b: torch.Tensor | None,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, mean, rstd = torch.native_layer_norm(x, shape, g, b, eps)
+        return y, mean, rstd
+
+    @staticmethod
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]
+    ) -> None:
+        x, shape, g, b, eps = inputs
+        _, mean, rstd = output
+        ctx.save_for_backward(x, g, b, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.shape, ctx.eps = shape, eps
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dmean: torch.Tensor | None, _drstd: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, g, b, mean, rstd = ctx.saved_tensors
+        need_x, _, need_g, need_b = ctx.needs_input_grad[:4]
+        need_g, need_b = need_g and g is not None, need_b and b is not None
+        if not torch.is_grad_enabled():
+            grads = torch.ops.aten.native_layer_norm_backward(
+                dy, x, ctx.shape, mean, rstd, g, b, [need_x, need_g, need_b]
+            )
+            if all(t is None or bool(torch.isfinite(t).all()) for t in grads):
+                return grads[0], None, grads[1], grads[2], None
+        n = math.prod(ctx.shape)
+        dx, dg, db = _backward(
+            x.reshape(-1, n), rstd.reshape(-1), None if g is None else g.reshape(n),
+            dy.reshape(-1, n), "layer", n, ctx.eps, False, need_g, need_b,
+        )
+        return (
+            dx.reshape(x.shape) if need_x else None, None,
+            None if dg is None else dg.reshape(ctx.shape),
+            None if db is None else db.reshape(ctx.shape), None,
+        )
 
 
 @signature_once

@@ -27,6 +27,7 @@ from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import _eager, _gated, kernels
 from normkit.torch._autograd import (
     DytFunction,
+    FusedLayerNorm,
     GradInFormat,
     NormFunction,
     RoundThrough,
@@ -539,7 +540,8 @@ def _fused(
     form. F.layer_norm does not correct its mean (float32 rows of mean 1e6 and spread 1 were off
     by 1e-2) nor rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s)
     is out of range, the batch is recomputed by `NormFunction` (in eager code; traced code
-    always is, and so are meta and fake tensors, whose rows cannot be checked).
+    always is, and so are meta and fake tensors, whose rows cannot be checked). Its backward
+    is kept where its gradients come back finite (`FusedLayerNorm`).
     """
     if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
         return None
@@ -548,7 +550,7 @@ def _fused(
     b_shaped = None if b is None else b.reshape(shape)
     n = math.prod(shape)
     if spec.kind == "layer" and spec.variance == "two_pass" and n > 2 and not _shape_only(x):
-        y, mean, rstd = torch.native_layer_norm(x, shape, g_shaped, b_shaped, spec.eps)
+        y, mean, rstd = apply(FusedLayerNorm, x, list(shape), g_shaped, b_shaped, spec.eps)
         if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
             return y
     if spec.kind == "rms" and b is None and x.device.type == "cuda":

@@ -221,7 +221,8 @@ def _edge_rows() -> list[Row]:
             (*CHEAP, "torch.functional", "torch[composite]", *modules, "tf[jit]"),
         ))
         rows.append(Row(f"large_cotangents-{name}-{placement}", spec,
-                        lambda s=spec: _large_cotangents(s), (*CHEAP, "jax.functional")))
+                        lambda s=spec: _large_cotangents(s),
+                        (*CHEAP, "torch[composite]", "jax.functional")))
         rows.append(Row(f"nan_inf_rows-{name}-{placement}", spec, lambda s=spec: _nan_inf_rows(s),
                         (*CHEAP, "jax.functional")))
     for placement, seed in itertools.product(PLACEMENTS, (1, 3)):
@@ -529,9 +530,7 @@ GPU_KINDS = {"rms": {"kind": "rms"}, "partial_rms": {"kind": "partial_rms", "p":
 @pytest.mark.parametrize("kind", GPU_KINDS.values(), ids=GPU_KINDS)
 def test_gpu_matches_reference(kind: dict, dtype: np.dtype, variant: Variant) -> None:
     """On every GPU the target sees, and the same as on the CPU."""
-    gpus = [d for d in hook(variant).devices() if d != "cpu" and not d.startswith("tpu")]
-    if not gpus:
-        pytest.skip(f"{variant.name} sees no GPU")
+    gpus = _gpus(variant)
     specs = (NormSpec(**kind, bias=True),
              NormSpec(**kind, eps_placement="outside", cast="before_scale", scale_offset=1.0))
     for device, spec in itertools.product(gpus, specs):
@@ -545,6 +544,35 @@ def test_gpu_matches_reference(kind: dict, dtype: np.dtype, variant: Variant) ->
             for got, want, quantity in zip(on_gpu, on_cpu, ("forward", "grad", "grad", "grad")):
                 if want is not None:
                     tolerances.assert_close(got, want, quantity=quantity)  # type: ignore[arg-type]
+
+
+def _gpus(variant: Variant) -> list[str]:
+    """The GPUs the variant sees; a skip where it sees none."""
+    gpus = [d for d in hook(variant).devices() if d != "cpu" and not d.startswith("tpu")]
+    if not gpus:
+        pytest.skip(f"{variant.name} sees no GPU")
+    return gpus
+
+
+GPU_EDGES = [row for row in EDGES
+             if row.id.startswith(("far_scales-", "large_cotangents-", "nan_inf_rows-"))
+             or row.id.startswith("large_mean-") and row.id.endswith("-seed1")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [pytest.param(VARIANTS[v], id=v)
+                                     for v in ("torch", "torch[composite]", "jax.functional")])
+@pytest.mark.parametrize("row", GPU_EDGES, ids=lambda row: row.id)
+def test_gpu_edges(row: Row, variant: Variant) -> None:
+    """The float32 edges on every GPU the target sees: rows whose squares overflow or underflow
+    float32, a large mean, large cotangents, NaN and infinity, as on the CPU. There float32
+    takes other programs than on the CPU (torch's fused CUDA kernels, XLA's GPU fusions)."""
+    for device in _gpus(variant):
+        inputs = row.make()
+        got = check(variant, row.spec, inputs, device=device, checked=row.checked,
+                    unscaled_y=row.unscaled_y, what=f"{row.id} on {device}")
+        if row.extra is not None:
+            row.extra(got, inputs, variant)
 
 
 # ---- the extended fields ------------------------------------------------------------------

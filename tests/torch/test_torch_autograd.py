@@ -101,6 +101,15 @@ def test_double_backward_through_the_analytic_backward() -> None:
     assert torch.autograd.gradgradcheck(lambda t: F.rms_norm(t, 8, eps_placement="outside"), (x,))
 
 
+def test_double_backward_through_torchs_fused_layer_norm() -> None:
+    """float64 LayerNorm takes torch's fused kernel (`FusedLayerNorm`); its second derivatives
+    come from normkit's analytic backward."""
+    x = _randn(3, 8).requires_grad_(True)
+    w = (1 + 0.1 * _randn(8)).requires_grad_(True)
+    b = (0.1 * _randn(8)).requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda *a: F.layer_norm(a[0], 8, a[1], a[2]), (x, w, b))
+
+
 # torch.compile(fullgraph=True): a graph break raises. Compiling is slow on CPU: a few cases.
 
 
