@@ -496,53 +496,66 @@ class NormFunction(torch.autograd.Function):
 
 
 @signature_once
-class FusedLayerNorm(torch.autograd.Function):
-    """torch's fused LayerNorm, ``apply(x, shape, g, b, eps) -> (y, mean, rstd)``
-    (``torch.native_layer_norm``; mean and rstd not differentiable), on rows whose statistics
-    it serves (`normkit.torch.functional._fused` checks them). Its fused backward is kept where
-    its gradients are finite: it sums ``dy x`` per row, which overflows where ``dy y_hat``
-    does not (dy ~ 1e29 on rows of |x| ~ 1e9). Gradients that come back NaN or infinite, and
-    those of a double backward, are computed by `_backward`, which has NaN and infinity only
-    where the reference does."""
+class FusedNorm(torch.autograd.Function):
+    """torch's fused LayerNorm or RMSNorm (``torch.native_layer_norm``,
+    ``aten._fused_rms_norm``) on rows of the spec's defaults (eps inside; two-pass variance),
+    with normkit's guards around it.
+
+    ``apply(x, kind, shape, g, b, eps) -> (y, refused)``: ``kind`` ``"layer"`` or ``"rms"``
+    (no bias), ``refused`` per row whether the fused kernel does not serve it: ``r`` out of
+    range (a statistic that overflowed or underflowed; the kernel does not rescale), and for
+    LayerNorm a mean larger than the spread (the kernel does not correct its mean: float32
+    rows of mean 1e6 and spread 1 were off by 1e-2). The caller recomputes such batches.
+
+    The fused backward is kept where its gradients come back finite: it sums ``dy x`` per row,
+    which overflows where ``dy y_hat`` does not (dy ~ 1e29 on rows of |x| ~ 1e9). Gradients that
+    come back NaN or infinite, and those of a double backward, are `_backward`'s, which has NaN
+    and infinity only where the reference does."""
 
     @staticmethod
     def forward(
-        x: torch.Tensor, shape: list[int], g: torch.Tensor | None, b: torch.Tensor | None,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y, mean, rstd = torch.native_layer_norm(x, shape, g, b, eps)
-        return y, mean, rstd
+        x: torch.Tensor, kind: str, shape: list[int], g: torch.Tensor | None,
+        b: torch.Tensor | None, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        if kind == "layer":
+            y, mean, rstd = torch.native_layer_norm(x, shape, g, b, eps)
+            return y, _out_of_range(rstd) | (mean.abs() * rstd > 1), mean, rstd
+        y, rstd = torch.ops.aten._fused_rms_norm(x, shape, g, eps)
+        return y, _out_of_range(rstd), None, rstd
 
     @staticmethod
     def setup_context(
-        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]
+        ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor | None, ...]
     ) -> None:
-        x, shape, g, b, eps = inputs
-        _, mean, rstd = output
+        x, kind, shape, g, b, eps = inputs
+        _, refused, mean, rstd = output
         ctx.save_for_backward(x, g, b, mean, rstd)
-        ctx.mark_non_differentiable(mean, rstd)
-        ctx.shape, ctx.eps = shape, eps
+        ctx.mark_non_differentiable(*(t for t in (refused, mean, rstd) if t is not None))
+        ctx.kind, ctx.shape, ctx.eps = kind, shape, eps
 
     @staticmethod
-    def backward(
-        ctx: Any, dy: torch.Tensor, _dmean: torch.Tensor | None, _drstd: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dy: torch.Tensor, *_: torch.Tensor | None) -> tuple[Any, ...]:
         x, g, b, mean, rstd = ctx.saved_tensors
-        need_x, _, need_g, need_b = ctx.needs_input_grad[:4]
+        need_x, _, _, need_g, need_b = ctx.needs_input_grad[:5]
         need_g, need_b = need_g and g is not None, need_b and b is not None
         if not torch.is_grad_enabled():
-            grads = torch.ops.aten.native_layer_norm_backward(
-                dy, x, ctx.shape, mean, rstd, g, b, [need_x, need_g, need_b]
-            )
-            if all(t is None or bool(torch.isfinite(t).all()) for t in grads):
-                return grads[0], None, grads[1], grads[2], None
+            if ctx.kind == "layer":
+                dx, dg, db = torch.ops.aten.native_layer_norm_backward(
+                    dy, x, ctx.shape, mean, rstd, g, b, [need_x, need_g, need_b]
+                )
+            else:
+                (dx, dg), db = torch.ops.aten._fused_rms_norm_backward(
+                    dy, x, ctx.shape, rstd, g, [need_x, need_g]
+                ), None
+            if all(t is None or bool(torch.isfinite(t).all()) for t in (dx, dg, db)):
+                return dx, None, None, dg, db, None
         n = math.prod(ctx.shape)
         dx, dg, db = _backward(
             x.reshape(-1, n), rstd.reshape(-1), None if g is None else g.reshape(n),
-            dy.reshape(-1, n), "layer", n, ctx.eps, False, need_g, need_b,
+            dy.reshape(-1, n), ctx.kind, n, ctx.eps, False, need_g, need_b,
         )
         return (
-            dx.reshape(x.shape) if need_x else None, None,
+            dx.reshape(x.shape) if need_x else None, None, None,
             None if dg is None else dg.reshape(ctx.shape),
             None if db is None else db.reshape(ctx.shape), None,
         )

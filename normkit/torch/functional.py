@@ -27,12 +27,11 @@ from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import _eager, _gated, kernels
 from normkit.torch._autograd import (
     DytFunction,
-    FusedLayerNorm,
+    FusedNorm,
     GradInFormat,
     NormFunction,
     RoundThrough,
     _acc_dtype,
-    _out_of_range,
     _shape_only,
     apply,
 )
@@ -533,27 +532,28 @@ def _fused(
     b: torch.Tensor | None,
     out: torch.dtype,
 ) -> torch.Tensor | None:
-    """torch's fused kernels, where they compute the spec; else None.
+    """torch's fused kernels, where they compute the spec; else None: LayerNorm, and on CUDA
+    RMSNorm without bias, through `FusedNorm`, where it serves every row.
 
     Not for half inputs: on CPU, F.layer_norm's weight and bias gradients for them are far from
-    float32-accurate. Nor for rows of n <= 2, whose gradient `NormFunction` takes in closed
-    form. F.layer_norm does not correct its mean (float32 rows of mean 1e6 and spread 1 were off
-    by 1e-2) nor rescale overflowing rows: where a row's |mean| exceeds its spread, or its r(s)
-    is out of range, the batch is recomputed by `NormFunction` (in eager code; traced code
-    always is, and so are meta and fake tensors, whose rows cannot be checked). Its backward
-    is kept where its gradients come back finite (`FusedLayerNorm`).
+    float32-accurate. Nor for LayerNorm rows of n <= 2, whose gradient `NormFunction` takes in
+    closed form. A batch with a row the fused kernels do not serve (their statistics overflow
+    or underflow, or a LayerNorm mean exceeds the spread) is recomputed by `NormFunction`; so
+    is traced LayerNorm (meta and fake tensors too, whose rows cannot be checked), while traced
+    RMSNorm on CUDA is `F.rms_norm`, unchecked.
     """
     if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
         return None
     assert spec.eps is not None
     g_shaped = None if g is None else g.reshape(shape)
     b_shaped = None if b is None else b.reshape(shape)
-    n = math.prod(shape)
-    if spec.kind == "layer" and spec.variance == "two_pass" and n > 2 and not _shape_only(x):
-        y, mean, rstd = apply(FusedLayerNorm, x, list(shape), g_shaped, b_shaped, spec.eps)
-        if not bool((_out_of_range(rstd) | (mean.abs() * rstd > 1)).any()):
+    layer = spec.kind == "layer" and spec.variance == "two_pass" and math.prod(shape) > 2
+    rms = spec.kind == "rms" and b is None and x.device.type == "cuda"
+    if (layer or rms) and not _shape_only(x):
+        y, refused, *_ = apply(FusedNorm, x, spec.kind, list(shape), g_shaped, b_shaped, spec.eps)
+        if not bool(refused.any()):
             return y
-    if spec.kind == "rms" and b is None and x.device.type == "cuda":
+    elif rms:  # traced: torch's own op, which compilers fuse
         return F.rms_norm(x, shape, g_shaped, spec.eps)
     return None
 
