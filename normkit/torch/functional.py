@@ -536,19 +536,20 @@ def _fused(
     RMSNorm without bias, through `FusedNorm`, where it serves every row.
 
     Not for half inputs: on CPU, F.layer_norm's weight and bias gradients for them are far from
-    float32-accurate. Nor for LayerNorm rows of n <= 2, whose gradient `NormFunction` takes in
-    closed form. A batch with a row the fused kernels do not serve (their statistics overflow
-    or underflow, or a LayerNorm mean exceeds the spread) is recomputed by `NormFunction`; so
-    is traced LayerNorm (meta and fake tensors too, whose rows cannot be checked), while traced
-    RMSNorm on CUDA is `F.rms_norm`, unchecked.
+    float32-accurate. Nor for rows of n <= 2 (LayerNorm) or 1 (RMSNorm), whose gradient
+    `NormFunction` takes in closed form. A batch with a row the fused kernels do not serve
+    (their statistics overflow or underflow, or a LayerNorm mean exceeds the spread) is
+    recomputed by `NormFunction`; so is traced LayerNorm (meta and fake tensors too, whose rows
+    cannot be checked), while traced RMSNorm on CUDA is `F.rms_norm`, unchecked.
     """
     if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
         return None
     assert spec.eps is not None
     g_shaped = None if g is None else g.reshape(shape)
     b_shaped = None if b is None else b.reshape(shape)
-    layer = spec.kind == "layer" and spec.variance == "two_pass" and math.prod(shape) > 2
-    rms = spec.kind == "rms" and b is None and x.device.type == "cuda"
+    n = math.prod(shape)
+    layer = spec.kind == "layer" and spec.variance == "two_pass" and n > 2
+    rms = spec.kind == "rms" and b is None and x.device.type == "cuda" and n > 1
     if (layer or rms) and not _shape_only(x):
         y, refused, *_ = apply(FusedNorm, x, spec.kind, list(shape), g_shaped, b_shaped, spec.eps)
         if not bool(refused.any()):
