@@ -109,7 +109,8 @@ def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_pat
 
 def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path):
     """scripts/jax_probe.py (the kernels step's first command) on a small shape here: each
-    layer, dtype and pass timed for normkit and Flax, with what XLA compiled."""
+    layer, dtype and pass timed for normkit and Flax, with what XLA compiled; and normkit's
+    float32 programs with its guard's branch removed and its flags apart."""
     pytest.importorskip("flax")
     out = tmp_path / "probe.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -118,7 +119,7 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["what"] for r in records if "what" in r] == ["x * 2 without cond", "x * 2 with cond"]
-    layers = [r for r in records if "layer" in r]
+    layers = [r for r in records if "pass" in r]
     assert {(r["dtype"], r["layer"], r["pass"]) for r in layers} == {
         (d, layer, p) for d in ("float32", "bfloat16") for layer in ("RMSNorm", "LayerNorm")
         for p in ("forward", "forward+backward", "training (grad of a loss)")
@@ -127,3 +128,11 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
         assert r["ratio"] == pytest.approx(r["flax"]["ms"] / r["normkit"]["ms"])
         assert r["normkit"]["conditionals"] >= 1 and r["flax"]["conditionals"] == 0  # normkit's guards
         assert r["normkit"]["entry"][0].startswith("ENTRY ") and r["flax"]["fusions"] >= 1
+    variants = [r for r in records if "variants" in r]
+    assert {(r["layer"], r["variants"]) for r in variants} == {
+        (layer, p) for layer in ("RMSNorm", "LayerNorm") for p in ("forward", "forward+backward")
+    }
+    for r in variants:
+        assert r["as shipped"]["conditionals"] >= 1 and r["flags apart"]["conditionals"] >= 1
+        assert r["no branch"]["conditionals"] == 0 and r["flags apart, no branch"]["conditionals"] == 0
+        assert all(r[name]["ms"] > 0 for name in ("as shipped", "no branch", "flax"))
