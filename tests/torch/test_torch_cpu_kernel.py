@@ -336,6 +336,16 @@ def _row_loops(dtype: str) -> dict[str, tuple[Any, ...]]:
     }
 
 
+def _recompiled(function: Any, argtypes: Any, **options: Any) -> Any:
+    """``function`` (a kernel's jitted function) compiled again for ``argtypes`` without numba's
+    cache, whose loaded functions keep no machine code, IR or diagnostics to read."""
+    from numba import njit
+
+    fresh = njit(**options)(function.py_func)
+    fresh.compile(argtypes)
+    return fresh
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="reads x86 machine code")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -344,12 +354,8 @@ def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
     statistic and the writes of its output, compiles to packed (SIMD) float arithmetic. A change
     that leaves one scalar (a sum that may not be reassociated, an index check, a conversion
     that does not vectorize) fails here."""
-    from numba import njit
-
     for name, (function, *argtypes) in _row_loops(dtype).items():
-        fresh = njit(function.py_func)  # uncached, so that its machine code can be read
-        fresh.compile(tuple(argtypes))
-        machine_code = "".join(fresh.inspect_asm().values())
+        machine_code = "".join(_recompiled(function, tuple(argtypes)).inspect_asm().values())
         assert _PACKED_FLOAT.search(machine_code), f"{name} on {dtype} rows runs scalar"
 
 
@@ -360,11 +366,10 @@ def test_the_parameter_scans_compile_to_vector_code(name: str) -> None:
     """Structural guard for speed (nothing is timed): each launch scans the weight and the
     bias (is there a bias, is there a NaN); a scan that stops at its first find runs one
     element at a time, 3 us on a row of 4096, most of a one-token call's kernel time."""
-    from numba import njit, typeof
+    from numba import typeof
 
     m = importlib.import_module("normkit.torch.kernels._cpu_numba")
-    fresh = njit(getattr(m, name).py_func)  # uncached, so that its machine code can be read
-    fresh.compile((typeof(np.empty(1, np.float32)),))
+    fresh = _recompiled(getattr(m, name), (typeof(np.empty(1, np.float32)),))
     machine_code = "".join(fresh.inspect_asm().values())
     assert re.search(r"\bv\w*cmp\w*\s+.*\b[yz]mm", machine_code), f"{name} runs scalar"
 
@@ -374,7 +379,7 @@ def test_the_tasks_count_no_references(dtype: str) -> None:
     """Structural guard for speed (nothing is timed): a task and the row functions it calls
     compile without numba's reference counting, whose atomic increments on counters every
     thread shares cost 40-50 per row in the backward (about 300 ns a row on one thread)."""
-    from numba import njit, typeof, types
+    from numba import typeof, types
 
     m = importlib.import_module("normkit.torch.kernels._cpu_numba")
     rows = typeof(np.empty((1, 1), m.ROW_DTYPES[dtype]))
@@ -386,9 +391,7 @@ def test_the_tasks_count_no_references(dtype: str) -> None:
                            *[flag] * 3, i64, counter, table),
     }
     for task, argtypes in tasks.items():
-        fresh = njit(**task.targetoptions)(task.py_func)  # uncached: its IR can be read
-        fresh.compile(argtypes)
-        ir = "".join(fresh.inspect_llvm().values())
+        ir = "".join(_recompiled(task, argtypes, **task.targetoptions).inspect_llvm().values())
         assert "NRT_incref" not in ir and "NRT_decref" not in ir, f"{task.__name__} counts"
 
 
@@ -398,12 +401,10 @@ def test_each_launch_opens_one_parallel_region(name: str, spy: Spy) -> None:
     its tasks. A fill such as ``np.zeros`` in a parallel function becomes a parallel loop of its
     own, whose start (60-130 us on the workqueue layer) every launch then pays twice. (``spy``
     loads the kernels first, which chooses numba's threading layer as normkit does.)"""
-    from numba import njit
-
     m = importlib.import_module("normkit.torch.kernels._cpu_numba")
     signatures = m.gated_signatures if name.startswith("gated") else m.signatures
-    fresh = njit(parallel=True)(getattr(m, name).py_func)  # uncached: its diagnostics are kept
-    fresh.compile(signatures("float32")[0 if name.endswith("forward") else 1])
+    fresh = _recompiled(getattr(m, name), signatures("float32")[0 if name.endswith("forward") else 1],
+                        parallel=True)
     diagnostics = fresh.get_metadata(fresh.signatures[0])["parfor_diagnostics"]
     assert diagnostics.count_parfors() == 1
 
