@@ -171,7 +171,7 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         with torch.autograd.set_multithreading_enabled(False):
             forward_backward(module, grad, dy)
 
-    outputs = backward_rows()
+    outputs, launching = backward_rows(), nk._backward_rows
 
     def without_backward_launches() -> None:
         nk._backward_rows = lambda *args: outputs
@@ -180,7 +180,6 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         finally:
             nk._backward_rows = launching
 
-    launching = nk._backward_rows
     options = nk._op_options(KernelOptions("rms", n, EPS), n)
     weight = next(module.parameters())
 
