@@ -214,7 +214,7 @@ def normalize(
       alpha: DyT's ``alpha`` (``kind="dyt"`` only), a tensor of shape () or (1,), or None for
         ``spec.alpha_init``.
       kernel: ``"auto"`` (default: normkit's CPU kernel on the CPU, its Triton kernels for
-        half CUDA tensors, torch ops elsewhere),
+        CUDA tensors, torch ops elsewhere),
         ``"composite"`` (torch ops), ``"cpu"`` (the numba kernel) or ``"triton"``; see
         `normkit.torch.kernels`.
 

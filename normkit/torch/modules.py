@@ -202,7 +202,7 @@ class RMSNorm(_Norm):
       backward: ``"exact"`` (default: the exact gradient, rounded once) or ``"autograd"``
         (autograd through the eager op sequence: Hugging Face Llama's gradients, bit for bit).
       kernel: the implementation: ``"auto"`` (default: normkit's CPU kernel on the CPU, its
-        Triton kernels for half CUDA tensors, torch ops elsewhere), ``"composite"``, ``"cpu"``
+        Triton kernels for CUDA tensors, torch ops elsewhere), ``"composite"``, ``"cpu"``
         or ``"triton"`` (`normkit.torch.kernels`).
 
     Examples:

@@ -566,7 +566,8 @@ GPU_EDGES = [row for row in EDGES
 def test_gpu_edges(row: Row, variant: Variant) -> None:
     """The float32 edges on every GPU the target sees: rows whose squares overflow or underflow
     float32, a large mean, large cotangents, NaN and infinity, as on the CPU. There float32
-    takes other programs than on the CPU (torch's fused CUDA kernels, XLA's GPU fusions)."""
+    takes other programs than on the CPU (the Triton kernels for torch's ``auto``, torch's fused
+    CUDA kernels for its composite path, XLA's GPU fusions)."""
     for device in _gpus(variant):
         inputs = row.make()
         got = check(variant, row.spec, inputs, device=device, checked=row.checked,

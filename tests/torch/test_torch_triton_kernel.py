@@ -692,16 +692,14 @@ class _OnCuda:
         self.dtype = dtype
 
 
-def test_auto_takes_the_triton_kernels_for_half_cuda_tensors(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On CUDA, ``kernel="auto"`` runs the Triton kernels for float16 and bfloat16; float32 and
-    float64 keep torch's fused kernels (the composite path), and so do the fields the kernels
-    lack, degenerate rows, and a machine without triton."""
+def test_auto_takes_the_triton_kernels_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, ``kernel="auto"`` runs the Triton kernels for float32, float16 and bfloat16;
+    float64 keeps the composite path, and so do the fields the kernels lack, degenerate rows,
+    and a machine without triton."""
     from normkit.torch import kernels as switch
 
     resolve = switch.resolve
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "triton"
         assert resolve("auto", _OnCuda(dtype), NormSpec("layer", residual="rounded"), 64) == (
             "triton")
@@ -710,10 +708,10 @@ def test_auto_takes_the_triton_kernels_for_half_cuda_tensors(
             "composite")
         assert resolve("auto", _OnCuda(dtype), NormSpec("dyt"), 64) == "composite"
         assert resolve("auto", _OnCuda(dtype), NormSpec(), 1) == "composite"
-    for dtype in (torch.float32, torch.float64):
-        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "composite"
+    assert resolve("auto", _OnCuda(torch.float64), NormSpec(), 64) == "composite"
     monkeypatch.setattr(switch, "_TRITON", False)
-    assert resolve("auto", _OnCuda(torch.bfloat16), NormSpec(), 64) == "composite"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "composite"
 
 
 @pytest.mark.gpu
@@ -725,11 +723,13 @@ def test_auto_on_cuda_runs_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -
     norm_rows = kernels.norm_rows
     monkeypatch.setattr(kernels, "norm_rows", lambda *a, **k: launches.append(1) or norm_rows(
         *a, **k))
-    x = _randn(3, 24, seed=4, dtype=torch.bfloat16)
-    y = RMSNorm(24, 1e-6, device=DEVICE)(x)
-    assert launches == [1]
-    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), NormSpec(eps=1e-6)),
-                            what="y")
+    for dtype in (torch.float32, torch.bfloat16):
+        launches.clear()
+        x = _randn(3, 24, seed=4, dtype=dtype)
+        y = RMSNorm(24, 1e-6, device=DEVICE)(x)
+        assert launches == [1]
+        tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), NormSpec(eps=1e-6)),
+                                what="y")
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)

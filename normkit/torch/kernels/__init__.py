@@ -6,9 +6,9 @@
 - ``"triton"``: normkit's Triton kernels (`normkit.torch.kernels.triton`), CUDA tensors (CPU
   tensors too under ``TRITON_INTERPRET=1``, Triton's interpreter: slow, for testing).
 - ``"auto"`` (the default): ``"cpu"`` on the CPU when numba is installed, else ``"composite"``
-  (with one warning); ``"triton"`` for float16 and bfloat16 CUDA tensors when triton is
-  installed (float32 keeps torch's fused kernels, faster there: docs/benchmarks-gpu.md);
-  ``"composite"`` everywhere else.
+  (with one warning); ``"triton"`` on CUDA when triton is installed (for float32 too: eager,
+  it is faster there than torch's fused kernels behind normkit's checks, which read their row
+  flags back on every call: docs/benchmarks-gpu.md); ``"composite"`` everywhere else.
 
 float64 inputs, parameters in a dtype other than float32 or the input's, a residual or a gate
 in another dtype than the input's, and degenerate rows (n = 1 for the RMS kinds, n <= 2 for
@@ -122,7 +122,7 @@ def resolve(kernel: str, x: torch.Tensor, spec: NormSpec, n: int) -> str:
             raise RuntimeError(
                 "kernel='triton' needs triton, which is not installed: pip install triton"
             )
-    elif device == "cuda" and _TRITON and x.dtype in HALF_DTYPES:
+    elif device == "cuda" and _TRITON:
         if unsupported("triton", spec) is not None:
             return "composite"
         kernel = "triton"
