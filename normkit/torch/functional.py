@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import _eager, _gated, kernels
@@ -539,8 +538,8 @@ def _fused(
     float32-accurate. Nor for rows of n <= 2 (LayerNorm) or 1 (RMSNorm), whose gradient
     `NormFunction` takes in closed form. A batch with a row the fused kernels do not serve
     (their statistics overflow or underflow, or a LayerNorm mean exceeds the spread) is
-    recomputed by `NormFunction`; so is traced LayerNorm (meta and fake tensors too, whose rows
-    cannot be checked), while traced RMSNorm on CUDA is `F.rms_norm`, unchecked.
+    recomputed by `NormFunction`; so is every traced call (meta and fake tensors too), whose
+    rows cannot be checked.
     """
     if spec.eps_placement != "inside" or x.dtype in _HALF or out != x.dtype:
         return None
@@ -554,8 +553,6 @@ def _fused(
         y, refused, *_ = apply(FusedNorm, x, spec.kind, list(shape), g_shaped, b_shaped, spec.eps)
         if not bool(refused.any()):
             return y
-    elif rms:  # traced: torch's own op, which compilers fuse
-        return F.rms_norm(x, shape, g_shaped, spec.eps)
     return None
 
 

@@ -149,6 +149,21 @@ def test_fused_norm_gradients_where_torchs_backward_overflows(kind: str, device:
         tolerances.assert_close(to_numpy(value), want, quantity="grad")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_composite_rms_norm_on_cuda_serves_rows_whose_squares_overflow() -> None:
+    """Traced, the composite path cannot read its rows: torch's fused RMSNorm would give y = 0
+    on a row of 1e20 (its squares overflow float32); normkit's Function serves it."""
+    x = _randn(3, 16, dtype=torch.float32) * torch.tensor([[1.0], [1e20], [1.0]])
+    w = 1 + 0.1 * _randn(16, dtype=torch.float32, seed=2)
+    torch._dynamo.reset()
+    norm = torch.compile(lambda t, g: F.rms_norm(t, 16, g, eps=1e-6, kernel="composite"),
+                         fullgraph=True)
+    y = norm(x.cuda(), w.cuda())
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), NormSpec(eps=1e-6),
+                                                             to_numpy(w)), what="y")
+
+
 @pytest.mark.parametrize("kind", FUSED_KINDS)
 def test_double_backward_through_torchs_fused_kernels(kind: str) -> None:
     """Second derivatives through `FusedNorm` come from normkit's analytic backward."""
