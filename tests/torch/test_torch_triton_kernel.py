@@ -167,6 +167,29 @@ def test_looped_variant(looped: None, spec: NormSpec, dtype: torch.dtype) -> Non
     _check_norm(spec, _randn(4, n, seed=3, dtype=dtype), *_params(spec, n, dtype, seed=3))
 
 
+@pytest.mark.parametrize("rows", [5, 0])
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+@pytest.mark.parametrize("spec", [NormSpec(), NormSpec(kind="layer", bias=True)], ids=_label)
+def test_the_backwards_partial_sums_need_no_zero_fill(
+    monkeypatch: pytest.MonkeyPatch, spec: NormSpec, fused: bool, rows: int
+) -> None:
+    """Every ``torch.empty`` NaN-filled: the weight and bias gradients still match the
+    reference, so no kernel reads a part of its buffers it has not written (a batch without
+    rows included, whose gradients are zeros)."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 16)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    empty = torch.empty
+
+    def nan_filled(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)  # type: ignore[call-overload]
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    n = 24
+    _check_norm(spec, _randn(rows, n, seed=5), *_params(spec, n, torch.float32, seed=5))
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k["kind"])
 def test_rows_whose_statistic_overflows_float32(

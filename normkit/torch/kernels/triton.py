@@ -743,16 +743,18 @@ def _backward_rows(
     programs = _programs(x, rows, groups)
     need_dw = need_dw and weight is not None
     need_db = need_db and bias_dtype is not None
-    part_shape = (programs // groups, n)
-    dw_part = torch.zeros(part_shape if need_dw else (0,), dtype=torch.float32, device=x.device)
-    db_part = torch.zeros(part_shape if need_db else (0,), dtype=torch.float32, device=x.device)
     single, block, num_warps = _launch_config(group, kind == "layer", backward=True)
+    # A single-block program stores its sums whole; a looped one adds each row's into its part.
+    parts = torch.empty if single and rows else torch.zeros
+    part_shape = (programs // groups, n)
+    dw_part = parts(part_shape, dtype=torch.float32, device=x.device) if need_dw else dx
+    db_part = parts(part_shape, dtype=torch.float32, device=x.device) if need_db else dx
     if rows:
         _launcher(x)(_backward_kernel)[(programs,)](
             x, x if residual is None else residual, x if gate is None else gate, r, dy,
             dy if dh is None else dh, x if weight is None else weight,
             x if bias is None else bias, dx, dx if gate is None else dz,
-            dw_part if need_dw else dx, db_part if need_db else dx, rows * groups, group, k,
+            dw_part, db_part, rows * groups, group, k,
             groups, eps, scale_offset, LAYER=kind == "layer", OUTSIDE=outside,
             HAS_W=weight is not None, HAS_B=bias is not None, NEED_DW=need_dw, NEED_DB=need_db,
             HAS_DH=dh is not None, RESIDUAL=rounding, GROUPED=groups > 1, GATE_IN=gate_in,
