@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -198,6 +199,22 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         ("autograd.Function clone fwd+bwd", lambda: _Clone.apply(grad).backward(dy)),
     ):
         log(what=f"host {what}", us=host_cost(fn))
+    for what, fn in (
+        ("_backward_rows (dx, dw)", backward_rows),
+        ("torch.zeros of the dw parts", lambda: torch.zeros(programs, n, device=small.device)),
+    ):
+        log(what=f"host {what} from another Python thread", us=on_another_thread(fn))
+
+
+def on_another_thread(fn) -> float:
+    """`host_cost` of ``fn`` measured on a fresh Python thread while this one waits: whether a
+    thread other than the main one (as autograd's device thread is) makes the same calls
+    slower."""
+    result: list[float] = []
+    worker = threading.Thread(target=lambda: result.append(host_cost(fn)))
+    worker.start()
+    worker.join()
+    return result[0]
 
 
 class _Clone(torch.autograd.Function):
