@@ -1,7 +1,8 @@
 """Where normkit.jax's time goes against Flax's on a device: per layer, dtype and pass, the
 jitted median and what XLA compiled for it there (fusions, conditionals, the entry
-computation), the cost of one ``lax.cond`` on its own, and what each piece of normkit's guard
-costs (`variants`).
+computation), the cost of one ``lax.cond`` on its own, what each piece of normkit's guard
+costs (`variants`), and a candidate RMSNorm forward that guards without a conditional
+(`without_cond`).
 
 python3 scripts/jax_probe.py [--out FILE] [--rows R --hidden N]   (JAX's default device; one
 JSON line per figure)
@@ -25,9 +26,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import normkit.jax as nkjax
+from normkit import NormSpec, reference
 from normkit.bench.timing import interleaved
 from normkit.jax import functional
 
@@ -157,6 +160,56 @@ def variants(log: Log, rows: int, hidden: int) -> None:
             log(dtype="float32", layer=layer, variants=form, **record)
 
 
+def rms_without_cond(x: jax.Array, g: jax.Array, eps: float) -> jax.Array:
+    """A candidate RMSNorm forward (eps inside) that serves rows whose squares overflow or
+    underflow float32 without a conditional: each row scaled by the power of two ``2^-e`` that
+    brings its largest magnitude into [1/2, 1) (exact), its mean square taken there, and
+    ``y = x 2^-e / sqrt(mean((x 2^-e)^2) + eps 4^-e)``, the same value; where ``eps 4^-e``
+    overflows (tiny rows), eps dwarfs the mean square, taken back unscaled. Two dependent row
+    reductions and the output, nothing read back to the host: a softmax's pattern, which XLA
+    on a GPU may compile into one fusion."""
+    v = x.astype(jnp.float32)
+    largest = jnp.max(jnp.abs(v), axis=-1, keepdims=True)
+    e = jnp.where(jnp.isfinite(largest) & (largest > 0), jnp.frexp(largest)[1], 0)
+    scaled = v * jnp.ldexp(jnp.float32(1), -e)
+    square = jnp.mean(scaled * scaled, axis=-1, keepdims=True)
+    eps_scaled = jnp.ldexp(jnp.float32(eps), -2 * e)
+    y_hat = jnp.where(jnp.isinf(eps_scaled), v * lax.rsqrt(jnp.ldexp(square, 2 * e) + eps),
+                      scaled * lax.rsqrt(square + eps_scaled))
+    return (y_hat * g).astype(x.dtype)
+
+
+#: Rows of the candidate's accuracy check: ordinary, squares overflowing, squares underflowing.
+FAR_SCALES = (1.0, 1e30, 1e-30, 1e-20, 1e37)
+
+
+def without_cond(log: Log, rows: int, hidden: int) -> None:
+    """`rms_without_cond` against normkit's RMSNorm as shipped and Flax's (forward, float32 and
+    bfloat16): its time and what XLA compiled, and its worst error against the reference on
+    rows at `FAR_SCALES` (a fraction of the row's largest reference value)."""
+    rng = np.random.default_rng(0)
+    far = (rng.standard_normal((len(FAR_SCALES), 64))
+           * np.array(FAR_SCALES)[:, None]).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    want = reference.normalize(far.astype(np.float64), NormSpec(eps=EPS), g.astype(np.float64))
+    got = np.asarray(jax.jit(rms_without_cond, static_argnums=2)(far, g, EPS), np.float64)
+    errors = np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
+    log(what="rms_without_cond error", scales=list(FAR_SCALES), errors=errors.tolist())
+    for dtype in ("float32", "bfloat16"):
+        x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32).astype(dtype)
+        scale = jnp.ones((hidden,), jnp.float32)
+        runs, record = {}, {}
+        for name, module in (("normkit", nkjax.RMSNorm(epsilon=EPS, output_dtype="input")),
+                             ("flax", nn.RMSNorm(epsilon=EPS, dtype=dtype))):
+            runs[name], record[name] = compiled_record(*programs(module, x)["forward"])
+        runs["without cond"], record["without cond"] = compiled_record(
+            partial(rms_without_cond, eps=EPS), (x, scale))
+        for name, ms in medians_ms(runs).items():
+            record[name]["ms"] = ms
+            del record[name]["entry"]
+        log(dtype=dtype, layer="RMSNorm", candidate="forward", **record)
+
+
 def cond_cost(log: Log, rows: int, hidden: int) -> None:
     """One ``lax.cond`` on a flag computed on the device, against the same work without it."""
     x = jnp.ones((rows, hidden), jnp.float32)
@@ -185,6 +238,7 @@ def main() -> int:
     started = time.perf_counter()
     cond_cost(log, args.rows, args.hidden)
     variants(log, args.rows, args.hidden)
+    without_cond(log, args.rows, args.hidden)
     layers(log, args.rows, args.hidden)
     log(seconds=round(time.perf_counter() - started, 1))
     return 0
