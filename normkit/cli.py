@@ -4,7 +4,9 @@ Each subcommand is a module-level pair: a function that adds its arguments and o
 Heavy imports happen inside the run functions, so ``normkit --help`` stays fast.
 
 Exit status: 0 when at least one check ran and none failed, 1 when a check failed (or none could
-run), 2 for a usage error (bad arguments, a missing file, a backend that is not installed).
+run), 2 for a usage error (bad arguments, a missing file, a backend that is not installed), 130
+when interrupted (Ctrl-C; for ``bench`` and ``conformance`` SIGTERM too, after which they show
+and write what they finished).
 Every error is one line on stderr, ``normkit COMMAND: error: ...``, never a traceback.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 import normkit
 from normkit import arguments, backends, dtypes
 from normkit.bench import cli as bench_cli
+from normkit.interrupts import INTERRUPTED, interruptible
 from normkit.port import cli as port_cli
 from normkit.spec import ALL_KINDS, CASTS, EPS_PLACEMENTS, KINDS, NormSpec
 
@@ -147,7 +150,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
 
     if args.json == "-" and args.markdown == "-":
         raise ValueError("--json and --markdown cannot both write to stdout")
-    result = conformance.run(
+    result = interruptible(lambda: conformance.run(
         backends=args.backend,
         kinds=tuple(args.kind) if args.kind else ALL_KINDS,
         dtypes=tuple(args.dtype) if args.dtype else None,
@@ -156,7 +159,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
         peers=args.peers,
         jobs=args.jobs,
         pairwise=not args.no_pairwise,
-    )
+    ))
     to_stdout = "-" in (args.json, args.markdown)
     print(reports.text(result), file=sys.stderr if to_stdout else sys.stdout)
     title = (
@@ -168,6 +171,9 @@ def _run_conformance(args: argparse.Namespace) -> int:
     if args.markdown:
         render = reports.peers_markdown if args.peers else reports.markdown
         arguments.write_text(args.markdown, render(result, title))
+    if result.interrupted:
+        _error("conformance", "interrupted: the report holds the cases that finished")
+        return INTERRUPTED
     if not result.ran:
         reasons = [f"{t}: {why}" for t, why in result.skipped_targets.items()]
         reasons += sorted({f"{r.target}: {r.reason}" for r in result.results})[:3]
@@ -276,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         _error(args.command, "interrupted")
-        return 130
+        return INTERRUPTED
     except Exception as exc:  # a framework's own failure: still one line, and a failed run
         _error(args.command, f"{type(exc).__name__}: {_one_line(exc)}")
         return 1

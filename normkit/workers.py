@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import IO, Any
@@ -25,6 +26,9 @@ from typing import IO, Any
 PREFIX = "normkit-event "
 Event = dict[str, Any]
 Emit = Callable[[Event], None]
+
+_running: set[subprocess.Popen[str]] = set()
+_running_lock = threading.Lock()
 
 
 def run(
@@ -46,6 +50,8 @@ def run(
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
         )
         assert proc.stdin is not None and proc.stdout is not None
+        with _running_lock:
+            _running.add(proc)
         error = ""
         try:
             proc.stdin.write(json.dumps(job))
@@ -57,6 +63,9 @@ def run(
             proc.kill()
             proc.wait()
             raise
+        finally:
+            with _running_lock:
+                _running.discard(proc)
         if error:
             proc.kill()
         proc.wait()
@@ -65,6 +74,16 @@ def run(
             lines = log.read().strip().splitlines()
             error = f"exit status {proc.returncode}" + (f": {lines[-1]}" if lines else "")
         return error
+
+
+def kill_running() -> None:
+    """Kill every worker `run` is waiting on, in any thread: an interrupted parent whose
+    workers run in threads of its own stops them this way (each `run` then returns the
+    worker's exit status as its error)."""
+    with _running_lock:
+        procs = list(_running)
+    for proc in procs:
+        proc.kill()
 
 
 def _read(stdout: IO[str], on_event: Callable[[Event], None]) -> str:

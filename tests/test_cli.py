@@ -303,3 +303,39 @@ def test_an_interrupted_report_leaves_the_old_report_intact(tmp_path):
     assert done.returncode == 1 and "File too large" in done.stderr, done.stderr
     assert report.read_text() == old
     assert [p.name for p in tmp_path.iterdir()] == [report.name]
+
+
+def test_a_terminated_conformance_run_writes_the_cases_that_finished(monkeypatch, capsys, tmp_path):
+    """SIGTERM (a time limit's kill) mid-matrix: the cases that finished are shown and written,
+    the JSON says ``interrupted``, no worker is left running, the status is 130, and SIGTERM's
+    handler is put back."""
+    import signal
+
+    from normkit import workers
+    from normkit.conformance.result import Result
+
+    pytest.importorskip("torch")
+    made = Result.from_dict
+    seen = []
+
+    def from_dict(event):
+        seen.append(event)
+        if len(seen) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler raises in the runner's loop
+        return made(event)
+
+    monkeypatch.setattr(runner.Result, "from_dict", staticmethod(from_dict))
+    before = signal.getsignal(signal.SIGTERM)
+    report = tmp_path / "conformance.json"
+    argv = ["conformance", "--backend", "torch[composite]", "--kind", "rms,layer", "--json",
+            str(report)]
+    assert cli.main(argv) == 130
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert one_error(capsys, "conformance") == (
+        "interrupted: the report holds the cases that finished")
+    found = json.loads(report.read_text())
+    planned = len(matrix(quick=True, kinds=("rms", "layer")))
+    assert found["interrupted"] is True and found["pairwise"] == []
+    assert len(found["cases"]) == 2 < planned  # the third was being read when SIGTERM came
+    assert all(case["status"] in ("PASS", "SKIP") for case in found["cases"])
+    assert not workers._running

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 from normkit import arguments, backends
+from normkit.interrupts import INTERRUPTED, interruptible
 
 HELP = "time normkit's norms against each framework's own layers and a memory copy"
-INTERRUPTED = 130
-
-T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,21 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speed ratios figure (PNG); GB/s beside it in NAME-gbps.png")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _interruptible(work: Callable[[], T]) -> T:
-    """``work()`` with SIGTERM raising KeyboardInterrupt in it, as Ctrl-C does (main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return work()
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return work()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write the files; 1 if a backend failed or no row was
     measured, 130 if it was interrupted (Ctrl-C or SIGTERM: the rows measured until then are
@@ -60,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from normkit.bench import report as out
     from normkit.bench import run as bench
 
-    result = _interruptible(lambda: bench(
+    result = interruptible(lambda: bench(
         backends=args.backend, devices=args.device, dtypes=args.dtype, quick=args.quick
     ))
     shown = sys.stderr if args.json == "-" else sys.stdout  # stdout is then the JSON's alone

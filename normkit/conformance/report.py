@@ -195,9 +195,11 @@ def text(report: Report, failures: int = 10) -> str:
         out += ["", f"worker time: {times}"]
     passed = sum(r.status == "PASS" for r in report.results)
     skipped = sum(r.status == "SKIP" for r in report.results)
+    stopped = ", interrupted before the end of the matrix" if report.interrupted else ""
     out += [
         "",
-        f"{passed} passed, {len(failed)} failed, {skipped} skipped in {report.seconds:.0f} s",
+        f"{passed} passed, {len(failed)} failed, {skipped} skipped in {report.seconds:.0f} s"
+        f"{stopped}",
     ]
     return "\n".join(out)
 
@@ -391,6 +393,7 @@ def to_json(report: Report) -> str:
         {
             "normkit": __version__,
             "seconds": report.seconds,
+            "interrupted": report.interrupted,
             "tolerances": {
                 "forward_rel": tolerances.FORWARD_REL,
                 "grad_rel": tolerances.GRAD_REL,

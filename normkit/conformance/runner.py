@@ -30,6 +30,9 @@ PAIRWISE_FACTOR = 2.0
 #: segfault, the kernel's OOM killer); the cases it had not reported run in the new one.
 RESTARTS = 3
 
+#: How long an interrupted run waits for its workers to be killed and their threads to end.
+STOP_WAIT_S = 10.0
+
 
 @dataclass
 class Pairwise:
@@ -61,6 +64,9 @@ class Report:
     """Per ``target@device``, per probe label (`normkit.conformance.batch_invariance.PROBES`):
     ``{"rows", "order", "position", "threads"}`` (True: invariant; ``threads`` None where it
     was not checked), or ``{"skip": reason}`` / ``{"error": message}``."""
+    interrupted: bool = False
+    """Stopped before every case ran (Ctrl-C, or SIGTERM under `normkit.interrupts`): the
+    results are those of the cases that finished, and nothing is compared pairwise."""
 
     @property
     def failed(self) -> list[Result]:
@@ -121,6 +127,9 @@ def run(
       invariance: also check each target's batch invariance on
         `normkit.conformance.batch_invariance.PROBES`.
       progress: show progress on stderr.
+
+    A KeyboardInterrupt while the workers run stops them and returns the report of the cases
+    that finished, with ``interrupted`` set.
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs} is invalid: at least one worker must run")
@@ -141,6 +150,8 @@ def run(
     target_seconds: dict[str, float] = {}
     restarts: list[str] = []
     invariances: dict[str, dict[str, Any]] = {}
+    stopping = threading.Event()
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="normkit-conformance-") as outdir:
         groups: dict[tuple[str, str], list[Target]] = {}
         for t in runnable:
@@ -152,6 +163,8 @@ def run(
                 with slots:
                     run = _GroupRun(group, planned, devices, events.put)
                     for attempt in range(RESTARTS + 1):
+                        if stopping.is_set():
+                            break
                         kept = outdir if pairwise else None
                         job = _job(run.unfinished(), run.left, devices, kept, invariance)
                         error = workers.run(WORKER, job, group[0].environment, run.forward)
@@ -166,47 +179,61 @@ def run(
             thread.start()
         finished = 0
         reported: dict[str, set[tuple[str, str]]] = {t.name: set() for t in runnable}
-        while finished < len(groups):
-            event = events.get()
-            name = event.get("target", "")
-            if "done" in event:
-                finished += 1
-                if event["error"]:
-                    for crashed in event["done"]:
-                        seen = seen_devices.get(crashed, list(devices or ["cpu"]))
-                        lost = _crashed(
-                            crashed, planned[crashed], seen, reported[crashed], event["error"]
-                        )
-                        results.extend(lost)
-                        if bar is not None and lost:
-                            bar.advance(
-                                f"{crashed} crashed", by=len(lost), work=len(lost) * cost[crashed]
+        try:
+            while finished < len(groups):
+                event = events.get()
+                name = event.get("target", "")
+                if "done" in event:
+                    finished += 1
+                    if event["error"]:
+                        for crashed in event["done"]:
+                            seen = seen_devices.get(crashed, list(devices or ["cpu"]))
+                            lost = _crashed(
+                                crashed, planned[crashed], seen, reported[crashed], event["error"]
                             )
-            elif "devices" in event:
-                seen_devices[name] = event["devices"]
-                if bar is not None and not devices:
-                    more = len(planned[name]) * (len(event["devices"]) - 1)
-                    bar.add(more, work=more * cost[name])
-            elif "identified" in event:
-                identified[name] = event["identified"]
-            elif "batch_invariance" in event:
-                invariances[f"{name}@{event['device']}"] = event["batch_invariance"]
-            elif "seconds" in event:
-                target_seconds[name] = target_seconds.get(name, 0.0) + event["seconds"]
-            elif "status" in event:
-                result = Result.from_dict(event)
-                reported[name].add((result.case.id, result.device))
-                results.append(result)
-                if bar is not None:
-                    bar.advance(f"{name} {result.device}", work=cost[name])
+                            results.extend(lost)
+                            if bar is not None and lost:
+                                bar.advance(f"{crashed} crashed", by=len(lost),
+                                            work=len(lost) * cost[crashed])
+                elif "devices" in event:
+                    seen_devices[name] = event["devices"]
+                    if bar is not None and not devices:
+                        more = len(planned[name]) * (len(event["devices"]) - 1)
+                        bar.add(more, work=more * cost[name])
+                elif "identified" in event:
+                    identified[name] = event["identified"]
+                elif "batch_invariance" in event:
+                    invariances[f"{name}@{event['device']}"] = event["batch_invariance"]
+                elif "seconds" in event:
+                    target_seconds[name] = target_seconds.get(name, 0.0) + event["seconds"]
+                elif "status" in event:
+                    result = Result.from_dict(event)
+                    reported[name].add((result.case.id, result.device))
+                    results.append(result)
+                    if bar is not None:
+                        bar.advance(f"{name} {result.device}", work=cost[name])
+        except KeyboardInterrupt:
+            interrupted = True
+            stopping.set()
+            _stop(threads)
         if bar is not None:
             bar.close()
-        pairs = _pairwise(results, Path(outdir)) if pairwise else []
+        pairs = _pairwise(results, Path(outdir)) if pairwise and not interrupted else []
     seconds = time.perf_counter() - start
     return Report(
         results, skipped, seen_devices, list(targets), identified, target_seconds, pairs, seconds,
-        restarts, invariances,
+        restarts, invariances, interrupted,
     )
+
+
+def _stop(threads: list[threading.Thread]) -> None:
+    """Kill the workers until every thread that runs one has ended (their loops start no
+    worker once stopping is set), for at most `STOP_WAIT_S`."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    for thread in threads:
+        while thread.is_alive() and time.monotonic() < deadline:
+            workers.kill_running()
+            thread.join(0.05)
 
 
 def _killed(error: str) -> bool:
