@@ -69,42 +69,52 @@ def fake_gpu(folder):
     smi.chmod(0o755)
 
 
-STOPPED_BENCH = """
+STOPPED_COMMAND = """
 import json, signal, sys, time
-if sys.argv[:2] == ["-m", "bench"]:
+REPORTS = {  # as each command writes what it finished on SIGTERM, then exits 130
+    "bench": {"interrupted": True, "rows": [{"implementation": "copy"}]},
+    "conformance": {"interrupted": True, "skipped_targets": {},
+                    "cases": [{"target": "torch", "status": "PASS"}]},
+}
+if sys.argv[:1] == ["-m"] and sys.argv[1] in REPORTS:
     report = sys.argv[sys.argv.index("--json") + 1]
-    def stopped(signum, frame):  # as normkit bench does: the groups measured, then exit 130
+    def stopped(signum, frame):
         with open(report, "w") as f:
-            json.dump({"interrupted": True, "rows": [{"implementation": "copy"}]}, f)
+            json.dump(REPORTS[sys.argv[1]], f)
         sys.exit(130)
     signal.signal(signal.SIGTERM, stopped)
     time.sleep(300)
 """
 
 
-def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_path):
+@pytest.mark.parametrize("step", ["bench", "conformance"])
+def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_path, step):
     fake_gpu(tmp_path)
     out = tmp_path / "results"
     path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    # Every `python -m normkit bench` the steps start (its argv when sitecustomize runs:
-    # ["-m", "bench", ...]) sleeps past its limit, however fast the machine (a bench on a fake
-    # GPU would otherwise fail at once, or not, by how fast it starts), and on SIGTERM writes a
-    # report of one row, as normkit bench writes the groups it measured.
+    # Every `python -m normkit bench` or `conformance` the step starts (its argv when
+    # sitecustomize runs: ["-m", "bench", ...]) sleeps past its limit, however fast the machine
+    # (a run on a fake GPU would otherwise fail at once, or not, by how fast it starts), and on
+    # SIGTERM writes a report of one row or case, as normkit writes what it finished.
     slow = tmp_path / "slow"
     slow.mkdir()
-    (slow / "sitecustomize.py").write_text(STOPPED_BENCH)
-    done = gpu_check("--only", "bench", "--budget", "20", "--out", str(out), path=path, pythonpath=slow)
+    (slow / "sitecustomize.py").write_text(STOPPED_COMMAND)
+    done = gpu_check("--only", step, "--budget", "20", "--out", str(out), path=path, pythonpath=slow)
     assert done.returncode == 1, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu"] == "Fake GPU, 80 GiB, 1.0" and summary["device"] == "cuda:0"
-    [bench] = summary["steps"]
-    assert bench["step"] == "bench" and bench["status"] == "timeout" and bench["log"] == "bench.log"
-    assert bench["rows"] == 1 and bench["interrupted"] is True
-    assert bench["seconds"] < 20 + 10  # and the kill grace
-    log = (out / "bench.log").read_text()
-    assert "normkit bench --backend torch --backend jax --backend tf --device cuda:0" in log
+    [record] = summary["steps"]
+    assert record["step"] == step and record["status"] == "timeout" and record["log"] == f"{step}.log"
+    assert record["interrupted"] is True
+    if step == "bench":
+        assert record["rows"] == 1
+    else:
+        assert record["targets"] == {"torch": {"PASS": 1}}
+    assert record["seconds"] < 20 + 10  # and the kill grace
+    log = (out / f"{step}.log").read_text()
+    assert f"normkit {step} --backend torch" in log
     assert "stopped at its limit" in log
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.log", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{step}.json", f"{step}.log", "summary.json"]
 
 
 def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path):
