@@ -326,10 +326,12 @@ def test_a_terminated_conformance_run_writes_the_cases_that_finished(monkeypatch
 
     monkeypatch.setattr(runner.Result, "from_dict", staticmethod(from_dict))
     before = signal.getsignal(signal.SIGTERM)
-    report = tmp_path / "conformance.json"
+    report, markdown = tmp_path / "conformance.json", tmp_path / "conformance.md"
     argv = ["conformance", "--backend", "torch[composite]", "--kind", "rms,layer", "--json",
-            str(report)]
+            str(report), "--markdown", str(markdown)]
     assert cli.main(argv) == 130
+    assert "2 case runs in" in markdown.read_text()
+    assert "interrupted before the end of the matrix." in markdown.read_text()
     assert signal.getsignal(signal.SIGTERM) is before
     assert one_error(capsys, "conformance") == (
         "interrupted: the report holds the cases that finished")

@@ -159,6 +159,9 @@ INVARIANCE_LEGEND = (
 )
 
 
+_STOPPED = ", interrupted before the end of the matrix"
+
+
 def text(report: Report, failures: int = 10) -> str:
     """The terminal summary: the table, failures (up to ``failures``), skips, pairwise worst."""
     header, rows = _summary(report)
@@ -195,7 +198,7 @@ def text(report: Report, failures: int = 10) -> str:
         out += ["", f"worker time: {times}"]
     passed = sum(r.status == "PASS" for r in report.results)
     skipped = sum(r.status == "SKIP" for r in report.results)
-    stopped = ", interrupted before the end of the matrix" if report.interrupted else ""
+    stopped = _STOPPED if report.interrupted else ""
     out += [
         "",
         f"{passed} passed, {len(failed)} failed, {skipped} skipped in {report.seconds:.0f} s"
@@ -349,7 +352,8 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
     out = [
         f"# {title}",
         "",
-        f"normkit {__version__}; {len(report.results)} case runs in {report.seconds:.0f} s.",
+        f"normkit {__version__}; {len(report.results)} case runs in {report.seconds:.0f} s"
+        f"{_STOPPED if report.interrupted else ''}.",
         "",
         _markdown_table(header, rows),
         "",
