@@ -94,12 +94,14 @@ def _leaves(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 def _check_norm(
     spec: NormSpec, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-    seed: int = 7,
+    seed: int = 7, dy: torch.Tensor | None = None,
 ) -> None:
-    """norm_rows and its gradients against reference.normalize and normalize_vjp."""
+    """norm_rows and its gradients (for ``dy``, by default drawn with ``seed``) against
+    reference.normalize and normalize_vjp."""
     xl, wl, bl = _leaves(x, weight, bias)
     y = kernels.norm_rows(xl, wl, bl, _options(spec, x.shape[1]))
-    dy = _randn(*x.shape, seed=seed, dtype=x.dtype)
+    if dy is None:
+        dy = _randn(*x.shape, seed=seed, dtype=x.dtype)
     y.backward(dy)
     xn, wn, bn = _np(x), _np(weight), _np(bias)
     assert y.dtype == x.dtype
@@ -238,6 +240,23 @@ def test_partial_rms_first_element_gradient_with_k_1(placement: str) -> None:
 
 
 UNDERFLOW_KINDS = KINDS + [dict(kind="partial_rms", p=1 / 16)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])
+@pytest.mark.parametrize("placement", ["inside", "outside"])
+@pytest.mark.parametrize("kind", UNDERFLOW_KINDS, ids=lambda k: f"{k['kind']}{k.get('p', '')}")
+def test_gradients_of_large_cotangents_on_large_rows(
+    monkeypatch: pytest.MonkeyPatch, kind: dict, placement: str, fused: bool
+) -> None:
+    """|x| ~ 1e9 with dy ~ 1e29: the sums of d x overflow float32 where those of d y_hat do
+    not; the gradients are the reference's, not infinities or NaN."""
+    if not fused:
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
+        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    spec = NormSpec(**kind, eps_placement=placement)
+    x = _randn(3, 16, seed=5) * torch.tensor([[1e9], [1.0], [1e9]], device=DEVICE)
+    dy = _randn(3, 16, seed=6) * torch.tensor([[1e29], [1.0], [1.0]], device=DEVICE)
+    _check_norm(spec, x, *_params(spec, 16, torch.float32, seed=5), dy=dy)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-block", "looped"])

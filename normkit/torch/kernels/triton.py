@@ -436,13 +436,15 @@ def _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
 
 
 @triton.jit
-def _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
-    """dx_0 of partial RMS with k = 1, in the closed form free of cancellation."""
+def _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
+    """dx_0 of partial RMS with k = 1, in the closed form free of cancellation; ``y0`` is
+    y_hat_0 and ``rest`` the sum of d y_hat past it (products of a cotangent with normalized
+    values, which stay in float32's range where d x may not)."""
     if OUTSIDE:
-        sign = tl.where(xs0 > 0, 1.0, tl.where(xs0 < 0, -1.0, 0.0))
-        return sigma * rs * rs * (eps_s * d0 - sign * rest)
+        sign = tl.where(y0 > 0, 1.0, tl.where(y0 < 0, -1.0, 0.0))
+        return sigma * rs * (eps_s * rs * d0 - sign * rest)
     else:
-        return sigma * rs * rs * rs * (eps_s * d0 - xs0 * rest)
+        return sigma * rs * (eps_s * rs * rs * d0 - y0 * rest)
 
 
 @triton.jit
@@ -503,15 +505,15 @@ def _backward_kernel(
             y_hat = c * rs
             q = _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER, OUTSIDE)
             d = dy_u * g
-            dot = tl.sum(d * c, axis=0) * rs
+            dot = tl.sum(d * y_hat, axis=0)
             mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
             dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER)
             if not LAYER:
                 if k == 1:
                     d0 = tl.sum(tl.where(cols == 0, d, 0.0), axis=0)
-                    xs0 = tl.sum(tl.where(cols == 0, xs, 0.0), axis=0)
-                    rest = tl.sum(tl.where(cols >= 1, d * xs, 0.0), axis=0)
-                    first = _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE)
+                    y0 = tl.sum(tl.where(cols == 0, y_hat, 0.0), axis=0)
+                    rest = tl.sum(tl.where(cols >= 1, d * y_hat, 0.0), axis=0)
+                    first = _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE)
                     dx = tl.where(cols == 0, first, dx)
             _store_dz(dx, h, slope_in, dy, y_hat * g + bias, slope_out, DZ, row_off + cols, mask,
                       GATE_IN, GATE_OUT)
@@ -544,12 +546,13 @@ def _backward_kernel(
                 d = tl.load(DY + row_off + offs, mask=mask, other=0.0).to(tl.float32) * a_out
                 if HAS_W:
                     d *= tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
-                acc_dot += d * c
+                d_y_hat = d * (c * rs)
+                acc_dot += d_y_hat
                 if LAYER:
                     acc_d += d
                 else:
-                    acc_rest += tl.where(offs >= 1, d * c, 0.0)
-            dot = tl.sum(acc_dot, axis=0) * rs
+                    acc_rest += tl.where(offs >= 1, d_y_hat, 0.0)
+            dot = tl.sum(acc_dot, axis=0)
             mean_d = tl.sum(acc_d, axis=0) / n
             rest = tl.sum(acc_rest, axis=0)
             for start in range(0, n, BLOCK):
@@ -573,8 +576,8 @@ def _backward_kernel(
                 if not LAYER:
                     if k == 1:
                         d0 = tl.sum(tl.where(offs == 0, d, 0.0), axis=0)
-                        xs0 = tl.sum(tl.where(offs == 0, xs, 0.0), axis=0)
-                        first = _dx_first(d0, xs0, rest, sigma, rs, eps_s, OUTSIDE)
+                        y0 = tl.sum(tl.where(offs == 0, y_hat, 0.0), axis=0)
+                        first = _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE)
                         dx = tl.where(offs == 0, first, dx)
                 affine = y_hat * g
                 if HAS_B:
