@@ -774,6 +774,62 @@ def test_auto_on_cuda_runs_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -
                                 what="y")
 
 
+class _OnGpu:
+    """A stand-in for a tensor on a CUDA device (the launcher reads its device alone)."""
+
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+
+
+def test_a_launch_on_a_gpu_that_is_not_current_makes_it_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton launches on the current device: rows on cuda:1 with cuda:0 current (a model
+    spread over GPUs) are launched with cuda:1 current, and cuda:0 is current again after;
+    rows on the current GPU are launched directly."""
+    current = [0]
+
+    class Device:  # torch.cuda.device: a GPU made current, the previous one put back
+        def __init__(self, device: torch.device) -> None:
+            self.index = device.index
+
+        def __enter__(self) -> None:
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = self.previous
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int]) -> object:
+            return lambda *args: launched.append((grid, args, current[0]))
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(kernels, "_traced", lambda x: False)
+    kernels._launcher(_OnGpu(1))(Kernel())[(4,)]("x")
+    assert launched == [((4,), ("x",), 1)] and current == [0]
+    assert kernels._launcher(_OnGpu(0)) is kernels._direct
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_layer_on_the_second_gpu_runs_there_with_the_first_current() -> None:
+    from normkit.torch import RMSNorm
+
+    spec = NormSpec(eps=1e-6)
+    x = _randn(3, 24, seed=4).to("cuda:1")
+    with torch.cuda.device(0):
+        layer = RMSNorm(24, 1e-6, device="cuda:1", kernel="triton")
+        xl = x.clone().requires_grad_(True)
+        y = layer(xl)
+        y.backward(torch.ones_like(y))
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), spec), what="y")
+    dx = reference.normalize_vjp(to_numpy(x), np.ones((3, 24), np.float32), spec)[0]
+    tolerances.assert_close(to_numpy(xl.grad), dx, quantity="grad", what="dx")
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_add_norm_with_kernel_triton_fuses_the_add(
     monkeypatch: pytest.MonkeyPatch, rounding: str

@@ -46,6 +46,7 @@ second small kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 import typing
 from collections.abc import Callable
@@ -650,12 +651,35 @@ def _traced(x: torch.Tensor) -> bool:
 
 
 def _launcher(x: torch.Tensor) -> Callable[[Any], Any]:
-    """How a kernel is launched on ``x``: through ``wrap_triton`` where traced, else directly."""
-    return wrap_triton if _traced(x) else _direct
+    """How a kernel is launched on ``x``: through ``wrap_triton`` where traced, else directly,
+    with x's GPU made current where it is not (Triton launches on the current device's current
+    stream: a model spread over GPUs, one layer on cuda:1, runs with cuda:0 current)."""
+    if _traced(x):
+        return wrap_triton
+    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        return functools.partial(_OnDevice, x.device)
+    return _direct
 
 
 def _direct(kernel: Any) -> Any:
     return kernel
+
+
+class _OnDevice:
+    """``kernel[grid](...)`` launched with ``device`` current, then the current device put
+    back."""
+
+    def __init__(self, device: torch.device, kernel: Any) -> None:
+        self.device, self.kernel = device, kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def on_device(*args: Any, **kwargs: Any) -> Any:
+            with torch.cuda.device(self.device):
+                return launch(*args, **kwargs)
+
+        return on_device
 
 
 def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
