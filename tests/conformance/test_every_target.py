@@ -211,6 +211,47 @@ _FUSED_LAYER_NORM = (
 )
 
 
+#: The fields that change which program serves a norm: each path's add and gate.
+FEATURES: dict[str, dict[str, str]] = {
+    "residual_rounded": {"residual": "rounded"}, "residual_float32": {"residual": "float32"},
+    "gate_before": {"gate": "before"}, "gate_after": {"gate": "after"},
+}
+FEATURE_VARIANTS = ("torch", "torch[composite]", "torch[triton]", "jax.functional")
+
+
+def _with_feature(base: Callable[[NormSpec], Inputs], spec: NormSpec, fields: dict[str, str]
+                  ) -> Inputs:
+    """``base``'s edge inputs for ``spec`` with a residual of half of x (and dh half of dy), or
+    a gate of unit normals."""
+    inputs = base(spec)
+    if "residual" in fields:
+        half = np.float32(0.5)
+        return inputs._replace(residual=inputs.x * half, dh=inputs.dy * half)
+    return inputs._replace(gate=_normal(3, inputs.x.shape, F32))
+
+
+def _edges_with_a_residual_or_gate() -> list[Row]:
+    """The float32 edges (squares out of range, large cotangents, a large mean) with each
+    feature, on the paths that compute it: the CPU kernel, the composite path, the Triton
+    kernels and normkit.jax."""
+    bases: list[tuple[str, dict[str, object], Callable[[NormSpec], Inputs]]] = [
+        (f"{edge}-{name}", kind, make)
+        for edge, make in (("far_scales", _far_scales), ("large_cotangents", _large_cotangents))
+        for name, kind in KINDS3.items()
+    ]
+    bases.append(("large_mean", {"kind": "layer"}, lambda s: _large_mean(s, 1)))
+    rows = []
+    for (edge, kind, make), (feature, fields), placement in itertools.product(
+        bases, FEATURES.items(), PLACEMENTS
+    ):
+        spec = NormSpec(**kind, eps_placement=placement)
+        rows.append(Row(
+            f"{edge}-{placement}-{feature}", NormSpec(**kind, eps_placement=placement, **fields),
+            lambda m=make, s=spec, f=fields: _with_feature(m, s, f), FEATURE_VARIANTS,
+        ))
+    return rows
+
+
 def _edge_rows() -> list[Row]:
     rows: list[Row] = []
     for (name, kind), placement in itertools.product(KINDS3.items(), PLACEMENTS):
@@ -225,6 +266,7 @@ def _edge_rows() -> list[Row]:
                         (*CHEAP, "torch[composite]", "jax.functional")))
         rows.append(Row(f"nan_inf_rows-{name}-{placement}", spec, lambda s=spec: _nan_inf_rows(s),
                         (*CHEAP, "jax.functional")))
+    rows += _edges_with_a_residual_or_gate()
     for placement, seed in itertools.product(PLACEMENTS, (1, 3)):
         spec = NormSpec("layer", eps_placement=placement)
         # seed 1: torch's and normkit.jax's draw, seed 3: normkit.tf's (jitted)
@@ -565,7 +607,8 @@ GPU_EDGES = [row for row in EDGES
 @pytest.mark.parametrize("row", GPU_EDGES, ids=lambda row: row.id)
 def test_gpu_edges(row: Row, variant: Variant) -> None:
     """The float32 edges on every GPU the target sees: rows whose squares overflow or underflow
-    float32, a large mean, large cotangents, NaN and infinity, as on the CPU. There float32
+    float32, a large mean, large cotangents, NaN and infinity, as on the CPU (with a residual
+    and a gate too). There float32
     takes other programs than on the CPU (the Triton kernels for torch's ``auto``, torch's fused
     CUDA kernels for its composite path, XLA's GPU fusions)."""
     for device in _gpus(variant):

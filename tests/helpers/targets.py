@@ -66,6 +66,8 @@ VARIANTS: dict[str, Variant] = {
         _variant("torch.functional", TORCH_HOOK, _TORCH, api="functional"),
         _variant("torch[composite]", TORCH_HOOK, _TORCH, kernel="composite"),
         _variant("torch[cpu-kernel]", TORCH_HOOK, (*_TORCH, "numba"), kernel="cpu"),
+        # on CPU tensors under Triton's interpreter (tests/conftest.py sets it without a GPU)
+        _variant("torch[triton]", TORCH_HOOK, (*_TORCH, "triton"), kernel="triton"),
         _variant("torch[compiled]", TORCH_HOOK, _TORCH, compiled=True),
         _variant("jax.linen", JAX_HOOK, _JAX, api="linen"),
         _variant("jax.nnx", JAX_HOOK, _JAX, api="nnx"),
@@ -85,6 +87,9 @@ def hook(variant: Variant) -> ModuleType:
             pytest.skip(f"{variant.name} needs {package}, which is not installed")
     if variant.framework == "tf" and variant.kwargs.get("jit") and KERAS_BACKEND == "torch":
         pytest.skip("the torch Keras backend has no jit")
+    if variant.kwargs.get("kernel") == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only (set "
+                    "without a GPU; test_gpu_edges runs them on one)")
     return importlib.import_module(variant.hook)
 
 
