@@ -145,11 +145,17 @@ def test_row_lengths(kind: dict, dtype: torch.dtype, n: int) -> None:
     _check_norm(spec, _randn(5, n, seed=n, dtype=dtype), *_params(spec, n, torch.float32, seed=n))
 
 
+def _force_looped(monkeypatch: pytest.MonkeyPatch, longest_fused: int = 8, block: int = 8) -> None:
+    """Rows longer than ``longest_fused`` elements take the looped variant, in blocks of
+    ``block``."""
+    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", longest_fused)
+    monkeypatch.setattr(kernels, "LOOP_BLOCK", block)
+
+
 @pytest.fixture
 def looped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows longer than 16 elements take the looped variant, in blocks of 8."""
-    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 16)
-    monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+    _force_looped(monkeypatch, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -179,8 +185,7 @@ def test_the_backwards_partial_sums_need_no_zero_fill(
     reference, so no kernel reads a part of its buffers it has not written (a batch without
     rows included, whose gradients are zeros)."""
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 16)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch, 16)
     empty = torch.empty
 
     def nan_filled(*args: object, **kwargs: object) -> torch.Tensor:
@@ -199,8 +204,7 @@ def test_rows_whose_statistic_overflows_float32(
 ) -> None:
     """|x| near the float32 maximum: the reference's values near +-1, not zeros or NaN."""
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch)
     spec = NormSpec(**kind, eps_placement="outside" if kind["kind"] == "layer" else "inside")
     x = _randn(4, 20, seed=11)
     x[0] *= 1e20
@@ -215,8 +219,7 @@ def test_partial_rms_overflowing_head_and_an_infinite_tail(
 ) -> None:
     """The statistic reads the first k elements only: an infinity after them stays infinite."""
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch)
     spec = NormSpec(kind="partial_rms", p=0.5, scale=False)
     x = _randn(2, 20, seed=12) * 1e30
     x[:, 15] = float("inf")
@@ -251,8 +254,7 @@ def test_gradients_of_large_cotangents_on_large_rows(
     """|x| ~ 1e9 with dy ~ 1e29: the sums of d x overflow float32 where those of d y_hat do
     not; the gradients are the reference's, not infinities or NaN."""
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch)
     spec = NormSpec(**kind, eps_placement=placement)
     x = _randn(3, 16, seed=5) * torch.tensor([[1e9], [1.0], [1e9]], device=DEVICE)
     dy = _randn(3, 16, seed=6) * torch.tensor([[1e29], [1.0], [1.0]], device=DEVICE)
@@ -271,8 +273,7 @@ def test_gradient_where_the_statistics_squares_underflow(
     partial RMS row: dx[0, 0] = -6.0e10, not 1e5), in both variants. float32 inputs: the
     interpreter widens subnormal bfloat16 wrongly (a GPU does not)."""
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch)
     spec = NormSpec(**kind, eps=1e-5, eps_placement=placement)
     x = torch.zeros(3, 16, dtype=torch.float64)
     x[0, :4] = torch.tensor([1.0, 0.0, -1 / 3, 1 / 7]) * scale
@@ -285,8 +286,7 @@ def test_gradient_where_the_statistics_squares_underflow(
 
 def test_a_long_row_stays_within_the_float32_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """2**14 elements in blocks of 256: per-lane sums, then a tree, not one running sum."""
-    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 256)
-    monkeypatch.setattr(kernels, "LOOP_BLOCK", 256)
+    _force_looped(monkeypatch, 256, 256)
     spec = NormSpec(kind="layer")
     x = _randn(1, 2**14, seed=9) * 3 + 2
     _check_norm(spec, x, *_params(spec, 2**14, torch.float32, seed=9))
@@ -315,8 +315,7 @@ def test_add_norm_rows(
     fused: bool,
 ) -> None:
     if not fused:
-        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 8)
-        monkeypatch.setattr(kernels, "LOOP_BLOCK", 8)
+        _force_looped(monkeypatch)
     n = 24
     x, residual = _randn(3, n, seed=1, dtype=dtype), _randn(3, n, seed=2, dtype=dtype) * 4
     weight, bias = _params(spec, n, torch.float32, seed=3)
