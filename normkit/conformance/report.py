@@ -159,7 +159,9 @@ INVARIANCE_LEGEND = (
 )
 
 
-_STOPPED = ", interrupted before the end of the matrix"
+def _stopped(report: Report) -> str:
+    """What a summary line adds for a run stopped before the end, else ""."""
+    return ", interrupted before the end of the matrix" if report.interrupted else ""
 
 
 def text(report: Report, failures: int = 10) -> str:
@@ -198,11 +200,10 @@ def text(report: Report, failures: int = 10) -> str:
         out += ["", f"worker time: {times}"]
     passed = sum(r.status == "PASS" for r in report.results)
     skipped = sum(r.status == "SKIP" for r in report.results)
-    stopped = _STOPPED if report.interrupted else ""
     out += [
         "",
         f"{passed} passed, {len(failed)} failed, {skipped} skipped in {report.seconds:.0f} s"
-        f"{stopped}",
+        f"{_stopped(report)}",
     ]
     return "\n".join(out)
 
@@ -353,7 +354,7 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
         f"# {title}",
         "",
         f"normkit {__version__}; {len(report.results)} case runs in {report.seconds:.0f} s"
-        f"{_STOPPED if report.interrupted else ''}.",
+        f"{_stopped(report)}.",
         "",
         _markdown_table(header, rows),
         "",
