@@ -213,6 +213,51 @@ def test_large_outputs_are_advised_onto_huge_pages() -> None:
     assert advised(cpu._output_like(big))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_outputs_start_on_a_huge_page(dtype: torch.dtype) -> None:
+    """A large output starts on a 2 MiB boundary, so that all of it can be huge pages, and is
+    an ordinary contiguous tensor of ``t``'s shape and dtype (not a view) whose storage is at
+    most 2 MiB larger. A 3-d input of 2 MiB and 32 bytes more keeps its shape."""
+    count = (cpu.HUGE_PAGE_MIN_BYTES + 32) // torch.empty((), dtype=dtype).element_size()
+    like = torch.empty(2, count // 2, 1, dtype=dtype)
+    out = cpu._output_like(like)
+    assert out.data_ptr() % cpu.HUGE_PAGE == 0
+    assert (out.shape, out.dtype, out.is_contiguous(), out._base) == (
+        like.shape, dtype, True, None)
+    size = like.numel() * like.element_size()
+    storage = out.untyped_storage()
+    assert storage.data_ptr() <= out.data_ptr()
+    assert out.data_ptr() + size <= storage.data_ptr() + storage.nbytes() <= (
+        out.data_ptr() + size + cpu.HUGE_PAGE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
+    """On outputs placed at a 2 MiB boundary (32 MiB and more, `_output_like`), ``y`` and
+    ``dx`` hold, row for row, the bits the same rows give in small batches, whose outputs are
+    plain allocations: nothing is shifted or left unwritten."""
+    n = 4096
+    rows = cpu.HUGE_PAGE_MIN_BYTES // (n * dtypes.DTYPE_NAMES[dtype].itemsize) + 3
+    x, dy = (to_torch(a) for a in _arrays((rows, n), dtype, 5))
+    module = from_spec(NormSpec(kind="rms"), n, dtype=x.dtype, kernel="cpu")
+
+    def run(xs: torch.Tensor, dys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = xs.clone().requires_grad_()
+        y = module(xs)
+        y.backward(dys)
+        assert xs.grad is not None
+        return y.detach(), xs.grad
+
+    y, dx = run(x, dy)
+    assert y.data_ptr() % cpu.HUGE_PAGE == 0 and dx.data_ptr() % cpu.HUGE_PAGE == 0
+    for part in (slice(0, 5), slice(rows // 2 - 1, rows // 2 + 2), slice(rows - 4, rows)):
+        y_part, dx_part = run(x[part], dy[part])
+        for whole, alone in ((y[part], y_part), (dx[part], dx_part)):
+            assert to_numpy(whole).tobytes() == to_numpy(alone).tobytes()
+    tolerances.assert_close(to_numpy(y[-4:]), reference.normalize(to_numpy(x[-4:]),
+                                                                  NormSpec(kind="rms")), dtype)
+
+
 def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
     mapping an earlier large one had advised)."""

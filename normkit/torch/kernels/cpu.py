@@ -5,7 +5,7 @@
 implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
 `CpuNormFunction` joins them for autograd and torch.func. The forward saves
 ``x`` and each row's ``r(s)`` in float32 (and the parameters). Outputs of 32 MiB and more
-are advised onto transparent huge pages (`_output_like`).
+start on a 2 MiB boundary and are advised onto transparent huge pages (`_output_like`).
 
 The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
 If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
@@ -260,22 +260,30 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _output_like(t: torch.Tensor) -> torch.Tensor:
-    """``torch.empty_like(t)``; on Linux, an output of 32 MiB or more has its whole 2 MiB pages
-    advised onto transparent huge pages (``MADV_HUGEPAGE``) before the kernel first writes them.
+    """A contiguous tensor shaped and typed like ``t``, uninitialized; on Linux, an output of 32
+    MiB or more starts on a 2 MiB boundary and has its whole 2 MiB pages advised onto
+    transparent huge pages (``MADV_HUGEPAGE``) before the kernel first writes them.
 
     Fresh memory is mapped page by page on first write; with 4 KiB pages a 128 MiB output
     takes 32768 page faults, which cost more than writing it (most of ``clone``'s time on a
     virtual machine). glibc maps allocations of 32 MiB and more on their own and unmaps them
-    when freed, so the advice lives and dies with this tensor. Advice only: where the kernel
-    refuses it (THP disabled), pages stay 4 KiB.
+    when freed, so the advice lives and dies with this tensor. torch's allocations start 64
+    bytes into such a mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary
+    and the part after the last could only take 4 KiB pages (about 512 faults more than the
+    64 of a 128 MiB output, and a huge page two threads' claims would share). The output is
+    therefore placed at the first 2 MiB boundary of an allocation 2 MiB larger: its storage
+    holds that much more address space before it (never written, so never mapped; storage
+    offset nonzero). Advice only: where the kernel refuses it (THP disabled), pages stay 4 KiB.
     """
-    out = torch.empty_like(t)
-    size = out.numel() * out.element_size()
+    size = t.numel() * t.element_size()
     advise = _madvise() if size >= HUGE_PAGE_MIN_BYTES else None
-    if advise is not None:
-        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (out.data_ptr() + size) // HUGE_PAGE * HUGE_PAGE
-        advise(start, end - start, MADV_HUGEPAGE)
+    if advise is None:
+        return torch.empty_like(t)
+    storage = torch.empty(size + HUGE_PAGE, dtype=torch.uint8).untyped_storage()
+    start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    offset = (start - storage.data_ptr()) // t.element_size()  # allocations are 64-byte aligned
+    out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape)
+    advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
     return out
 
 
