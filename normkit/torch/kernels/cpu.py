@@ -282,7 +282,8 @@ def _output_like(t: torch.Tensor) -> torch.Tensor:
     storage = torch.empty(size + HUGE_PAGE, dtype=torch.uint8).untyped_storage()
     start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     offset = (start - storage.data_ptr()) // t.element_size()  # allocations are 64-byte aligned
-    out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape)
+    strides = tuple(math.prod(t.shape[axis + 1:]) for axis in range(t.dim()))
+    out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
     advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
     return out
 
