@@ -433,7 +433,7 @@ def test_the_tasks_count_no_references(dtype: str) -> None:
     tasks = {
         m._forward_task: (rows, vec, vec, rows, vec, i64, i64, f64, *[flag] * 4, i64, counter),
         m._backward_task: (rows, vec, rows, rows, vec, table, table, i64, i64, f64,
-                           *[flag] * 3, i64, counter, table),
+                           *[flag] * 3, i64, i64, counter, table),
     }
     for task, argtypes in tasks.items():
         ir = "".join(_recompiled(task, argtypes, **task.targetoptions).inspect_llvm().values())
@@ -550,6 +550,38 @@ def test_results_do_not_depend_on_the_thread_count(
     assert spy.calls["forward"] == 3 and spy.calls["backward"] == 3
     limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
     assert spy.workers == [min(count, limit) for count in (1, 2, 3) for _ in "yx"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_results_do_not_depend_on_the_claim(
+    dtype: str, spy: Spy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backward tasks claim several blocks at a time (`cpu._claimed_blocks`) and sum the
+    parameters' gradients per block: ``dx``, the weight's and the bias's gradients come out bit
+    for bit the same in claims of 1, 2 and 3 blocks over 3 blocks and a part (the last claim
+    short) on two threads, and match the reference."""
+    monkeypatch.setattr(cpu, "SERIAL", 0)
+    spec = NormSpec(kind="layer", bias=True)
+    x, dy = _arrays((3 * cpu.BLOCK_ROWS + 5, CHUNK + 5), dtype, 21)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(2)
+        for claim in (1, 2, 3):
+            monkeypatch.setattr(cpu, "_claimed_blocks", lambda x, workers, claim=claim: claim)
+            xt = to_torch(x).requires_grad_()
+            module = from_spec(spec, x.shape[-1], dtype=xt.dtype, kernel="cpu")
+            module(xt).backward(to_torch(dy))
+            grads = [to_numpy(t) for t in (xt.grad, module.weight.grad, module.bias.grad)]
+            results.append([g.tobytes() for g in grads])
+    finally:
+        torch.set_num_threads(threads)
+    assert results[0] == results[1] == results[2]
+    assert spy.calls["backward"] == 3
+    scale, bias = np.ones(x.shape[-1], x.dtype), np.zeros(x.shape[-1], x.dtype)
+    expected = reference.normalize_vjp(x, dy, spec, scale, bias)
+    for got, want in zip(grads, expected, strict=True):
+        tolerances.assert_close(got, want, quantity="grad")
 
 
 def _offset_rows(a: np.ndarray, offset: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ def signatures(dtype: str) -> tuple[str, str]:
     )
     backward_sig = (
         f"void({rows}, {vec}, {rows}, {vec}, {rows}, float32[:, ::1], float32[:, ::1], {vec}, "
-        f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64, int64)"
+        f"{vec}, int64, int64, float64, boolean, boolean, boolean, int64, int64, int64)"
     )
     return forward_sig, backward_sig
 
@@ -802,43 +802,45 @@ def _block_sums(dg: np.ndarray, db: np.ndarray, scratch: np.ndarray, blk: int, n
 @_row_jit()
 def _backward_task(x: np.ndarray, r: np.ndarray, dy: np.ndarray, dx: np.ndarray, g: np.ndarray,
                    dg: np.ndarray, db: np.ndarray, kind: int, k: int, eps: float, outside: bool,
-                   need_g: bool, need_b: bool, block: int, claimed: np.ndarray,
+                   need_g: bool, need_b: bool, block: int, claim: int, claimed: np.ndarray,
                    scratch: np.ndarray) -> None:
-    """One task of `backward`: claims blocks of rows until none is left, each block's rows'
-    ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into the task's ``scratch`` rows
-    where not needed)."""
+    """One task of `backward`: claims ``claim`` blocks of rows at a time until none is left,
+    each block's rows' ``dx`` and their sums into ``dg[blk]`` and ``db[blk]`` (into the task's
+    ``scratch`` rows where not needed)."""
     rows = x.shape[0]
     blocks = _blocks(rows, block)
-    blk = _claim(claimed)
-    while blk < blocks:
-        dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
-        for i in range(blk * block, min(rows, blk * block + block)):
-            _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps, outside,
-                          need_b)
-        blk = _claim(claimed)
+    first = _claim(claimed) * claim
+    while first < blocks:
+        for blk in range(first, min(blocks, first + claim)):
+            dg_rows, db_rows = _block_sums(dg, db, scratch, blk, need_g, need_b)
+            for i in range(blk * block, min(rows, blk * block + block)):
+                _backward_row(x[i], r[i], dy[i], dx[i], g, dg_rows, db_rows, kind, k, eps,
+                              outside, need_b)
+        first = _claim(claimed) * claim
 
 
 @njit(parallel=True, cache=True)
 def backward(x: np.ndarray, r: np.ndarray, dy: np.ndarray, g: np.ndarray, dx: np.ndarray,
              dg: np.ndarray, db: np.ndarray, dg_total: np.ndarray, db_total: np.ndarray,
              kind: int, k: int, eps: float, outside: bool, need_g: bool, need_b: bool,
-             block: int, workers: int) -> None:
+             block: int, claim: int, workers: int) -> None:
     """``dx`` of rows ``x`` (with the forward's ``r``) for the cotangent ``dy`` (all of one
     dtype). With ``need_g`` row block ``i`` sums its rows' ``dy * y_hat`` into ``dg[i]`` (float32)
     and ``dg_total`` receives the blocks' sums added in float64; with ``need_b`` the same for
     ``dy`` in ``db`` and ``db_total``. A sum nobody asked for goes to a scratch row of the block
-    (one loop serves every case). The ``workers`` tasks claim blocks as `forward`'s do; a
-    block's sums do not depend on which thread took it. Everything happens in this one launch:
-    no torch op between the kernels, whose threads would wait on numba's."""
+    (one loop serves every case). The ``workers`` tasks claim ``claim`` blocks at a time, as
+    `forward`'s claim rows; a block's sums do not depend on which thread took it. Everything
+    happens in this one launch: no torch op between the kernels, whose threads would wait on
+    numba's."""
     claimed = _counter()
-    scratch = _scratch(x, 2, workers, block)
+    scratch = _scratch(x, 2, workers, block * claim)
     if workers == 1:  # the one task on the calling thread, no parallel region (`SERIAL`)
         _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b, block,
-                       claimed, scratch[0])
+                       claim, claimed, scratch[0])
     else:
         for task in prange(scratch.shape[0]):
             _backward_task(x, r, dy, dx, g, dg, db, kind, k, eps, outside, need_g, need_b,
-                           block, claimed, scratch[task])
+                           block, claim, claimed, scratch[task])
     if need_g:
         _add_rows(dg, dg_total)
     if need_b:

@@ -300,8 +300,8 @@ def _eager(x: torch.Tensor) -> bool:
 
 
 def _claimed_rows(x: torch.Tensor, workers: int) -> int:
-    """Rows a forward task claims at a time: an output of `CLAIM_BYTES`, at least `BLOCK_ROWS`
-    rows, and at most an eighth of each worker's share.
+    """Rows a task claims at a time: an output of `CLAIM_BYTES`, at least `BLOCK_ROWS` rows, and
+    at most an eighth of each worker's share.
 
     Fresh output memory is mapped on its first write, a huge page at a time: two threads writing
     the same 2 MiB page wait for each other's page fault. Claims of two pages keep them apart
@@ -310,6 +310,13 @@ def _claimed_rows(x: torch.Tensor, workers: int) -> int:
     not depend on the claim."""
     fill = -(-CLAIM_BYTES // (x.shape[1] * x.element_size()))
     return max(BLOCK_ROWS, min(fill, x.shape[0] // (8 * workers)))
+
+
+def _claimed_blocks(x: torch.Tensor, workers: int) -> int:
+    """Blocks of `BLOCK_ROWS` rows a backward task claims at a time: `_claimed_rows` in whole
+    blocks, by which the backward sums the parameters' gradients (so that those sums do not
+    depend on the claim)."""
+    return _claimed_rows(x, workers) // BLOCK_ROWS
 
 
 def _norm(
@@ -379,10 +386,11 @@ def _norm_backward(
     dx = _output_like(x)
     dg_blocks, db_blocks, dg, db = _param_grad_buffers(rows, n, need_g, need_b)
     with _lock:
+        workers = _workers(x)
         module.backward(
             _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
             _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, eps, outside, need_g,
-            need_b, BLOCK_ROWS, _workers(x),
+            need_b, BLOCK_ROWS, _claimed_blocks(x, workers), workers,
         )
     return dx, dg, db
 
