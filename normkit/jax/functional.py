@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -619,7 +620,12 @@ class _Plain(NamedTuple):
 
 
 def _plain(
-    v: jax.Array, plan: _Plan, reads: _Reads, s: jax.Array | None = None, fused: bool = False
+    v: jax.Array,
+    plan: _Plan,
+    reads: _Reads,
+    s: jax.Array | None = None,
+    fused: bool = False,
+    copies: Sequence[jax.Array] = (),
 ) -> _Plain:
     """The common program's statistics, in as few passes over ``v`` as the spec allows (one
     fused reduction; LayerNorm's two-pass variance two), and which rows they cannot serve:
@@ -632,20 +638,24 @@ def _plain(
 
     With ``s`` given (the saved one, in the backward pass) only the mean is computed again.
     ``fused``: ``y``'s pass alone reads the statistics (`_fused_apart`), and XLA may compute
-    them in that pass.
+    them in that pass. ``copies``: ``v`` as each reduction in turn reads it (`_copies`), where
+    not ``v`` itself.
     """
     spec = plan.spec
+    source = iter(copies) if copies else itertools.repeat(v)
     mean = None
     if spec.kind != "layer":
         if s is None:
-            s = _read_mean(v * v, plan, reads)
+            w = next(source)
+            s = _read_mean(w * w, plan, reads)
         careful = jnp.zeros(s.shape, bool)
     else:
-        mean = _read_mean(v, plan, reads)
+        mean = _read_mean(next(source), plan, reads)
         if s is None and spec.variance == "fast":
-            s = jnp.maximum(_read_mean(v * v, plan, reads) - mean * mean, 0)
+            w = next(source)
+            s = jnp.maximum(_read_mean(w * w, plan, reads) - mean * mean, 0)
         elif s is None:
-            s = _read_mean(jnp.square(v - mean), plan, reads)
+            s = _read_mean(jnp.square(next(source) - mean), plan, reads)
             if not fused:
                 # Read by y's pass and the flags as well, the mean would otherwise reach the
                 # variance's reduction as a broadcast array XLA writes out: a pass more.
@@ -659,6 +669,13 @@ def _plain(
 _CPU_FUSED_ROWS = 4096
 
 
+def _fused_rows(v: jax.Array, plan: _Plan) -> bool:
+    """Whether XLA's CPU backend runs ``v``'s rows (`_CPU_FUSED_ROWS` or more) and may fuse
+    their statistics into ``y``'s pass."""
+    rows = v.size // int(np.prod([v.shape[a] for a in plan.axes]))
+    return jax.default_backend() == "cpu" and rows >= _CPU_FUSED_ROWS
+
+
 def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
     """Whether the flags should read statistics of their own, so that XLA computes the
     statistics and ``y`` in one pass (it does only if nothing else reads them): for a bfloat16
@@ -666,11 +683,30 @@ def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
     for a float32 LayerNorm, whose two statistics and ``y`` would take three passes. A float32
     RMS statistic's shared pass (a reduction, then ``y``) costs less than a reduction more;
     float16 is not fused."""
-    rows = v.size // int(np.prod([v.shape[a] for a in plan.axes]))
     bfloat16 = plan.dtype == jnp.dtype(jnp.bfloat16)
     float32_layer = plan.dtype == jnp.dtype(jnp.float32) and plan.spec.kind == "layer"
-    return (jax.default_backend() == "cpu" and (bfloat16 or float32_layer)
-            and rows >= _CPU_FUSED_ROWS)
+    return (bfloat16 or float32_layer) and _fused_rows(v, plan)
+
+
+def _separate_reads(v: jax.Array, plan: _Plan, saved: bool = False) -> bool:
+    """Whether each reduction over ``v``, formed from a bfloat16 input, should read a copy of
+    its own (`_copies`; the backward pass's sums, copies of the residuals): XLA's CPU backend
+    then fuses the conversion into each, where the conversion they share is written out as a
+    float32 array twice x's size, then read. Below `_CPU_FUSED_ROWS` rows (2048 x 16384,
+    forward: 55 ms, with copies 34, Flax's 52), and for the RMS kinds' forward+backward
+    (``saved``), whose backward's sums then read copies too (1.22-1.34x faster at 32M
+    elements). From that many rows on the forward's conversions fuse as they are, and
+    LayerNorm's backward still reads the shared conversion (its forward with copies was 0.9x
+    as fast). XLA fuses no float16 conversion into a reduction: copies gained nothing."""
+    if jax.default_backend() != "cpu" or plan.dtype != jnp.dtype(jnp.bfloat16):
+        return False
+    return plan.spec.kind != "layer" if saved else not _fused_rows(v, plan)
+
+
+def _barrier(values: _T, count: int) -> tuple[_T, ...]:
+    """``count`` copies of ``values`` through one barrier: XLA may not identify them (no CSE),
+    so that each is converted and read by one reduction alone."""
+    return lax.optimization_barrier((values,) * count)
 
 
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
@@ -680,15 +716,21 @@ def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Read
     Where they differ from the two-pass values (by roundings relative to ``mean(x^2)``),
     ``mean^2`` and ``s`` are within a few ulps of each other, where the plain program is
     accurate too."""
-    # The inputs through a barrier, one copy a reduction: XLA may not identify them (no CSE).
-    copies = lax.optimization_barrier(((x, residual), (x, residual)))
-    first, second = (_added(plan, *inputs)[0] for inputs in copies)
+    first, second = _copies(plan, x, residual, 2)
     if plan.spec.kind != "layer":
         return _plain(first, plan, reads).careful
     mean = _read_mean(first, plan, reads)
     square = _read_mean(second * second, plan, reads)
     s = jnp.maximum(square - mean * mean, 0)
     return ~(2 * mean * mean <= square) | _needs_scaling(s, plan, gradient=False)
+
+
+def _copies(
+    plan: _Plan, x: jax.Array, residual: jax.Array | None, count: int
+) -> list[jax.Array]:
+    """``count`` copies of `_added`'s ``v``, one a reduction, each formed from its own copy of
+    the inputs (`_barrier`)."""
+    return [_added(plan, *inputs)[0] for inputs in _barrier((x, residual), count)]
 
 
 def _plain_centered(v: jax.Array, plain: _Plain) -> jax.Array:
@@ -893,7 +935,11 @@ def _forward(
             y = _affine(plan, _careful_y_hat(plan, v, reads), scale, bias, eager)
         else:
             apart = not saved and _fused_apart(v, plan)
-            plain = _plain(v, plan, reads, fused=apart)
+            copies = (
+                _copies(plan, x, residual, 2 if spec.kind == "layer" else 1)
+                if _separate_reads(v, plan, saved) else ()
+            )
+            plain = _plain(v, plan, reads, fused=apart, copies=copies)
             y_hat = _plain_centered(v, plain) * _r(plain.s, spec.eps, spec)
             careful = _flagged(plan, x, residual, reads) if apart else plain.careful
 
@@ -974,13 +1020,17 @@ def _norm_bwd(
     the parameters' gradients summed in the compute dtype; none for the mask."""
     normalized, s_saved, scale, bias, alpha, mask = saved
     dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
+    dy = cast(jax.Array, dy)
     compute = _stat_dtype(plan.dtype)
     batch = tuple(a for a in range(normalized.ndim) if a not in plan.axes)
 
-    def prepared() -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(v, dy, d)`` in the compute dtype, from the residuals and the cotangent."""
+    def prepared(
+        normalized: jax.Array = normalized, dy: jax.Array = dy
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(v, dy, d)`` in the compute dtype, from the residuals and the cotangent (these
+        or, given, copies of them)."""
         v = normalized.astype(compute)
-        dyf = dy.astype(compute)  # type: ignore[union-attr]
+        dyf = dy.astype(compute)
         g = _gain(v, scale, plan, compute)
         return v, dyf, (dyf if g is None else dyf * g)
 
@@ -997,6 +1047,7 @@ def _norm_bwd(
 
     v, dyf, d = prepared()
     dalpha = None
+    dyf_bias = dyf
     if alpha is not None:  # dyt: y_hat = tanh(alpha v)
         a = alpha.astype(compute).reshape(())
         y_hat = jnp.tanh(a * v)
@@ -1018,15 +1069,25 @@ def _norm_bwd(
         # Rows the statistics cannot serve: those the forward flagged, and with eps outside
         # those whose s is too small for the gradient.
         careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
-        projection = None
+        projection, copies = None, False
         if plain.mean is None:
             # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j, a row sum that reads no y_hat,
             # which XLA would otherwise store for it and the scale's gradient (a pass more than
             # Flax). Rows where it overflows (|x| and dy both large) go to the careful program,
-            # which sums d y_hat.
-            projection = _r(plain.s, eps, plan.spec) * _row_sum(d * rows.c, plan)
+            # which sums d y_hat. Each of the three sums may read copies of its own.
+            copies = _separate_reads(v, plan, saved=True)
+            summed = (
+                [prepared(*inputs) for inputs in _barrier((normalized, dy), 3)]
+                if copies else [(v, dyf, d)] * 3
+            )
+            r = _r(plain.s, eps, plan.spec)
+            projection = r * _row_sum(summed[0][2] * summed[0][0], plan)
             careful |= ~jnp.isfinite(projection)
+            dyf_bias = summed[2][1]
         dv, y_hat = _input_grad(plan, rows, d, reads, projection)
+        dyf_scale = dyf
+        if copies:
+            y_hat, dyf_scale = summed[1][0] * r, summed[1][1]
 
         def fix(
             grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
@@ -1044,8 +1105,10 @@ def _norm_bwd(
             return jnp.where(careful, dx, plain_dx), dresidual, dscale
 
         # The gradients pass the branch in their own dtypes: rounding after it is a pass more.
-        dx, dresidual, dscale = _patched(careful, (*rounded(dv), scale_grad(dyf, y_hat)), fix)
-    dbias = None if bias is None else jnp.sum(dyf, axis=batch).astype(bias.dtype)
+        dx, dresidual, dscale = _patched(
+            careful, (*rounded(dv), scale_grad(dyf_scale, y_hat)), fix
+        )
+    dbias = None if bias is None else jnp.sum(dyf_bias, axis=batch).astype(bias.dtype)
     return dx, dresidual, dscale, dbias, dalpha, None
 
 

@@ -10,7 +10,8 @@ _INSTRUCTION = re.compile(
 )
 #: Operations that move or pick values without computing new ones.
 _MOVES = {"parameter", "reshape", "transpose", "broadcast", "bitcast", "slice", "copy",
-          "get-tuple-element", "constant", "concatenate", "select", "dynamic-slice", "pad"}
+          "get-tuple-element", "constant", "concatenate", "select", "dynamic-slice", "pad",
+          "opt-barrier"}
 
 
 def dropped_roundings(hlo: str) -> list[str]:
@@ -91,3 +92,23 @@ def passes(hlo: str, size: int) -> int:
     cheapest branch (the common case's, which must not recompute or copy what the branch
     skips)."""
     return _passes_in(_computations(hlo), "ENTRY", size)
+
+
+def float32_copies(hlo: str, size: int) -> list[str]:
+    """The entry computation's instructions that write a float32 array of ``size`` elements
+    from an operand that size: a conversion of a half input written out, with whatever
+    elementwise work it carries (a broadcast of a row or column vector reads no such operand)."""
+    numel: dict[str, int] = {}
+    found = []
+    for line in _computations(hlo)["ENTRY"]:
+        match = _LINE.match(line)
+        if not match:
+            continue
+        result, shape, op, rest = match.groups()
+        shapes = re.findall(r"\[([\d,]*)\]", shape)
+        numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        if (op not in _FREE and shape.startswith("f32[") and numel[result] == size
+                and any(numel.get(o, 0) == size for o in operands)):
+            found.append(result)
+    return found
