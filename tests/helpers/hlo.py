@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
+from typing import NamedTuple
 
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT )?%?([\w.\-]+) = ([a-z0-9]+)\[[^\]]*\](?:\{[^}]*\})? ([\w\-]+)\(([^)]*)\)"
@@ -60,29 +62,45 @@ def _computations(text: str) -> dict[str, list[str]]:
     return found
 
 
-def _passes_in(computations: dict[str, list[str]], name: str, size: int) -> int:
-    """Instructions of ``name`` touching an array of at least ``size`` elements, conditionals
-    counted by their cheapest branch."""
+class _Instruction(NamedTuple):
+    name: str
+    shape: str
+    op: str
+    rest: str
+    size: int  # the elements of its result's largest array
+    operand_sizes: list[int]  # the same of each operand defined before it here (0 otherwise)
+
+
+def _instructions(lines: list[str]) -> Iterator[_Instruction]:
+    """A computation's instructions, in order, with the sizes of their results and operands."""
     numel: dict[str, int] = {}
-    count = 0
-    for line in computations[name]:
+    for line in lines:
         match = _LINE.match(line)
         if not match:
             continue
         result, shape, op, rest = match.groups()
         shapes = re.findall(r"\[([\d,]*)\]", shape)
         numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
-        if op == "conditional":
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        yield _Instruction(result, shape, op, rest, numel[result],
+                           [numel.get(o, 0) for o in operands])
+
+
+def _passes_in(computations: dict[str, list[str]], name: str, size: int) -> int:
+    """Instructions of ``name`` touching an array of at least ``size`` elements, conditionals
+    counted by their cheapest branch."""
+    count = 0
+    for instruction in _instructions(computations[name]):
+        if instruction.op == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", instruction.rest)
             assert branches is not None
             count += min(
                 _passes_in(computations, b.strip().lstrip("%"), size)
                 for b in branches.group(1).split(",")
             )
-        elif op not in _FREE:
-            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-            if numel[result] >= size or any(numel.get(o, 0) >= size for o in operands):
-                count += 1
+        elif instruction.op not in _FREE and max(
+                [instruction.size, *instruction.operand_sizes]) >= size:
+            count += 1
     return count
 
 
@@ -98,17 +116,9 @@ def float32_copies(hlo: str, size: int) -> list[str]:
     """The entry computation's instructions that write a float32 array of ``size`` elements
     from an operand that size: a conversion of a half input written out, with whatever
     elementwise work it carries (a broadcast of a row or column vector reads no such operand)."""
-    numel: dict[str, int] = {}
-    found = []
-    for line in _computations(hlo)["ENTRY"]:
-        match = _LINE.match(line)
-        if not match:
-            continue
-        result, shape, op, rest = match.groups()
-        shapes = re.findall(r"\[([\d,]*)\]", shape)
-        numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        if (op not in _FREE and shape.startswith("f32[") and numel[result] == size
-                and any(numel.get(o, 0) == size for o in operands)):
-            found.append(result)
-    return found
+    return [
+        instruction.name
+        for instruction in _instructions(_computations(hlo)["ENTRY"])
+        if instruction.op not in _FREE and instruction.shape.startswith("f32[")
+        and instruction.size == size and size in instruction.operand_sizes
+    ]
