@@ -1069,25 +1069,26 @@ def _norm_bwd(
         # Rows the statistics cannot serve: those the forward flagged, and with eps outside
         # those whose s is too small for the gradient.
         careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
-        projection, copies = None, False
+        # The three sums over x and dy (the RMS kinds' projection, the scale's and the bias's
+        # gradients) each read copies of their own where `_separate_reads` says so.
+        copies = _separate_reads(v, plan, saved=True)
+        summed = (
+            [prepared(*inputs) for inputs in _barrier((normalized, dy), 3)]
+            if copies else [(v, dyf, d)] * 3
+        )
+        (v_dot, _, d_dot), (v_scale, dyf_scale, _), (_, dyf_bias, _) = summed
+        r = _r(plain.s, eps, plan.spec)
+        projection = None
         if plain.mean is None:
             # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j, a row sum that reads no y_hat,
             # which XLA would otherwise store for it and the scale's gradient (a pass more than
             # Flax). Rows where it overflows (|x| and dy both large) go to the careful program,
-            # which sums d y_hat. Each of the three sums may read copies of its own.
-            copies = _separate_reads(v, plan, saved=True)
-            summed = (
-                [prepared(*inputs) for inputs in _barrier((normalized, dy), 3)]
-                if copies else [(v, dyf, d)] * 3
-            )
-            r = _r(plain.s, eps, plan.spec)
-            projection = r * _row_sum(summed[0][2] * summed[0][0], plan)
+            # which sums d y_hat.
+            projection = r * _row_sum(d_dot * v_dot, plan)
             careful |= ~jnp.isfinite(projection)
-            dyf_bias = summed[2][1]
         dv, y_hat = _input_grad(plan, rows, d, reads, projection)
-        dyf_scale = dyf
         if copies:
-            y_hat, dyf_scale = summed[1][0] * r, summed[1][1]
+            y_hat = v_scale * r
 
         def fix(
             grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
