@@ -174,8 +174,8 @@ def test_a_bfloat16_x_is_not_written_out_as_float32(
     module: nn.Module, rows: int, backward: bool
 ) -> None:
     """Each reduction reads its own copy of a bfloat16 x (and dy), converted inside it: with a
-    bfloat16 output, no float32 array of x's size is made from x or dy (XLA shares one conversion otherwise, and
-    writes it out: 128 MiB more to write and read at 8192 x 4096)."""
+    bfloat16 output, no float32 array of x's size is made from x or dy (XLA shares one
+    conversion otherwise, and writes it out: 128 MiB more to write and read at 8192 x 4096)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the copies are for XLA's CPU backend, which would write the conversion out")
     x = jnp.ones((rows, 128), jnp.bfloat16)
