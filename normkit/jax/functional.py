@@ -689,18 +689,28 @@ def _fused_apart(v: jax.Array, plan: _Plan) -> bool:
 
 
 def _separate_reads(v: jax.Array, plan: _Plan, saved: bool = False) -> bool:
-    """Whether each reduction over ``v``, formed from a bfloat16 input, should read a copy of
-    its own (`_copies`; the backward pass's sums, copies of the residuals): XLA's CPU backend
-    then fuses the conversion into each, where the conversion they share is written out as a
-    float32 array twice x's size, then read. Below `_CPU_FUSED_ROWS` rows (2048 x 16384,
-    forward: 55 ms, with copies 34, Flax's 52), and for the RMS kinds' forward+backward
-    (``saved``), whose backward's sums then read copies too (1.22-1.34x faster at 32M
-    elements). From that many rows on the forward's conversions fuse as they are, and
-    LayerNorm's backward still reads the shared conversion (its forward with copies was 0.9x
-    as fast). XLA fuses no float16 conversion into a reduction: copies gained nothing."""
+    """Whether each of the forward pass's reductions over ``v``, formed from a bfloat16 input,
+    should read a copy of its own (`_copies`): XLA's CPU backend then fuses the conversion into
+    each, where the conversion they share is written out as a float32 array twice x's size,
+    then read. Below `_CPU_FUSED_ROWS` rows (2048 x 16384, forward: 55 ms, with copies 34,
+    Flax's 52), and where the statistics are ``saved`` for the backward pass (whose sums read
+    copies too, `_separate_sums`). From that many rows on the forward's conversions fuse as
+    they are. XLA fuses no float16 conversion into a reduction: copies gained nothing."""
     if jax.default_backend() != "cpu" or plan.dtype != jnp.dtype(jnp.bfloat16):
         return False
-    return plan.spec.kind != "layer" if saved else not _fused_rows(v, plan)
+    return saved or not _fused_rows(v, plan)
+
+
+def _separate_sums() -> bool:
+    """Whether the backward pass's sums (LayerNorm's mean, the projection, LayerNorm's sum of
+    ``d``, the scale's and the bias's gradients) and its input gradient should each read copies
+    of their own of the values they share (`_barrier`). XLA's CPU backend runs a reduction as a
+    YNNPACK fusion, which takes a value another fusion reads too as an array written out: the
+    float32 conversion of a half input, and the scale and the row statistics broadcast to x's
+    shape (LayerNorm's forward+backward wrote four such arrays, RMSNorm's two). With copies
+    each converts and broadcasts inside: at 32M elements LayerNorm's forward+backward ran
+    1.2-2.6x faster, RMSNorm's 1.05-1.8x, float16 1.13x."""
+    return jax.default_backend() == "cpu"
 
 
 def _barrier(values: _T, count: int) -> tuple[_T, ...]:
@@ -1012,6 +1022,17 @@ def _norm_fwd(
     return out, (normalized, None if plain is None else plain.s, scale, bias, alpha, mask)
 
 
+class _Terms(NamedTuple):
+    """What the common program's backward pass reads, in the compute dtype: ``v``, ``dy``,
+    ``d = dy (scale_offset + w)``, the rows (`_plain_rows`) and ``y_hat = c r``."""
+
+    v: jax.Array
+    dyf: jax.Array
+    d: jax.Array
+    rows: _Scaled
+    y_hat: jax.Array
+
+
 def _norm_bwd(
     plan: _Plan, saved: _Saved, cotangent: jax.Array | tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array | None, ...]:
@@ -1025,14 +1046,28 @@ def _norm_bwd(
     batch = tuple(a for a in range(normalized.ndim) if a not in plan.axes)
 
     def prepared(
-        normalized: jax.Array = normalized, dy: jax.Array = dy
+        normalized: jax.Array = normalized, dy: jax.Array = dy, scale: jax.Array | None = scale
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(v, dy, d)`` in the compute dtype, from the residuals and the cotangent (these
-        or, given, copies of them)."""
+        """``(v, dy, d)`` in the compute dtype, from the residuals, the cotangent and the scale
+        (these or, given, copies of them)."""
         v = normalized.astype(compute)
         dyf = dy.astype(compute)
         g = _gain(v, scale, plan, compute)
         return v, dyf, (dyf if g is None else dyf * g)
+
+    def terms(
+        normalized: jax.Array,
+        dy: jax.Array,
+        scale: jax.Array | None,
+        mean: jax.Array | None,
+        s: jax.Array,
+    ) -> _Terms:
+        """What the common program's sums and input gradient read (`_Terms`), from these (or
+        copies of them)."""
+        assert plan.spec.eps is not None
+        v, dyf, d = prepared(normalized, dy, scale)
+        rows = _plain_rows(v, mean, s, plan.spec.eps)
+        return _Terms(v, dyf, d, rows, rows.c * _r(s, plan.spec.eps, plan.spec))
 
     def scale_grad(dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
         return None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
@@ -1064,31 +1099,34 @@ def _norm_bwd(
         eps = plan.spec.eps
         assert eps is not None
         reads = _reads(v, plan, _row_size(v, plan), mask)
-        plain = _plain(v, plan, reads, s_saved)  # LayerNorm's mean computed again
-        rows = _plain_rows(v, plain, eps)
+        copies = _separate_sums()
+        # LayerNorm's mean computed again (from a copy of its own, as each sum below reads one).
+        layer = plan.spec.kind == "layer"
+        mean_copy = [prepared(_barrier(normalized, 1)[0])[0]] if copies and layer else []
+        plain = _plain(v, plan, reads, s_saved, copies=mean_copy)
         # Rows the statistics cannot serve: those the forward flagged, and with eps outside
         # those whose s is too small for the gradient.
         careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
-        # The three sums over x and dy (the RMS kinds' projection, the scale's and the bias's
-        # gradients) each read copies of their own where `_separate_reads` says so.
-        copies = _separate_reads(v, plan, saved=True)
-        summed = (
-            [prepared(*inputs) for inputs in _barrier((normalized, dy), 3)]
-            if copies else [(v, dyf, d)] * 3
-        )
-        (v_dot, _, d_dot), (v_scale, dyf_scale, _), (_, dyf_bias, _) = summed
         r = _r(plain.s, eps, plan.spec)
-        projection = None
+        # The four sums over the rows and columns (the projection, LayerNorm's sum of d, the
+        # scale's and the bias's gradients) and the input gradient each read copies of their own
+        # of the residuals, the cotangent, the scale and the statistics where
+        # `_separate_sums` says so.
+        inputs = (normalized, dy, scale, plain.mean, plain.s)
+        projected, d_summed, scaled, biased, applied = (
+            [terms(*copy) for copy in _barrier(inputs, 5)] if copies else [terms(*inputs)] * 5
+        )
+        d_sum = None
         if plain.mean is None:
-            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j, a row sum that reads no y_hat,
-            # which XLA would otherwise store for it and the scale's gradient (a pass more than
-            # Flax). Rows where it overflows (|x| and dy both large) go to the careful program,
-            # which sums d y_hat.
-            projection = r * _row_sum(d_dot * v_dot, plan)
+            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j. Rows where it overflows (|x| and
+            # dy both large) go to the careful program, which sums d y_hat.
+            projection = r * _row_sum(projected.d * projected.v, plan)
             careful |= ~jnp.isfinite(projection)
-        dv, y_hat = _input_grad(plan, rows, d, reads, projection)
-        if copies:
-            y_hat = v_scale * r
+        else:
+            projection = _row_sum(projected.d * projected.y_hat, plan)
+            d_sum = _row_sum(d_summed.d, plan)
+        dv, _ = _input_grad(plan, applied.rows, applied.d, reads, projection, d_sum)
+        dyf_bias = biased.dyf
 
         def fix(
             grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
@@ -1097,7 +1135,7 @@ def _norm_bwd(
             v, dyf, d = prepared()
             reads = _reads(v, plan, _row_size(v, plan), mask)
             dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
-            y_hat_plain = _plain_rows(v, plain, eps).c * _r(plain.s, eps, plan.spec)
+            y_hat_plain = _plain_rows(v, plain.mean, plain.s, eps).c * _r(plain.s, eps, plan.spec)
             dscale = scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
             dx, dresidual = rounded(dv)
             plain_dx, plain_dresidual = grads[:2]
@@ -1107,16 +1145,17 @@ def _norm_bwd(
 
         # The gradients pass the branch in their own dtypes: rounding after it is a pass more.
         dx, dresidual, dscale = _patched(
-            careful, (*rounded(dv), scale_grad(dyf_scale, y_hat)), fix
+            careful, (*rounded(dv), scale_grad(scaled.dyf, scaled.y_hat)), fix
         )
     dbias = None if bias is None else jnp.sum(dyf_bias, axis=batch).astype(bias.dtype)
     return dx, dresidual, dscale, dbias, dalpha, None
 
 
-def _plain_rows(v: jax.Array, plain: _Plain, eps: float) -> _Scaled:
-    """The rows of the common program, as `_input_grad` takes them (unscaled)."""
+def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) -> _Scaled:
+    """The rows of the common program (`_Plain`'s ``mean`` and ``s``), as `_input_grad` takes
+    them (unscaled)."""
     one = jnp.ones((), v.dtype)
-    return _Scaled(_plain_centered(v, plain), plain.s, jnp.full_like(plain.s, eps), one, one)
+    return _Scaled(v if mean is None else v - mean, s, jnp.full_like(s, eps), one, one)
 
 def _input_grad(
     plan: _Plan,
@@ -1124,6 +1163,7 @@ def _input_grad(
     d: jax.Array,
     reads: _Reads,
     projection: jax.Array | None = None,
+    d_sum: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dv, y_hat)``: the gradients of `normkit.reference.normalize_vjp` for
     ``d = dy (scale_offset + w)``, in terms of ``y_hat = c r`` of ``rows`` (the two-pass
@@ -1139,7 +1179,8 @@ def _input_grad(
     kinds) or two (LayerNorm), the part of the sums over R cancels, to ``rest (d_i - [layer]
     mean_R(d))`` with ``rest = 1 - z_i y_hat_i = eps r**2`` (inside) or ``eps r`` (outside),
     taken in that closed form; the part over the other elements is added as it is.
-    ``projection`` is ``sum_j d_j y_hat_j`` per row where the caller has formed it.
+    ``projection`` is ``sum_j d_j y_hat_j`` per row and ``d_sum`` LayerNorm's ``sum_j d_j``,
+    where the caller has formed them.
     """
     spec = plan.spec
     r = _r(rows.s, rows.eps, spec)
@@ -1162,7 +1203,8 @@ def _input_grad(
         return value if reads.where is None else jnp.where(reads.where, value, d)
 
     def general() -> jax.Array:
-        return on_reads(d - ((_row_sum(d, plan) if layer else 0) + z * projection) / k)
+        total = (_row_sum(d, plan) if d_sum is None else d_sum) if layer else 0
+        return on_reads(d - (total + z * projection) / k)
 
     def closed() -> jax.Array:
         value = (d - (_read_mean(d, plan, reads) if layer else 0)) * rest

@@ -86,20 +86,22 @@ def _instructions(lines: list[str]) -> Iterator[_Instruction]:
                            [numel.get(o, 0) for o in operands])
 
 
-def _passes_in(computations: dict[str, list[str]], name: str, size: int) -> int:
-    """Instructions of ``name`` touching an array of at least ``size`` elements, conditionals
-    counted by their cheapest branch."""
+def _passes_in(
+    computations: dict[str, list[str]], name: str, size: int, writes: bool = False
+) -> int:
+    """Instructions of ``name`` touching (with ``writes``: writing) an array of at least
+    ``size`` elements, conditionals counted by their cheapest branch."""
     count = 0
     for instruction in _instructions(computations[name]):
         if instruction.op == "conditional":
             branches = re.search(r"branch_computations=\{([^}]*)\}", instruction.rest)
             assert branches is not None
             count += min(
-                _passes_in(computations, b.strip().lstrip("%"), size)
+                _passes_in(computations, b.strip().lstrip("%"), size, writes)
                 for b in branches.group(1).split(",")
             )
         elif instruction.op not in _FREE and max(
-                [instruction.size, *instruction.operand_sizes]) >= size:
+                [instruction.size, *([] if writes else instruction.operand_sizes)]) >= size:
             count += 1
     return count
 
@@ -110,6 +112,12 @@ def passes(hlo: str, size: int) -> int:
     cheapest branch (the common case's, which must not recompute or copy what the branch
     skips)."""
     return _passes_in(_computations(hlo), "ENTRY", size)
+
+
+def writes(hlo: str, size: int) -> int:
+    """The arrays of at least ``size`` elements that a compiled program's entry computation
+    writes, a conditional counted by its cheapest branch (as in `passes`)."""
+    return _passes_in(_computations(hlo), "ENTRY", size, writes=True)
 
 
 def float32_copies(hlo: str, size: int) -> list[str]:
