@@ -200,7 +200,9 @@ class _Rows:
         head = ops.where(self.head, c, ops.zeros_like(c))
         return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
 
-    def plain(self, x: Any, eager: bool) -> tuple[tuple[Any, Any, Any, Any, Any], bool | None]:
+    def plain(
+        self, x: Any, eager: bool, source: Any = None
+    ) -> tuple[tuple[Any, Any, Any, Any, Any], bool | None]:
         """``((mean, s, r, ratio, bad), any_bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or
         ``x - mean`` (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) /
         (-r**3 / 2)`` (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward,
@@ -214,12 +216,20 @@ class _Rows:
         on one token's row. `plain_output` differentiates through the statistics analytically,
         so they are constants to autodiff (a custom gradient may not close over differentiated
         values on JAX), except with `keras_order`, differentiated as Keras' layer is; ``s`` is
-        given there only (None otherwise), for `keras_output`'s rows whose ``dr`` overflows."""
+        given there only (None otherwise), for `keras_output`'s rows whose ``dr`` overflows.
+        ``x`` is ``source`` cast to the work dtype (``source`` None: ``x`` itself); LayerNorm's
+        two reductions each cast a copy of their own where `_separating`."""
         assert self.spec.eps is not None
         if not self.keras_order:
             x = ops.stop_gradient(x)
         mean = None
-        if self.spec.kind == "layer":
+        if self.spec.kind == "layer" and source is not None and _separating(not eager):
+            first, second = _separately(
+                lambda v: ops.cast(ops.stop_gradient(v), self.work), (source,), 2, traced=True
+            )
+            mean = ops.mean(first, axis=self.axes, keepdims=True)
+            s = ops.mean(ops.square(second - mean), axis=self.axes, keepdims=True)
+        elif self.spec.kind == "layer":
             # mean((x - mean)**2) as Keras' LayerNormalization forms it: one op on TensorFlow
             # (a squared difference), where x - mean and its square would be two passes.
             mean, s = ops.moments(x, axes=list(self.axes), keepdims=True)
@@ -263,16 +273,20 @@ class _Rows:
 
     def plain_output(
         self,
-        x: Any,
+        source: Any,
         stats: tuple[Any, Any, Any, Any, Any],
         traced: bool,
         scale: Any = None,
         bias: Any = None,
+        output_dtype: str | None = None,
     ) -> Any:
-        """``y = c r (* scale) (+ bias)`` from `plain`'s ``stats``, with the analytic backward of
-        `normkit.reference.normalize_vjp`: for ``d = dy * scale``, ``A = ratio sum(d y_hat)``,
+        """``y = c r (* scale) (+ bias)`` from `plain`'s ``stats``, for ``x = source`` cast to
+        the work dtype, in ``output_dtype`` (the work dtype for None), with the analytic backward
+        of `normkit.reference.normalize_vjp`: for ``d = dy * scale``, ``A = ratio sum(d y_hat)``,
         ``dx = r (d - [i < k] y_hat A / k)`` (RMS kinds) or ``r (d - mean(d) - y_hat A / n)``
-        (LayerNorm); ``dscale = sum(dy y_hat)``, ``dbias = sum(dy)`` over the other axes.
+        (LayerNorm); ``dscale = sum(dy y_hat)``, ``dbias = sum(dy)`` over the other axes. Both
+        casts are inside, so that the backward pass reads ``source`` and ``dy`` as they are
+        (`_separately`).
 
         When ``traced``, the branch may run beside the guarded one (a ``cond`` turned into a
         select), so the rows marked ``bad`` get a zero gradient, finite whatever their values.
@@ -282,8 +296,10 @@ class _Rows:
         ``keras.layers.RMSNormalization``'s to the bit.
         """
         mean, s, r, ratio, bad = stats
+        work = self.work
+        out = work if output_dtype is None else output_dtype
         if self.keras_order:
-            return self.keras_output(x, s, r, scale, bias)
+            return ops.cast(self.keras_output(ops.cast(source, work), s, r, scale, bias), out)
         count = self.k if self.spec.kind != "layer" else self.n
 
         def y_hat_of(x: Any, mean: Any, r: Any) -> Any:
@@ -295,48 +311,76 @@ class _Rows:
         row_stats = [u for u in own if u is not None]
 
         present = tuple(p for p in (scale, bias) if p is not None)
-        if not _recording(x, *present):
-            return _affine_step(y_hat_of(x, mean, r), (scale, bias), present)
+        if not _recording(source, *present):
+            y_hat = y_hat_of(ops.cast(source, work), mean, r)
+            return ops.cast(_affine_step(y_hat, (scale, bias), present), out)
 
         @ops.custom_gradient
-        def output(x: Any, *args: Any) -> Any:
+        def output(source: Any, *args: Any) -> Any:
             given = iter(args)
-            mean, r, ratio, bad = (None if u is None else next(given) for u in own)
+            stats = tuple(None if u is None else next(given) for u in own)
             params = tuple(given)
-            y = _affine_step(y_hat_of(x, mean, r), (scale, bias), params)
+            y_hat = y_hat_of(ops.cast(source, work), stats[0], stats[1])
+            y = ops.cast(_affine_step(y_hat, (scale, bias), params), out)
 
             def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
                 dy = args[0] if upstream is None else upstream
-                y_hat = y_hat_of(x, mean, r)
-                if traced:
-                    y_hat = ops.where(bad, ops.zeros_like(y_hat), y_hat)
-                d = dy if scale is None else dy * params[0]
+
+                def terms(
+                    source: Any, dy: Any, stats: tuple[Any, ...], params: tuple[Any, ...]
+                ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+                    """``(dy, d, y_hat, stats)`` in the work dtype, from these or copies."""
+                    mean, r, _, bad = stats
+                    if traced:
+                        # Zero per row, not per element (XLA's CPU reductions fuse no select):
+                        # y_hat = x 0 on the rows marked bad, 0 for every finite x.
+                        r = ops.where(bad, ops.zeros_like(r), r)
+                        mean = None if mean is None else ops.where(bad, ops.zeros_like(mean), mean)
+                    y_hat = y_hat_of(ops.cast(source, work), mean, r)
+                    dy = ops.cast(dy, work)
+                    return dy, (dy if scale is None else dy * params[0]), y_hat, stats
+
+                # Each sum, and dx, reads copies of its own (`_separately`).
+                projected, averaged, scaled, biased, applied = _separately(
+                    terms, (source, dy, stats, params), 5, traced
+                )
+                _, d, y_hat, (_, _, ratio, _) = projected
                 total = ops.sum(d * y_hat, axis=self.axes, keepdims=True)
                 factor = total * (1 / count) if ratio is None else total * ratio * (1 / count)
+                _, d, y_hat, (mean, r, _, _) = applied
                 if self.head is not None:
                     y_hat_head = ops.where(self.head, y_hat, ops.zeros_like(y_hat))
                     dx = r * (d - y_hat_head * factor)
                 elif mean is None:
                     dx = r * (d - y_hat * factor)
                 else:
-                    dx = r * (d - ops.mean(d, axis=self.axes, keepdims=True) - y_hat * factor)
-                return (dx, *[None] * len(row_stats),
-                        *self.param_grads(dy, y_hat, scale, bias, params))
+                    d_mean = ops.mean(averaged[1], axis=self.axes, keepdims=True)
+                    dx = r * (d - d_mean - y_hat * factor)
+                dx = ops.cast(dx, keras.backend.standardize_dtype(source.dtype))
+                grads = self.param_grads(scaled[0], scaled[2], scale, bias, params, biased[0])
+                return (dx, *[None] * len(row_stats), *grads)
 
             return y, grad
 
-        return output(x, *row_stats, *present)
+        return output(source, *row_stats, *present)
 
     def param_grads(
-        self, dy: Any, y_hat: Any, scale: Any, bias: Any, params: tuple[Any, ...]
+        self,
+        dy: Any,
+        y_hat: Any,
+        scale: Any,
+        bias: Any,
+        params: tuple[Any, ...],
+        bias_dy: Any = None,
     ) -> list[Any]:
         """The gradients of the parameters present: ``sum(dy y_hat)`` for the scale,
-        ``sum(dy)`` for the bias, over the axes they broadcast along."""
+        ``sum(dy)`` for the bias (of ``bias_dy``, a copy of ``dy``, where given), over the axes
+        they broadcast along."""
         grads = []
         if scale is not None:
             grads.append(self.summed(dy * y_hat, params[0]))
         if bias is not None:
-            grads.append(self.summed(dy, params[-1]))
+            grads.append(self.summed(dy if bias_dy is None else bias_dy, params[-1]))
         return grads
 
     def summed(self, u: Any, param: Any) -> Any:
@@ -518,6 +562,30 @@ def _dr_branches(axes: tuple[int, ...], n: int) -> tuple[Any, Any]:
         return _patched_rows(axes, n, x, r, d, dr, finite)
 
     return kept, patched
+
+
+def _separating(traced: bool) -> bool:
+    """Whether passes over the same tensors should each read copies of their own (`_separately`):
+    in a program traced for XLA's CPU backend on Keras' JAX backend, which runs a reduction as a
+    YNNPACK fusion that takes what another fusion reads too (the float32 conversion of a half
+    input, parameters and row statistics broadcast to its shape) as an array written out."""
+    if not traced or keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return bool(jax.default_backend() == "cpu")
+
+
+def _separately(f: Any, values: tuple[Any, ...], count: int, traced: bool) -> list[Any]:
+    """``count`` results of ``f(*values)`` (tensors, None allowed), one for each pass that reads
+    them: where `_separating`, each formed from copies of its own of ``values``, through one
+    optimization barrier, so that each pass converts and broadcasts inside; elsewhere one result
+    serves all."""
+    if _separating(traced):
+        import jax
+
+        return [f(*copy) for copy in jax.lax.optimization_barrier((values,) * count)]
+    return [f(*values)] * count
 
 
 def _cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
@@ -889,7 +957,7 @@ class _Norm(keras.layers.Layer):
         params = [] if affine is None else [p for p in affine if p is not None]
         if k == 1 or (spec.kind == "layer" and n == 2):
             return guarded(source, *params)
-        stats, known = rows.plain(x, _eagerly(x))
+        stats, known = rows.plain(x, _eagerly(x), source)
         row_stats = [u for u in stats if u is not None]
 
         # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in the
@@ -911,7 +979,11 @@ class _Norm(keras.layers.Layer):
             if affine is None:
                 return finish(x_work, rows.plain_output(x_work, row, known is None))
             step = tuple(None if p is None else next(given) for p in affine)
-            return ops.cast(rows.plain_output(x_work, row, known is None, *step), output_dtype)
+            # The plain rows cast the source themselves (unless the gradient meets at x).
+            plain_source = x_work if meets_at_x else source
+            return rows.plain_output(
+                plain_source, row, known is None, step[0], step[1], output_dtype
+            )
 
         if known is None:
             # The whole output inside the branches: XLA then writes y once, in the fused pass.
