@@ -638,8 +638,8 @@ def _plain(
 
     With ``s`` given (the saved one, in the backward pass) only the mean is computed again.
     ``fused``: ``y``'s pass alone reads the statistics (`_fused_apart`), and XLA may compute
-    them in that pass. ``copies``: ``v`` as each reduction in turn reads it (`_copies`), where
-    not ``v`` itself.
+    them in that pass. ``copies``: ``v`` as each reduction in turn reads it (copies of its own,
+    `_barrier`), where not ``v`` itself.
     """
     spec = plan.spec
     source = iter(copies) if copies else itertools.repeat(v)
@@ -696,26 +696,32 @@ def _separate_reads(v: jax.Array, plan: _Plan, saved: bool = False) -> bool:
     Flax's 52), and where the statistics are ``saved`` for the backward pass (whose sums read
     copies too, `_separate_sums`). From that many rows on the forward's conversions fuse as
     they are. XLA fuses no float16 conversion into a reduction: copies gained nothing."""
-    if jax.default_backend() != "cpu" or plan.dtype != jnp.dtype(jnp.bfloat16):
+    if not _compiled_for_cpu(v) or plan.dtype != jnp.dtype(jnp.bfloat16):
         return False
     return saved or not _fused_rows(v, plan)
 
 
-def _separate_sums() -> bool:
+def _separate_sums(dy: jax.Array) -> bool:
     """Whether the backward pass's sums (LayerNorm's mean, the projection, LayerNorm's sum of
     ``d``, the scale's and the bias's gradients) and its input gradient should each read copies
     of their own of the values they share (`_barrier`). XLA's CPU backend runs a reduction as a
     YNNPACK fusion, which takes a value another fusion reads too as an array written out: the
     float32 conversion of a half input, and the scale and the row statistics broadcast to x's
-    shape (LayerNorm's forward+backward wrote four such arrays, RMSNorm's two). With copies
-    each converts and broadcasts inside: at 32M elements LayerNorm's forward+backward ran
-    1.2-2.6x faster, RMSNorm's 1.05-1.8x, float16 1.13x."""
-    return jax.default_backend() == "cpu"
+    shape (LayerNorm's forward+backward wrote three to six such arrays, RMSNorm's two). With
+    copies each converts and broadcasts inside: at 32M elements LayerNorm's forward+backward
+    ran 1.2-2.6x faster, RMSNorm's 1.05-1.8x, float16 1.13x."""
+    return _compiled_for_cpu(dy)
+
+
+def _compiled_for_cpu(value: jax.Array) -> bool:
+    """Whether ``value`` is traced (for ``jit``, where XLA compiles the whole program) on XLA's
+    CPU backend. Op by op every copy would be a computation more."""
+    return isinstance(value, jax.core.Tracer) and jax.default_backend() == "cpu"
 
 
 def _barrier(values: _T, count: int) -> tuple[_T, ...]:
     """``count`` copies of ``values`` through one barrier: XLA may not identify them (no CSE),
-    so that each is converted and read by one reduction alone."""
+    so that each pass reading one (a reduction, or ``dx``'s) converts and broadcasts it alone."""
     return lax.optimization_barrier((values,) * count)
 
 
@@ -1056,18 +1062,13 @@ def _norm_bwd(
         return v, dyf, (dyf if g is None else dyf * g)
 
     def terms(
-        normalized: jax.Array,
-        dy: jax.Array,
-        scale: jax.Array | None,
-        mean: jax.Array | None,
-        s: jax.Array,
+        prepared: tuple[jax.Array, jax.Array, jax.Array], mean: jax.Array | None, s: jax.Array
     ) -> _Terms:
-        """What the common program's sums and input gradient read (`_Terms`), from these (or
-        copies of them)."""
+        """What the common program's sums and input gradient read (`_Terms`), from `prepared`'s
+        values and the row statistics (or copies of them)."""
         assert plan.spec.eps is not None
-        v, dyf, d = prepared(normalized, dy, scale)
-        rows = _plain_rows(v, mean, s, plan.spec.eps)
-        return _Terms(v, dyf, d, rows, rows.c * _r(s, plan.spec.eps, plan.spec))
+        rows = _plain_rows(prepared[0], mean, s, plan.spec.eps)
+        return _Terms(*prepared, rows, rows.c * _r(s, plan.spec.eps, plan.spec))
 
     def scale_grad(dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
         return None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
@@ -1099,7 +1100,7 @@ def _norm_bwd(
         eps = plan.spec.eps
         assert eps is not None
         reads = _reads(v, plan, _row_size(v, plan), mask)
-        copies = _separate_sums()
+        copies = _separate_sums(dy)
         # LayerNorm's mean computed again (from a copy of its own, as each sum below reads one).
         layer = plan.spec.kind == "layer"
         mean_copy = [prepared(_barrier(normalized, 1)[0])[0]] if copies and layer else []
@@ -1112,10 +1113,12 @@ def _norm_bwd(
         # scale's and the bias's gradients) and the input gradient each read copies of their own
         # of the residuals, the cotangent, the scale and the statistics where
         # `_separate_sums` says so.
-        inputs = (normalized, dy, scale, plain.mean, plain.s)
-        projected, d_summed, scaled, biased, applied = (
-            [terms(*copy) for copy in _barrier(inputs, 5)] if copies else [terms(*inputs)] * 5
-        )
+        if copies:
+            inputs = (normalized, dy, scale, plain.mean, plain.s)
+            each = [terms(prepared(*c[:3]), *c[3:]) for c in _barrier(inputs, 5)]
+        else:
+            each = [terms((v, dyf, d), plain.mean, plain.s)] * 5
+        projected, d_summed, scaled, biased, applied = each
         d_sum = None
         if plain.mean is None:
             # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j. Rows where it overflows (|x| and
@@ -1193,9 +1196,8 @@ def _input_grad(
         z = y_hat
         rest = rows.eps * r * r
     layer = spec.kind == "layer"
-    dy_hat = d * y_hat
     if projection is None:
-        projection = _row_sum(dy_hat, plan)
+        projection = _row_sum(d * y_hat, plan)
     k = reads.size
 
     def on_reads(value: jax.Array) -> jax.Array:
@@ -1211,7 +1213,7 @@ def _input_grad(
         if reads.where is not None:  # the part of the sums over the other elements
             others = ~reads.where
             d_others = _row_sum(d, plan, others) if layer else 0
-            value -= (d_others + z * _row_sum(dy_hat, plan, others)) / k
+            value -= (d_others + z * _row_sum(d * y_hat, plan, others)) / k
         return on_reads(value)
 
     degenerate = k == (2 if layer else 1)

@@ -289,7 +289,8 @@ class _Rows:
         (`_separately`).
 
         When ``traced``, the branch may run beside the guarded one (a ``cond`` turned into a
-        select), so the rows marked ``bad`` get a zero gradient, finite whatever their values.
+        select), so the rows marked ``bad`` get a zero gradient (``y_hat`` zeroed per row: finite
+        wherever ``x`` is).
 
         With `keras_order` it is `keras_output`, whose gradient is autodiff's through Keras'
         operations (the same formula, rounded as Keras rounds it), so that training matches

@@ -69,6 +69,7 @@ class _Instruction(NamedTuple):
     rest: str
     size: int  # the elements of its result's largest array
     operand_sizes: list[int]  # the same of each operand defined before it here (0 otherwise)
+    result_sizes: list[int]  # the elements of each array of its result (a tuple's each)
 
 
 def _instructions(lines: list[str]) -> Iterator[_Instruction]:
@@ -80,17 +81,19 @@ def _instructions(lines: list[str]) -> Iterator[_Instruction]:
             continue
         result, shape, op, rest = match.groups()
         shapes = re.findall(r"\[([\d,]*)\]", shape)
-        numel[result] = max(math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""])
+        sizes = [math.prod(int(d) for d in s.split(",") if d) for s in shapes or [""]]
+        numel[result] = max(sizes)
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
         yield _Instruction(result, shape, op, rest, numel[result],
-                           [numel.get(o, 0) for o in operands])
+                           [numel.get(o, 0) for o in operands], sizes)
 
 
 def _passes_in(
     computations: dict[str, list[str]], name: str, size: int, writes: bool = False
 ) -> int:
-    """Instructions of ``name`` touching (with ``writes``: writing) an array of at least
-    ``size`` elements, conditionals counted by their cheapest branch."""
+    """Instructions of ``name`` touching an array of at least ``size`` elements (with
+    ``writes``: the arrays of that size they write, each of a tuple), conditionals counted by
+    their cheapest branch."""
     count = 0
     for instruction in _instructions(computations[name]):
         if instruction.op == "conditional":
@@ -100,8 +103,11 @@ def _passes_in(
                 _passes_in(computations, b.strip().lstrip("%"), size, writes)
                 for b in branches.group(1).split(",")
             )
-        elif instruction.op not in _FREE and max(
-                [instruction.size, *([] if writes else instruction.operand_sizes)]) >= size:
+        elif instruction.op in _FREE:
+            continue
+        elif writes:
+            count += sum(1 for s in instruction.result_sizes if s >= size)
+        elif max([instruction.size, *instruction.operand_sizes]) >= size:
             count += 1
     return count
 
