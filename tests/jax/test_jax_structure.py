@@ -192,8 +192,13 @@ def test_a_bfloat16_x_is_not_written_out_as_float32(
         nkjax.PartialRMSNorm(p=0.25, output_dtype="input"),
         nkjax.LayerNorm(output_dtype="input", variance="two_pass"),
         nkjax.LayerNorm(output_dtype="input"),
+        nkjax.RMSNorm(output_dtype="input", eps_placement="outside"),
+        nkjax.LayerNorm(output_dtype="input", eps_placement="outside"),
+        nkjax.RMSNorm(output_dtype="input", scale_offset=1.0),
+        nkjax.RMSNorm(output_dtype="input", cast="before_scale"),
     ],
-    ids=["rms", "rms-bias", "partial", "layer_two_pass", "layer_fast"],
+    ids=["rms", "rms-bias", "partial", "layer_two_pass", "layer_fast", "rms-eps-outside",
+         "layer-eps-outside", "rms-gemma-offset", "rms-llama-cast"],
 )
 def test_forward_backward_writes_no_array_of_xs_size_but_y_and_dx(
     module: nn.Module, rows: int, dtype: str

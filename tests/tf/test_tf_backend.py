@@ -455,9 +455,13 @@ def test_jax_jit_makes_no_more_passes_over_x_than_kerass_layer(ours, theirs, dty
 @pytest.mark.parametrize("make", [
     lambda policy: RMSNorm(epsilon=1e-6, dtype=policy),
     lambda policy: RMSNorm(epsilon=1e-6, eps_placement="outside", dtype=policy),
+    lambda policy: RMSNorm(epsilon=1e-6, bias=True, dtype=policy),
+    lambda policy: RMSNorm(epsilon=1e-6, scale_offset=1.0, dtype=policy),
     lambda policy: PartialRMSNorm(p=0.25, dtype=policy),
     lambda policy: LayerNorm(epsilon=1e-6, dtype=policy),
-], ids=["rms", "rms-eps-outside", "partial", "layer"])
+    lambda policy: LayerNorm(epsilon=1e-6, eps_placement="outside", dtype=policy),
+], ids=["rms", "rms-eps-outside", "rms-bias", "rms-gemma-offset", "partial", "layer",
+        "layer-eps-outside"])
 def test_jax_jit_on_a_cpu_writes_no_array_of_xs_size_but_y_and_dx(make, dtype):
     """Under ``jax.jit`` on XLA's CPU backend the forward writes ``y`` alone and the
     forward+backward ``y`` and ``dx`` alone (a cotangent given as an argument): each reduction
