@@ -749,9 +749,9 @@ def _copies(
     return [_added(plan, *inputs)[0] for inputs in _barrier((x, residual), count)]
 
 
-def _plain_centered(v: jax.Array, plain: _Plain) -> jax.Array:
-    """``c`` of the common program."""
-    return v if plain.mean is None else v - plain.mean
+def _plain_centered(v: jax.Array, mean: jax.Array | None) -> jax.Array:
+    """``c`` of the common program, for `_Plain`'s ``mean``."""
+    return v if mean is None else v - mean
 
 
 def _careful_only(plan: _Plan, reads: _Reads) -> bool:
@@ -956,7 +956,7 @@ def _forward(
                 if _separate_reads(v, plan, saved) else ()
             )
             plain = _plain(v, plan, reads, fused=apart, copies=copies)
-            y_hat = _plain_centered(v, plain) * _r(plain.s, spec.eps, spec)
+            y_hat = _plain_centered(v, plain.mean) * _r(plain.s, spec.eps, spec)
             careful = _flagged(plan, x, residual, reads) if apart else plain.careful
 
             def fix(y: jax.Array) -> jax.Array:
@@ -1103,7 +1103,7 @@ def _norm_bwd(
         copies = _separate_sums(dy)
         # LayerNorm's mean computed again (from a copy of its own, as each sum below reads one).
         layer = plan.spec.kind == "layer"
-        mean_copy = [prepared(_barrier(normalized, 1)[0])[0]] if copies and layer else []
+        mean_copy = [_barrier(normalized, 1)[0].astype(compute)] if copies and layer else []
         plain = _plain(v, plan, reads, s_saved, copies=mean_copy)
         # Rows the statistics cannot serve: those the forward flagged, and with eps outside
         # those whose s is too small for the gradient.
@@ -1138,7 +1138,7 @@ def _norm_bwd(
             v, dyf, d = prepared()
             reads = _reads(v, plan, _row_size(v, plan), mask)
             dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
-            y_hat_plain = _plain_rows(v, plain.mean, plain.s, eps).c * _r(plain.s, eps, plan.spec)
+            y_hat_plain = terms((v, dyf, d), plain.mean, plain.s).y_hat
             dscale = scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
             dx, dresidual = rounded(dv)
             plain_dx, plain_dresidual = grads[:2]
@@ -1158,7 +1158,7 @@ def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) 
     """The rows of the common program (`_Plain`'s ``mean`` and ``s``), as `_input_grad` takes
     them (unscaled)."""
     one = jnp.ones((), v.dtype)
-    return _Scaled(v if mean is None else v - mean, s, jnp.full_like(s, eps), one, one)
+    return _Scaled(_plain_centered(v, mean), s, jnp.full_like(s, eps), one, one)
 
 def _input_grad(
     plan: _Plan,

@@ -355,10 +355,15 @@ class _Rows:
                 elif mean is None:
                     dx = r * (d - y_hat * factor)
                 else:
-                    d_mean = ops.mean(averaged[1], axis=self.axes, keepdims=True)
+                    _, d_averaged, _, _ = averaged
+                    d_mean = ops.mean(d_averaged, axis=self.axes, keepdims=True)
                     dx = r * (d - d_mean - y_hat * factor)
                 dx = ops.cast(dx, keras.backend.standardize_dtype(source.dtype))
-                grads = self.param_grads(scaled[0], scaled[2], scale, bias, params, biased[0])
+                dy_scaled, _, y_hat_scaled, _ = scaled
+                dy_biased, _, _, _ = biased
+                grads = self.param_grads(
+                    dy_scaled, y_hat_scaled, scale, bias, params, dy_biased
+                )
                 return (dx, *[None] * len(row_stats), *grads)
 
             return y, grad
