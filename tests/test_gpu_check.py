@@ -154,3 +154,33 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
         assert r["as shipped"]["conditionals"] >= 1 and r["flags apart"]["conditionals"] >= 1
         assert r["no branch"]["conditionals"] == 0 and r["flags apart, no branch"]["conditionals"] == 0
         assert all(r[name]["ms"] > 0 for name in ("as shipped", "no branch", "flax"))
+
+
+def test_a_failure_is_printed_before_the_run_ends(tmp_path):
+    """gpu-check stops its test commands at their limits, before pytest's summary: the plugin
+    it passes them names each failure and its traceback as it happens."""
+    (tmp_path / "test_probe.py").write_text(
+        "import time\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'one and one are not three'\n"
+        "def test_outlasts_the_limit():\n    time.sleep(30)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
+         "tests.helpers.failures_at_once", "-q", "-rfE", "--rootdir", str(tmp_path),
+         str(tmp_path / "test_probe.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("=== end of"):
+                break
+    finally:
+        process.kill()
+        process.wait()
+    printed = "".join(lines)
+    assert "=== FAILED test_probe.py::test_fails (call)" in printed
+    assert "one and one are not three" in printed
+    assert "short test summary" not in printed  # pytest itself had not reported it yet
