@@ -434,6 +434,63 @@ def test_eager_calls_skip_the_custom_ops_and_give_the_same_bits(
         assert got is not None and want is not None and torch.equal(got, want)
 
 
+class _Recorder(TorchDispatchMode):
+    """Records the name of each op dispatched under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("residual", [None, "rounded", "float32_normalized"])
+def test_the_eager_backward_fills_nothing_with_zeros(residual: str | None) -> None:
+    """r (and h without a residual) reach no loss: autograd makes no zeros for their
+    gradients, which on a GPU cost about 150 us of host time each on its device thread. Rows of
+    a single block store their partial sums whole, so nothing is zero-filled at all."""
+    spec = NormSpec(bias=True, residual=residual)
+    n = 32
+    x, other = _randn(4, n, seed=1), _randn(4, n, seed=2)
+    weight, bias = _params(spec, n, torch.float32, seed=3)
+    xl, ol, wl, bl = _leaves(x, other, weight, bias)
+    if residual is None:
+        y = kernels.norm_rows(xl, wl, bl, _options(spec, n))
+    else:
+        y, _ = kernels.add_norm_rows(xl, ol, wl, bl, _options(spec, n))
+    dy = _randn(4, n, seed=4)
+    with _Recorder() as recorder:
+        y.backward(dy)
+    assert not {"zeros", "zero_", "fill_", "zeros_like", "new_zeros"} & set(recorder.ops)
+    h = x if residual is None else x + other  # float32: every rounding gives this sum
+    want = reference.normalize_vjp(to_numpy(h), to_numpy(dy), spec.replace(residual=None),
+                                   to_numpy(weight), to_numpy(bias))
+    for got, expected, name in zip((xl.grad, wl.grad, bl.grad), want, ("dx", "dw", "db")):
+        tolerances.assert_close(to_numpy(got), expected, quantity="grad", what=name)
+    if residual is not None:
+        assert ol.grad is not None and torch.equal(ol.grad, xl.grad)
+
+
+@pytest.mark.parametrize("residual", ["rounded", "float32_normalized"])
+def test_a_loss_of_h_alone_gives_dh_to_x_and_the_residual(residual: str) -> None:
+    """Without a gradient for y (autograd passes none: it makes no zeros), the backward still
+    serves h's: dx = dresidual = dh, and the parameters' gradients are 0."""
+    spec = NormSpec(bias=True, residual=residual)
+    n = 32
+    x, other = _randn(4, n, seed=1), _randn(4, n, seed=2)
+    weight, bias = _params(spec, n, torch.float32, seed=3)
+    xl, ol, wl, bl = _leaves(x, other, weight, bias)
+    _, h = kernels.add_norm_rows(xl, ol, wl, bl, _options(spec, n))
+    dh = _randn(4, n, seed=5)
+    h.backward(dh)
+    for got in (xl.grad, ol.grad):
+        assert got is not None and torch.equal(got, dh)
+    for got in (wl.grad, bl.grad):
+        assert got is None or not got.any()
+
+
 SECOND_ORDER = {
     "rms": (NormSpec(bias=True), None),
     "partial-outside": (NormSpec("partial_rms", p=0.5, eps_placement="outside"), None),
