@@ -463,7 +463,10 @@ def test_the_eager_backward_fills_nothing_with_zeros(residual: str | None) -> No
     dy = _randn(4, n, seed=4)
     with _Recorder() as recorder:
         y.backward(dy)
-    assert not {"zeros", "zero_", "fill_", "zeros_like", "new_zeros"} & set(recorder.ops)
+    # A dispatch mode is thread-local, and a CUDA backward runs on autograd's device thread.
+    if DEVICE == "cpu":
+        assert recorder.ops  # the backward ran under the mode
+        assert not {"zeros", "zero_", "fill_", "zeros_like", "new_zeros"} & set(recorder.ops)
     h = x if residual is None else x + other  # float32: every rounding gives this sum
     want = reference.normalize_vjp(to_numpy(h), to_numpy(dy), spec.replace(residual=None),
                                    to_numpy(weight), to_numpy(bias))
