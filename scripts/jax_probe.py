@@ -1,7 +1,7 @@
 """Where normkit.jax's time goes against Flax's on a device: per layer, dtype and pass, the
 jitted median and what XLA compiled for it there (fusions, conditionals, the entry
 computation), the cost of one ``lax.cond`` on its own, what each piece of normkit's guard
-costs (`variants`), and a candidate RMSNorm forward that guards without a conditional
+costs (`variants`), and candidate RMSNorm forwards that guard without a conditional
 (`without_cond`).
 
 python3 scripts/jax_probe.py [--out FILE] [--rows R --hidden N]   (JAX's default device; one
@@ -15,6 +15,7 @@ something makes XLA write it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -179,22 +180,59 @@ def rms_without_cond(x: jax.Array, g: jax.Array, eps: float) -> jax.Array:
     return (y_hat * g).astype(x.dtype)
 
 
-#: Rows of the candidate's accuracy check: ordinary, squares overflowing, squares underflowing.
+#: The powers of two of `rms_sibling_sums`: x 2^-80 squares below float32's maximum for any
+#: finite x (the mean square of 2^-80 FLT_MAX is 8e28), and x 2^80 squares to normal float32
+#: numbers down to |x| near 1e-30.
+DOWN, UP = 2.0**-80, 2.0**80
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def rms_sibling_sums(x: jax.Array, g: jax.Array, eps: float) -> jax.Array:
+    """A candidate RMSNorm forward (eps inside) with neither a conditional nor a second,
+    dependent reduction: the mean square of each row taken at scales 1, 2^-80 and 2^80 in one
+    pass over x (sibling reductions, which XLA on a GPU can fuse into one), and each row
+    normalized as ``y = x c / sqrt(mean((x c)^2) + eps c^2)`` (the same value for every c) with
+    the one in float32's range: 2^-80 where the squares overflow, 2^80 where they underflow (a
+    mean square below 2^-100) and ``eps 2^160`` is finite, else 1. Where ``eps 2^160``
+    overflows, eps dwarfs such a row's mean square, and scale 1 serves it."""
+    v = x.astype(jnp.float32)
+
+    def normalized(c: float) -> tuple[jax.Array, jax.Array]:
+        scaled = v * jnp.float32(c)
+        square = jnp.mean(scaled * scaled, axis=-1, keepdims=True)
+        return square, scaled * lax.rsqrt(square + jnp.float32(eps * c * c))
+
+    square, y_hat = normalized(1.0)
+    square_down, y_down = normalized(DOWN)
+    y_hat = jnp.where(jnp.isinf(square) & jnp.isfinite(square_down), y_down, y_hat)
+    if eps * UP * UP <= FLT_MAX:
+        _, y_up = normalized(UP)
+        y_hat = jnp.where(square < 2.0**-100, y_up, y_hat)
+    return (y_hat * g).astype(x.dtype)
+
+
+#: Rows of the candidates' accuracy check: ordinary, squares overflowing, squares underflowing.
 FAR_SCALES = (1.0, 1e30, 1e-30, 1e-20, 1e37)
+#: float32's smallest normal eps: with it tiny rows are not eps's (`rms_sibling_sums`' 2^80).
+TINY_EPS = 2.0**-126
+#: The conditional-free candidates, as the records name them.
+CANDIDATES = {"without cond": rms_without_cond, "sibling sums": rms_sibling_sums}
 
 
 def without_cond(log: Log, rows: int, hidden: int) -> None:
-    """`rms_without_cond` against normkit's RMSNorm as shipped and Flax's (forward, float32 and
-    bfloat16): its time and what XLA compiled, and its worst error against the reference on
-    rows at `FAR_SCALES` (a fraction of the row's largest reference value)."""
+    """The `CANDIDATES` against normkit's RMSNorm as shipped and Flax's (forward, float32 and
+    bfloat16): their times and what XLA compiled, and each one's worst error against the
+    reference on rows at `FAR_SCALES` (a fraction of the row's largest reference value)."""
     rng = np.random.default_rng(0)
     far = (rng.standard_normal((len(FAR_SCALES), 64))
            * np.array(FAR_SCALES)[:, None]).astype(np.float32)
     g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
-    want = reference.normalize(far.astype(np.float64), NormSpec(eps=EPS), g.astype(np.float64))
-    got = np.asarray(jax.jit(rms_without_cond, static_argnums=2)(far, g, EPS), np.float64)
-    errors = np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
-    log(what="rms_without_cond error", scales=list(FAR_SCALES), errors=errors.tolist())
+    for candidate, eps in itertools.product(CANDIDATES.values(), (EPS, TINY_EPS)):
+        want = reference.normalize(far.astype(np.float64), NormSpec(eps=eps), g.astype(np.float64))
+        got = np.asarray(jax.jit(candidate, static_argnums=2)(far, g, eps), np.float64)
+        errors = np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
+        log(what=f"{candidate.__name__} error", eps=eps, scales=list(FAR_SCALES),
+            errors=errors.tolist())
     for dtype in ("float32", "bfloat16"):
         x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32).astype(dtype)
         scale = jnp.ones((hidden,), jnp.float32)
@@ -202,8 +240,8 @@ def without_cond(log: Log, rows: int, hidden: int) -> None:
         for name, module in (("normkit", nkjax.RMSNorm(epsilon=EPS, output_dtype="input")),
                              ("flax", nn.RMSNorm(epsilon=EPS, dtype=dtype))):
             runs[name], record[name] = compiled_record(*programs(module, x)["forward"])
-        runs["without cond"], record["without cond"] = compiled_record(
-            partial(rms_without_cond, eps=EPS), (x, scale))
+        for name, candidate in CANDIDATES.items():
+            runs[name], record[name] = compiled_record(partial(candidate, eps=EPS), (x, scale))
         for name, ms in medians_ms(runs).items():
             record[name]["ms"] = ms
             del record[name]["entry"]
@@ -237,8 +275,8 @@ def main() -> int:
     log(device=str(jax.devices()[0]), jax=jax.__version__)
     started = time.perf_counter()
     cond_cost(log, args.rows, args.hidden)
+    without_cond(log, args.rows, args.hidden)  # before the variants: the newest question
     variants(log, args.rows, args.hidden)
-    without_cond(log, args.rows, args.hidden)
     layers(log, args.rows, args.hidden)
     log(seconds=round(time.perf_counter() - started, 1))
     return 0

@@ -121,7 +121,7 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
     """scripts/jax_probe.py (the kernels step's first command) on a small shape here: each
     layer, dtype and pass timed for normkit and Flax, with what XLA compiled; and normkit's
     float32 programs with its guard's branch removed and its flags apart; and the RMSNorm
-    candidate without a conditional, accurate on rows whose squares leave float32's range."""
+    candidates without a conditional, accurate on rows whose squares leave float32's range."""
     pytest.importorskip("flax")
     out = tmp_path / "probe.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -130,7 +130,9 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["what"] for r in records if "what" in r] == [
-        "x * 2 without cond", "x * 2 with cond", "rms_without_cond error"]
+        "x * 2 without cond", "x * 2 with cond", *(
+            f"{name} error" for name in ("rms_without_cond", "rms_sibling_sums")
+            for _ in range(2))]
     layers = [r for r in records if "pass" in r]
     assert {(r["dtype"], r["layer"], r["pass"]) for r in layers} == {
         (d, layer, p) for d in ("float32", "bfloat16") for layer in ("RMSNorm", "LayerNorm")
@@ -144,12 +146,15 @@ def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path)
     assert {(r["layer"], r["variants"]) for r in variants} == {
         (layer, p) for layer in ("RMSNorm", "LayerNorm") for p in ("forward", "forward+backward")
     }
-    (errors,) = [r for r in records if r.get("what") == "rms_without_cond error"]
-    assert len(errors["errors"]) == len(errors["scales"]) and max(errors["errors"]) < 1e-6
+    checked = [r for r in records if r.get("what", "").endswith(" error")]
+    assert [r["eps"] for r in checked] == [1e-6, 2.0**-126] * 2  # eps 2^-126: 2^80 for tiny rows
+    for errors in checked:
+        assert len(errors["errors"]) == len(errors["scales"]) and max(errors["errors"]) < 1e-6
     candidates = [r for r in records if "candidate" in r]
     assert [r["dtype"] for r in candidates] == ["float32", "bfloat16"]
     for r in candidates:
-        assert r["without cond"]["conditionals"] == 0 and r["without cond"]["ms"] > 0
+        for name in ("without cond", "sibling sums"):
+            assert r[name]["conditionals"] == 0 and r[name]["ms"] > 0
     for r in variants:
         assert r["as shipped"]["conditionals"] >= 1 and r["flags apart"]["conditionals"] >= 1
         assert r["no branch"]["conditionals"] == 0 and r["flags apart, no branch"]["conditionals"] == 0
