@@ -409,6 +409,28 @@ def test_overflowing_cotangent_rows_get_the_reference_gradient_whatever_the_weig
     tolerances.assert_close(np.asarray(dx), grads.dx, quantity="grad")
 
 
+def _jitted_programs(layer, x, dy_argument=False):
+    """The programs XLA compiles for ``layer``'s forward and forward+backward under ``jax.jit``,
+    the layer called statelessly as Keras' JAX trainer calls it; the backward's cotangent ones,
+    or with ``dy_argument`` an argument (no constant XLA might fold)."""
+    import jax
+    import jax.numpy as jnp
+
+    layer.build(x.shape)
+    weights = [v.value for v in layer.trainable_variables]
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def forward(weights, x):
+        return layer.stateless_call(weights, frozen, x)[0]
+
+    def forward_backward(weights, x, dy):
+        y, pullback = jax.vjp(forward, weights, x)
+        return y, pullback(dy if dy_argument else jnp.ones_like(y))
+
+    return (jax.jit(forward).lower(weights, x).compile().as_text(),
+            jax.jit(forward_backward).lower(weights, x, x).compile().as_text())
+
+
 @pytest.mark.skipif(keras_backend() != "jax", reason="compiles with jax.jit")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ours, theirs", [
@@ -420,7 +442,6 @@ def test_jax_jit_makes_no_more_passes_over_x_than_kerass_layer(ours, theirs, dty
     the forward+backward no more (RMSNorm: one more, the plain branch's output of what the
     backward reads). The Keras-order RMSNorm of eager calls differentiated its branch in place
     there: 11 passes against Keras' 8 in bfloat16 (a fifth of Keras' speed)."""
-    import jax
     import jax.numpy as jnp
     import keras
 
@@ -428,23 +449,11 @@ def test_jax_jit_makes_no_more_passes_over_x_than_kerass_layer(ours, theirs, dty
 
     x = jnp.ones((64, 512), dtype)
     policy = {"float32": "float32", "bfloat16": "mixed_bfloat16"}[dtype]
-    counts = []
-    for layer in (ours(epsilon=1e-6, dtype=policy), getattr(keras.layers, theirs)(epsilon=1e-6, dtype=policy)):
-        layer.build(x.shape)
-        weights = [v.value for v in layer.trainable_variables]
-        frozen = [v.value for v in layer.non_trainable_variables]
-
-        def forward(weights, x, layer=layer, frozen=frozen):
-            return layer.stateless_call(weights, frozen, x)[0]
-
-        def forward_backward(weights, x, forward=forward):
-            y, pullback = jax.vjp(forward, weights, x)
-            return y, pullback(jnp.ones_like(y))
-
-        counts.append([
-            passes(jax.jit(f).lower(weights, x).compile().as_text(), x.size)
-            for f in (forward, forward_backward)
-        ])
+    counts = [
+        [passes(program, x.size) for program in _jitted_programs(layer, x)]
+        for layer in (ours(epsilon=1e-6, dtype=policy),
+                      getattr(keras.layers, theirs)(epsilon=1e-6, dtype=policy))
+    ]
     (mine_forward, mine_both), (keras_forward, keras_both) = counts
     assert mine_forward <= keras_forward, counts
     assert mine_both <= keras_both + (1 if ours is RMSNorm else 0), counts
@@ -478,19 +487,8 @@ def test_jax_jit_on_a_cpu_writes_no_array_of_xs_size_but_y_and_dx(make, dtype):
         pytest.skip("the copies are for XLA's CPU backend, which writes out what fusions share")
     x = jnp.ones((64, 512), dtype)
     layer = make({"float32": "float32", "bfloat16": "mixed_bfloat16"}[dtype])
-    layer.build(x.shape)
-    weights = [v.value for v in layer.trainable_variables]
-    frozen = [v.value for v in layer.non_trainable_variables]
-
-    def forward(weights, x):
-        return layer.stateless_call(weights, frozen, x)[0]
-
-    def forward_backward(weights, x, dy):
-        y, pullback = jax.vjp(forward, weights, x)
-        return y, pullback(dy)
-
-    assert writes(jax.jit(forward).lower(weights, x).compile().as_text(), x.size) == 1
-    both = jax.jit(forward_backward).lower(weights, x, x).compile().as_text()
+    forward, both = _jitted_programs(layer, x, dy_argument=True)
+    assert writes(forward, x.size) == 1
     assert writes(both, x.size) == 2
 
 
