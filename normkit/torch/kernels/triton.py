@@ -857,16 +857,15 @@ class _EagerNormRows(torch.autograd.Function):
         # No zeros made for the gradients of r and of an h without a residual, which nothing
         # reads: on a GPU each such fill cost about 150 us of host time on autograd's thread.
         ctx.set_materialize_grads(False)
-        ctx.y_dtype = output[0].dtype
         return output
 
     @staticmethod
     def backward(
         ctx: Any, dy: torch.Tensor | None, dh: torch.Tensor | None, dr: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        if dy is None:  # only h reached what is differentiated
+        if dy is None:  # only h reached what is differentiated; y is in x's dtype
             values = ctx.saved_tensors[0]
-            dy = values.new_zeros(values.shape, dtype=ctx.y_dtype)
+            dy = values.new_zeros(values.shape, dtype=ctx.dx_dtype)
         if torch.is_grad_enabled():
             return (*_composite_vjp(ctx, dy, dh), None)
         return (*_backward(ctx, dy, dh, dr, _backward_rows)[:5], None)
