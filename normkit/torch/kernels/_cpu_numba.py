@@ -746,10 +746,17 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
         s = 0.0 if reuse_r else _layer_moments(x)[1]
         tail = 0.0
     else:
-        tail = _dot(x, dy, g, k, n)
+        # sum_i d_i x_i over the whole row in one pass from its start, as the memory streams
+        # it (the tail first, then the head, took partial RMS 3-8 % longer than RMS); apart
+        # only where element 0's closed form needs the tail.
+        tail = 0.0
+        if k == 1:
+            tail = _dot(x, dy, g, 1, n)
+            dot = _dot(x, dy, g, 0, 1) + tail
+        else:
+            dot = _dot(x, dy, g, 0, n)
         mean = 0.0
         s = 0.0 if reuse_r else _row_sum(x[:k], True) / k
-        dot = _dot(x, dy, g, 0, k) + tail
         mean_d = 0.0
     r = np.float64(saved_r) if reuse_r else _rstd(s, eps, outside)
     q = (2.0 / k) * _dr_ds(r, s, outside) * dot
