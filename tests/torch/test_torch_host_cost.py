@@ -5,30 +5,17 @@ costs, and each op or autograd node a call adds is a fixed price on every layer 
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from normkit import reference, tolerances
 from normkit.torch import LayerNorm, RMSNorm
 from normkit.torch.kernels import cpu
+from tests.helpers.dispatched import DispatchedOps
 
 pytest.importorskip("numba")
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops dispatched inside the mode, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
 
 
 def _graph(y: torch.Tensor) -> list[str]:
@@ -57,7 +44,7 @@ def test_an_eager_call_dispatches_only_its_outputs_and_parameter_casts(
     module = layer(64).to(dtype)
     x = torch.randn(*shape, dtype=dtype)
     module(x)  # compiled and warm
-    with _Ops() as ops:
+    with DispatchedOps() as ops:
         y = module(x)
     params = len(list(module.parameters()))
     casts = params if dtype != torch.float32 else 0

@@ -32,6 +32,7 @@ from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
 from normkit.torch.kernels.options import KernelOptions, kernel_options  # noqa: E402
+from tests.helpers.dispatched import DispatchedOps  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
 
@@ -434,18 +435,6 @@ def test_eager_calls_skip_the_custom_ops_and_give_the_same_bits(
         assert got is not None and want is not None and torch.equal(got, want)
 
 
-class _Recorder(TorchDispatchMode):
-    """Records the name of each op dispatched under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("residual", [None, "rounded", "float32_normalized"])
 def test_the_eager_backward_fills_nothing_with_zeros(residual: str | None) -> None:
     """r (and h without a residual) reach no loss: autograd makes no zeros for their
@@ -461,12 +450,12 @@ def test_the_eager_backward_fills_nothing_with_zeros(residual: str | None) -> No
     else:
         y, _ = kernels.add_norm_rows(xl, ol, wl, bl, _options(spec, n))
     dy = _randn(4, n, seed=4)
-    with _Recorder() as recorder:
+    with DispatchedOps() as recorder:
         y.backward(dy)
     # A dispatch mode is thread-local, and a CUDA backward runs on autograd's device thread.
     if DEVICE == "cpu":
-        assert recorder.ops  # the backward ran under the mode
-        assert not {"zeros", "zero_", "fill_", "zeros_like", "new_zeros"} & set(recorder.ops)
+        assert recorder.names  # the backward ran under the mode
+        assert not {"zeros", "zero_", "fill_", "zeros_like", "new_zeros"} & set(recorder.names)
     h = x if residual is None else x + other  # float32: every rounding gives this sum
     want = reference.normalize_vjp(to_numpy(h), to_numpy(dy), spec.replace(residual=None),
                                    to_numpy(weight), to_numpy(bias))
