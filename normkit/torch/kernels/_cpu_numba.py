@@ -738,18 +738,17 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     """
     n = x.size
     reuse_r = not outside and _fast(saved_r)
+    tail = 0.0  # sum_{i >= 1} d_i x_i, for element 0's closed form (k = 1) only
     if kind == LAYER:
         sc, sd, sdc = _layer_backward_sums(x, dy, g)
         mean = np.float64(_load(x, 0)) + sc / n
         dot = sdc - (sc / n) * sd
         mean_d = sd / n
         s = 0.0 if reuse_r else _layer_moments(x)[1]
-        tail = 0.0
     else:
         # sum_i d_i x_i over the whole row in one pass from its start, as the memory streams
         # it (the tail first, then the head, took partial RMS 3-8 % longer than RMS); apart
         # only where element 0's closed form needs the tail.
-        tail = 0.0
         if k == 1:
             tail = _dot(x, dy, g, 1, n)
             dot = _dot(x, dy, g, 0, 1) + tail
