@@ -227,8 +227,9 @@ def without_cond(log: Log, rows: int, hidden: int) -> None:
     far = (rng.standard_normal((len(FAR_SCALES), 64))
            * np.array(FAR_SCALES)[:, None]).astype(np.float32)
     g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
-    for candidate, eps in itertools.product(CANDIDATES.values(), (EPS, TINY_EPS)):
-        want = reference.normalize(far.astype(np.float64), NormSpec(eps=eps), g.astype(np.float64))
+    wants = {eps: reference.normalize(far.astype(np.float64), NormSpec(eps=eps),
+                                      g.astype(np.float64)) for eps in (EPS, TINY_EPS)}
+    for candidate, (eps, want) in itertools.product(CANDIDATES.values(), wants.items()):
         got = np.asarray(jax.jit(candidate, static_argnums=2)(far, g, eps), np.float64)
         errors = np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
         log(what=f"{candidate.__name__} error", eps=eps, scales=list(FAR_SCALES),
