@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 from dataclasses import replace
 
 import numpy as np
@@ -10,7 +11,15 @@ import numpy as np
 from normkit.doctor import conventions
 from normkit.doctor.checkpoint import Checkpoint, read_checkpoint
 from normkit.doctor.counterparts import counterparts
-from normkit.doctor.report import FINDINGS, Comparison, Report, Stored, TensorReport, Verdict
+from normkit.doctor.report import (
+    FINDINGS,
+    Comparison,
+    Convention,
+    Report,
+    Stored,
+    TensorReport,
+    Verdict,
+)
 from normkit.doctor.verdicts import (
     Reading,
     compare,
@@ -68,7 +77,8 @@ def examine(path: str | os.PathLike[str], against: str | os.PathLike[str] | None
             shift = (original_exp.convention.scale_offset - exp.convention.scale_offset
                      if parameter == "weight" else 0.0)
             try:
-                comparison = compare(stored[name], original.tensor(source), source, shift)
+                comparison = compare(stored[name], original.tensor(source), source, shift,
+                                     scale=parameter == "weight")
             except ValueError as err:
                 notes.append(f"{name}: not compared with the original: {err}")
             else:
@@ -78,7 +88,7 @@ def examine(path: str | os.PathLike[str], against: str | os.PathLike[str] | None
         readings[name] = read_statistics(stored[name], exp.convention, parameter,
                                          model_has_offset)
     statistical = {n: r for n, r in readings.items() if n not in comparisons}
-    groups = {n: f"{expected[n].convention.module}" for n in statistical}
+    groups = {n: _group(expected[n].convention) for n in statistical}
     readings.update(settle_groups(statistical, groups))
     tensors = tuple(
         _tensor_report(name, expected[name], stored[name], readings[name],
@@ -87,6 +97,13 @@ def examine(path: str | os.PathLike[str], against: str | os.PathLike[str] | None
     )
     return Report(str(path), checkpoint.format, checkpoint.architecture, tensors,
                   None if against is None else str(against), tuple(notes))
+
+
+def _group(convention: Convention) -> str:
+    """The tensors a conversion bug moves together: one class (GGUF: one architecture) and
+    one pair of offsets."""
+    offsets = f"{convention.scale_offset:g} + w, model {convention.model_offset:g} + w"
+    return f"{convention.module} ({offsets})"
 
 
 def _tensor_report(
@@ -131,6 +148,6 @@ def _tensor_report(
     flat = values.astype(np.float64).ravel()
     stored = Stored(values.dtype.name, tuple(values.shape), float(np.median(flat)),
                     float(flat.min()), float(flat.max()))
-    parameter = "bias" if name.endswith("bias") else "weight"
+    parameter: Literal["weight", "bias"] = "bias" if name.endswith("bias") else "weight"
     return TensorReport(name, parameter, convention, stored, ordered(verdicts),
                         reading.confidence, "; ".join(reasons), comparison)

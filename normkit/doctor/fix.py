@@ -129,13 +129,16 @@ def _fix_directory(checkpoint: Checkpoint, values: Mapping[str, np.ndarray],
                 metadata = f.metadata()
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
             tensors.update({k: v for k, v in values.items() if checkpoint.files[k] == shard})
-            data = save(tensors, metadata=metadata)
-            write_atomically(building / shard.name, lambda f, data=data: f.write(data))
+            _write_bytes(building / shard.name, save(tensors, metadata=metadata))
         os.replace(building, out)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
     return out
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    write_atomically(path, lambda f: f.write(data))
 
 
 def _eps_entries(config: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float]]:

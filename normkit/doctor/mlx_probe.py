@@ -68,7 +68,7 @@ def probe_mlx_directory(path: str | os.PathLike[str]) -> dict[str, MlxNorm]:
 
 def _probe(module: Any, params: dict[str, Any]) -> tuple[NormSpec | None, str]:
     """The spec ``module`` computes (its own weight and bias restored afterwards)."""
-    shape = params.get("weight", params.get("bias")).shape
+    shape = next(iter(params.values())).shape
     n = int(np.prod(shape))
     signature = inspect.signature(module.__call__)
     extra = list(signature.parameters.values())[1:]

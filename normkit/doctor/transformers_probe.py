@@ -39,7 +39,7 @@ def probe_directory(path: str | os.PathLike[str]) -> dict[str, ProbedNorm]:
     in ``path`` (a Hugging Face or mlx-lm directory: both keep transformers' config)."""
     config = transformers.AutoConfig.from_pretrained(Path(path), local_files_only=True)
     with torch.device("meta"):
-        model = _model_class(config)(config)
+        model = _build(config)
     norms = {
         name: module for name, module in model.named_modules()
         if next(module.children(), None) is None and _named_norm(module)
@@ -58,17 +58,19 @@ def probe_directory(path: str | os.PathLike[str]) -> dict[str, ProbedNorm]:
     return found
 
 
-def _model_class(config: transformers.PretrainedConfig) -> type[nn.Module]:
-    """The class the config names (``architectures[0]``), else the causal LM or base model."""
+def _build(config: transformers.PretrainedConfig) -> nn.Module:
+    """The model of the class the config names (``architectures``), else its causal LM or base
+    model."""
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module):
-            return cls
+            return cls(config)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
-            return auto._model_mapping[type(config)]  # type: ignore[no-any-return]
-        except KeyError:
+            model: nn.Module = auto.from_config(config)
+        except ValueError:
             continue
+        return model
     raise ValueError(f"transformers has no model class for model_type {config.model_type!r}")
 
 

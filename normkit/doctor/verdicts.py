@@ -1,9 +1,10 @@
 """The verdicts: a stored norm tensor against its runtime's convention.
 
 **With the original** (`compare`), tensor by tensor and exact. The stored values are matched
-to the original's plus a shift ``k`` in {0, +1, -1, +2, -2}, rounded once: within half a unit
-in the last place of ``original + k`` in the coarser of the two dtypes (or one unit of float16
-or bfloat16: rounded through a narrower dtype). A correct conversion has ``k`` = the original
+to the original's plus a shift ``k`` in {0, +1, -1, +2, -2}: within one unit in the last place
+of ``original + k`` (of ``|original| + 1`` for a scale, which a conversion may round at ``1 + w``
+and back) in the coarser of the two dtypes, or else within one unit of float16 or bfloat16
+(rounded through a narrower dtype). A correct conversion has ``k`` = the original
 runtime's offset minus this runtime's (``expected``): ``+1`` when a converter bakes Gemma's 1
 into the weights for llama.cpp. ``k = expected + 1`` is a doubled offset, ``expected - 1`` a
 missing one; a constant factor is ``"scaled"``; anything else ``"different"``.
@@ -127,9 +128,11 @@ def settle_groups(readings: dict[str, Reading], groups: dict[str, str]) -> dict[
 
 
 def compare(stored: np.ndarray, original: np.ndarray, name: str, expected_shift: float,
-            ) -> Comparison:
+            scale: bool = True) -> Comparison:
     """``stored`` against ``original`` (tensor ``name`` of the original), with the relation a
-    correct conversion gives (``expected_shift``). ValueError if the shapes differ."""
+    correct conversion gives (``expected_shift``). A scale (``scale``) may have been rounded at
+    ``1 + w`` on its way (an offset added and taken away), so it is compared to a unit of
+    ``|w| + 1``. ValueError if the shapes differ."""
     if stored.shape != original.shape:
         raise ValueError(f"shape {stored.shape} differs from the original's {original.shape}")
     s = stored.astype(np.float64)
@@ -139,11 +142,12 @@ def compare(stored: np.ndarray, original: np.ndarray, name: str, expected_shift:
     for k in _SHIFTS:
         target = o + k
         error = np.abs(s - target)
-        if np.all(error <= 0.5 * dtypes.ulp(target, coarse)):
+        at = np.maximum(np.abs(target), np.abs(o) + 1) if scale else target
+        if np.all(error <= dtypes.ulp(at, coarse)):
             return Comparison(name, _shift_name(k), expected)
         for narrow in (dtypes.float16, dtypes.bfloat16):
             if ml_dtypes.finfo(narrow).nmant < ml_dtypes.finfo(coarse).nmant and np.all(
-                error <= dtypes.ulp(target, narrow)
+                error <= dtypes.ulp(at, narrow)
             ):
                 return Comparison(name, _shift_name(k), expected, rounded_in=narrow.name)
     nonzero = np.abs(o) > 1e-12
