@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
 from dataclasses import replace
+from typing import Literal
 
 import numpy as np
 
