@@ -101,7 +101,7 @@ def _huggingface(checkpoint: Checkpoint) -> tuple[dict[str, Expected], list[str]
         module, spec, source = norms[name]
         offset = _offset(spec, name)
         convention = Convention("transformers", module, offset, offset, spec.eps,
-                                "the module (from config.json)", source)
+                                "config.json, as the module reads it", source)
         result[name] = Expected(convention, dtype=dtype, dtype_source="config.json dtype")
     notes += _unmatched(checkpoint, result)
     return result, notes
@@ -145,7 +145,7 @@ def _mlx(checkpoint: Checkpoint) -> tuple[dict[str, Expected], list[str]]:
         model = reference.get(name)
         convention = Convention(
             "mlx-lm", norm.module, offset, offset if model is None else _offset(model[1], name),
-            norm.spec.eps, "the module (from config.json)", source,
+            norm.spec.eps, "config.json, as mlx-lm's module reads it", source,
         )
         eps, eps_source = (None, "") if model is None else (model[1].eps, model[2])
         result[name] = Expected(convention, eps, eps_source, dtype, "config.json dtype")

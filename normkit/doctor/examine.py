@@ -119,13 +119,13 @@ def _tensor_report(
     reasons = [reading.reason]
     convention = exp.convention
     if comparison is not None and original is not None:
-        reference_eps, eps_source = original[2].convention.eps, f"the original's ({original[1]})"
+        reference_eps, eps_source = original[2].convention.eps, "the original's"
     else:
         reference_eps, eps_source = exp.eps, exp.eps_source
     if eps_differs(convention.eps, reference_eps):
         verdicts.append("eps_differs")
-        reasons.append(f"the runtime's eps is {convention.eps:.6g} ({convention.eps_from}), "
-                       f"{eps_source} {reference_eps:.6g}")
+        reasons.append(f"the runtime's eps is {convention.eps:.6g} (from {convention.eps_from}), "
+                       f"{eps_source} is {reference_eps:.6g}")
     if comparison is not None and original is not None:
         source_values = original[0].tensor(original[1])
         shift = 0.0 if comparison.relation in ("scaled", "different", "equal") else float(
