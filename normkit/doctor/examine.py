@@ -9,8 +9,9 @@ from typing import Literal
 import numpy as np
 
 from normkit.doctor import conventions
-from normkit.doctor.checkpoint import Checkpoint, read_checkpoint
+from normkit.doctor.checkpoint import Checkpoint
 from normkit.doctor.counterparts import counterparts
+from normkit.doctor.read import read_checkpoint
 from normkit.doctor.report import (
     FINDINGS,
     Comparison,

@@ -23,7 +23,8 @@ import numpy as np
 
 from normkit import dtypes
 from normkit.doctor import llama_cpp
-from normkit.doctor.checkpoint import Checkpoint, read_checkpoint
+from normkit.doctor.checkpoint import Checkpoint
+from normkit.doctor.read import read_checkpoint
 from normkit.doctor.report import Report, TensorReport
 from normkit.doctor.verdicts import EPS_TOLERANCE
 from normkit.files import write_atomically

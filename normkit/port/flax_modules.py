@@ -8,6 +8,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from normkit.jax import linen as nklinen
@@ -23,7 +24,7 @@ def nnx_norms_from_file(path: str | os.PathLike[str], **kwargs: Any) -> dict[str
     parameters the file's. ``kwargs`` go to ``from_spec`` (``dtype``, ``rngs``)."""
     modules: dict[str, nnx.Module] = {}
     for name, (params, spec) in load_norms(path, to="flax").items():
-        shape, dtype = _shape_dtype(params, len(spec.axis))
+        shape, dtype = _shape_dtype(params, np.size(spec.axis))
         module = nknnx.from_spec(spec, shape, param_dtype=dtype, **kwargs)
         for param, value in params.items():
             getattr(module, param).set_value(jnp.asarray(value))
@@ -39,7 +40,7 @@ def linen_norms_from_file(
     ``{"params": {...}}`` holding the file's parameters, for ``module.apply(variables, x)``."""
     modules: dict[str, tuple[nn.Module, dict[str, Any]]] = {}
     for name, (params, spec) in load_norms(path, to="flax").items():
-        _, dtype = _shape_dtype(params, len(spec.axis))
+        _, dtype = _shape_dtype(params, np.size(spec.axis))
         module = nklinen.from_spec(spec, param_dtype=dtype, **kwargs)
         variables = {"params": {p: jnp.asarray(v) for p, v in params.items()}}
         modules[name] = (module, variables)

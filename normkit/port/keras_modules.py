@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import keras
+import numpy as np
 
 from normkit.port.files import load_norms
 from normkit.tf.layers import WEIGHT_ATTRIBUTES, from_spec
@@ -21,9 +22,9 @@ def norms_from_file(path: str | os.PathLike[str], **kwargs: Any) -> dict[str, ke
     layers: dict[str, keras.layers.Layer] = {}
     for name, (params, spec) in load_norms(path, to="keras").items():
         shaped = [v for p, v in params.items() if p != "alpha"]
-        shape = tuple(shaped[0].shape) if shaped else (1,) * len(spec.axis)
+        shape = tuple(shaped[0].shape) if shaped else (1,) * np.size(spec.axis)
         trailing = tuple(range(-len(shape), 0))
-        if tuple(sorted(a if a < 0 else a - len(spec.axis) - 1 for a in spec.axis)) != trailing:
+        if sorted(np.atleast_1d(spec.axis).tolist()) != list(trailing):
             raise ValueError(
                 f"{path}: layer {name!r} normalizes axis {spec.axis}: the loader builds layers "
                 "for the trailing axes only; build it with normkit.tf.from_spec instead"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from normkit.port.files import load_norms
@@ -26,7 +27,7 @@ def norms_from_file(
     modules: dict[str, Module] = {}
     for name, (params, spec) in load_norms(path, to="torch").items():
         shaped = [v for p, v in params.items() if p != "alpha"]
-        shape = tuple(shaped[0].shape) if shaped else (1,) * len(spec.axis)
+        shape = tuple(shaped[0].shape) if shaped else (1,) * np.size(spec.axis)
         dtype = to_torch(next(iter(params.values()))).dtype if params else None
         module = from_spec(spec, shape, device=device, dtype=dtype, kernel=kernel)
         with torch.no_grad():
