@@ -9,7 +9,10 @@ interpreter executes every program in Python.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -384,6 +387,33 @@ def test_the_kernels_compile_for_sm_90() -> None:
     assert "compiled 5" in done.stdout
 
 
+
+def test_the_sweeps_backward_part_runs_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """scripts/triton_sweep.py's backward part (which the GPU check runs once) at one tiny
+    shape, in Triton's interpreter on a GPU-less machine: every variant runs, the fused
+    backward passes its checks, and the records the GPU run is read by are written."""
+    monkeypatch.setattr(fused, "SLICE_MAX", 8)  # rows of 16 in two slices, as at 16384
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "triton_sweep.py"
+    loaded = importlib.util.spec_from_file_location("triton_sweep", path)
+    assert loaded is not None and loaded.loader is not None
+    sweep = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(sweep)
+    out = tmp_path / "sweep.jsonl"
+    sweep.backward(sweep.Log(str(out)), device=DEVICE, shapes=((6, 16),),
+                   dtypes=(torch.bfloat16,), kinds=("layer",), calls=1, latency_calls=1,
+                   workers=0)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    check = next(r for r in records if r.get("what") == "backward check")
+    assert check["passed"] and check["bit_identical"], check
+    timed = {r["impl"]: r for r in records if r.get("what") == "backward"}
+    assert set(timed) == {"default", "fused", "fused, no prefetch",
+                          "fused, 8 programs a multiprocessor", "fused, slices of half"}
+    for name in ("default", "fused"):
+        assert {"throughput_us", "latency_us", "of_floor"} <= set(timed[name])
+    summary = next(r for r in records if r.get("what") == "backward summary")
+    assert summary["cases"][0]["speedup"] > 0
 
 
 def test_a_backward_launches_two_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
