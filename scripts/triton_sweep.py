@@ -441,61 +441,84 @@ def backward(log: Log, device: str = "cuda", shapes: tuple[tuple[int, int], ...]
              workers: int | None = None) -> None:
     """The fused backward beside the default one (see the section's comment); one record per
     implementation and case, one check per case, and a summary. ``workers``: processes that
-    compile every variant first (default: the CPU count, at most 12; 0: none). The defaults
-    are the GPU run's; tests run it on a CPU tensor in Triton's interpreter."""
+    compile every variant first (default: the CPU count, at most 12; 0: none). An error is
+    logged and the rest still runs. The defaults are the GPU run's; a test runs it on a CPU
+    tensor in Triton's interpreter."""
     cases = [(kind, rows, n, dtype) for rows, n in shapes for dtype in dtypes for kind in kinds]
     workers = min(12, os.cpu_count() or 1) if workers is None else workers
     if workers:
-        started = time.perf_counter()
-        per_case = [[(kind, n, str(dtype)[6:], label) for label, _ in _backward_variants(n, dtype)]
-                    for kind, _, n, dtype in cases]
-        shares = [sum(per_case[i::workers], []) for i in range(min(workers, len(per_case)))]
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
-            warm = partial(_warm_backward, device=device,
-                           rows=WARM_ROWS if device == "cuda" else shapes[0][0])
-            busy = list(pool.map(warm, shares))
-        log(what="backward compile", variants=sum(map(len, shares)), workers=len(shares),
-            seconds=round(time.perf_counter() - started, 1),
-            busiest_worker_s=round(max(busy), 1))
+        _warm_in_workers(log, cases, workers, device, WARM_ROWS if device == "cuda"
+                         else shapes[0][0])
     summary = []
     for kind, rows, n, dtype in cases:
-        inputs = _backward_inputs(kind, rows, n, dtype, device)
-        args = inputs["args"]
         case = dict(kind=kind, n=n, rows=rows, dtype=str(dtype)[6:])
-        x = inputs["x"]
-        copy_us = _throughput_us(x.clone, calls, device)
-        # read x and dy, write dx; read w (and write dw, db): against a copy's read and write
-        moved = 3 * x.numel() * x.element_size() + 3 * n * x.element_size()
-        floor_us = copy_us * moved / (2 * x.numel() * x.element_size())
-        log(what="backward copy floor", **case, copy_us=round(copy_us, 2),
-            floor_us=round(floor_us, 2))
+        timings = _backward_case(log, case, _backward_inputs(kind, rows, n, dtype, device),
+                                 calls, latency_calls, device)
+        if "fused" in timings and "default" in timings:
+            summary.append(dict(**case, fused_of_floor=round(timings["fused"]["of_floor"], 3),
+                                default_of_floor=round(timings["default"]["of_floor"], 3),
+                                speedup=round(timings["default"]["throughput_us"]
+                                              / timings["fused"]["throughput_us"], 3)))
+    try:
+        log(what="backward kernels", kernels=_compiled_kernels())
+    except Exception as error:
+        log(what="backward kernels", error=str(error)[:500])
+    log(what="backward summary", cases=summary)
+
+
+def _warm_in_workers(log: Log, cases: list[tuple[str, int, int, torch.dtype]], workers: int,
+                     device: str, rows: int) -> None:
+    """Every variant of ``cases`` compiled into Triton's cache by ``workers`` processes, a
+    case's variants in one of them."""
+    started = time.perf_counter()
+    per_case = [[(kind, n, str(dtype)[6:], label) for label, _ in _backward_variants(n, dtype)]
+                for kind, _, n, dtype in cases]
+    shares = [sum(per_case[i::workers], []) for i in range(min(workers, len(per_case)))]
+    try:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+            busy = list(pool.map(partial(_warm_backward, device=device, rows=rows), shares))
+    except Exception as error:  # compiled in this process instead, as each case runs
+        log(what="backward compile", error=str(error)[:500])
+        return
+    log(what="backward compile", variants=sum(map(len, shares)), workers=len(shares),
+        seconds=round(time.perf_counter() - started, 1), busiest_worker_s=round(max(busy), 1))
+
+
+def _backward_case(log: Log, case: dict[str, Any], inputs: dict[str, Any], calls: int,
+                   latency_calls: int, device: str) -> dict[str, dict[str, float]]:
+    """The copy floor, the check and each implementation's figures for one case."""
+    x, args = inputs["x"], inputs["args"]
+    copy_us = _throughput_us(x.clone, calls, device)
+    # x and dy read, dx written, w read (dw and db written): against a copy's read and write
+    moved = 3 * x.numel() * x.element_size() + 3 * x.shape[1] * x.element_size()
+    floor_us = copy_us * moved / (2 * x.numel() * x.element_size())
+    log(what="backward copy floor", **case, copy_us=round(copy_us, 2), floor_us=round(floor_us, 2))
+    try:
         default = _default_backward(args)
-        first = fused.backward_rows(*args)
-        again = fused.backward_rows(*args)
-        log(what="backward check", **case, **_backward_checks(kind, inputs, default, first, again))
-        del first, again, default
-        timings = {}
-        implementations = [("default", partial(_default_backward, args))]
-        implementations += [(label, partial(fused.backward_rows, *args, launch_config=chosen))
-                            for label, chosen in _backward_variants(n, dtype)]
-        for label, fn in implementations:
-            figures: dict[str, Any] = {"throughput_us": _throughput_us(fn, calls, device)}
+        first, again = fused.backward_rows(*args), fused.backward_rows(*args)
+        log(what="backward check", **case,
+            **_backward_checks(case["kind"], inputs, default, first, again))
+    except Exception as error:
+        log(what="backward check", **case, passed=False, error=str(error)[:500])
+    implementations = [("default", partial(_default_backward, args))]
+    implementations += [(label, partial(fused.backward_rows, *args, launch_config=chosen))
+                        for label, chosen in _backward_variants(x.shape[1], x.dtype)]
+    timings = {}
+    for label, fn in implementations:
+        try:
+            figures = {"throughput_us": _throughput_us(fn, calls, device)}
             if label in ("default", "fused"):
                 figures["latency_us"] = _latency_us(fn, latency_calls, device)
                 if device == "cuda":
-                    figures["device_us"] = do_bench(fn) * 1e3
-            figures["of_floor"] = floor_us / figures["throughput_us"]
-            timings[label] = figures
-            log(what="backward", impl=label, **case,
-                **{k: round(v, 3) for k, v in figures.items()})
-        summary.append(dict(**case, fused_of_floor=round(timings["fused"]["of_floor"], 3),
-                            default_of_floor=round(timings["default"]["of_floor"], 3),
-                            speedup=round(timings["default"]["throughput_us"]
-                                          / timings["fused"]["throughput_us"], 3)))
-    log(what="backward kernels", kernels=_compiled_kernels())
-    log(what="backward summary", cases=summary)
-
+                    figures["device_us"] = do_bench(fn, warmup=10, rep=40) * 1e3
+        except Exception as error:
+            log(what="backward", impl=label, **case, error=str(error)[:500])
+            continue
+        figures["of_floor"] = floor_us / figures["throughput_us"]
+        timings[label] = figures
+        log(what="backward", impl=label, **case, **{k: round(v, 3) for k, v in figures.items()})
+    return timings
 
 def main() -> int:
     parser = argparse.ArgumentParser()
