@@ -388,12 +388,12 @@ def test_the_kernels_compile_for_sm_90() -> None:
 
 
 
-def test_the_sweeps_backward_part_runs_without_a_gpu(
+def test_the_sweeps_backward_part_runs_at_a_tiny_shape(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
-    """scripts/triton_sweep.py's backward part (which the GPU check runs once) at one tiny
-    shape, in Triton's interpreter on a GPU-less machine: every variant runs, the fused
-    backward passes its checks, and the records the GPU run is read by are written."""
+    """scripts/triton_sweep.py's backward part (which the GPU check runs once, at the large
+    shapes) at one tiny shape, in Triton's interpreter without a GPU: every variant runs, the
+    fused backward passes its checks, and the records the GPU run is read by are written."""
     monkeypatch.setattr(fused, "SLICE_MAX", 8)  # rows of 16 in two slices, as at 16384
     path = pathlib.Path(__file__).parents[2] / "scripts" / "triton_sweep.py"
     loaded = importlib.util.spec_from_file_location("triton_sweep", path)
