@@ -366,7 +366,7 @@ def _row_loops(dtype: str) -> dict[str, tuple[Any, ...]]:
         "sum": (m._row_sum, row, no),
         "centered sums": (m._centered_sums, row, types.float64),
         "dot product": (m._dot, row, row, vec, types.int64, types.int64),
-        "layer backward sums": (m._layer_backward_sums, row, row, vec),
+        "layer backward sums": (m._layer_backward_sums, row, row, vec, no),
         **{
             f"scale (centered {c}, biased {b})": (m._scale_span, *scale, c, b)
             for c in (yes, no) for b in (yes, no)
