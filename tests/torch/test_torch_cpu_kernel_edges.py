@@ -23,7 +23,8 @@ import torch
 
 from normkit import NormSpec, reference, tolerances
 from normkit.torch.functional import normalize
-from normkit.torch.kernels import cpu
+from tests.helpers import gated
+from tests.torch import cpu_launches
 
 pytest.importorskip("numba")
 
@@ -89,22 +90,7 @@ def _rows(dtype: str, group: int, gate: str | None, rng: np.random.Generator) ->
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """The kernels, ungated and gated, compiled for every dtype, with their launches counted."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for gated in (False, True):
-            assert cpu.load(dtype, gated=gated) is not None, cpu.unavailable_reason()
-    module = cpu._state["module"]
-    counts: collections.Counter[str] = collections.Counter()
-
-    def counting(name: str, kernel: Any) -> Any:
-        def counted(*args: Any) -> Any:
-            counts[name] += 1
-            return kernel(*args)
-
-        return counted
-
-    for name in KERNELS:
-        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
-    return counts
+    return cpu_launches.counted(monkeypatch, KERNELS, gated=(False, True))
 
 
 def _tensor(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -126,26 +112,12 @@ def _found(spec: NormSpec, rows: Rows, w: np.ndarray | None, b: np.ndarray | Non
     return {k: v.detach().double().numpy() for k, v in found.items() if v is not None}
 
 
-def _expected(spec: NormSpec, rows: Rows, w: np.ndarray | None, b: np.ndarray | None
-              ) -> dict[str, np.ndarray]:
-    x, z, dy = rows
-    if spec.gate:
-        y = reference.gated_normalize(x, z, spec, w, b)
-        dx, dgate, dw, db = reference.gated_normalize_vjp(x, z, dy, spec, w, b)
-    else:
-        y = reference.normalize(x, spec, w, b)
-        dx, dw, db = reference.normalize_vjp(x, dy, spec, w, b)[:3]
-        dgate = None
-    found = {"y": y, "dx": dx, "dgate": dgate, "dweight": dw, "dbias": db}
-    return {k: v for k, v in found.items() if v is not None}
-
-
 def _failures(spec: NormSpec, rows: Rows, w: np.ndarray | None, b: np.ndarray | None,
               dtype: str, group: int) -> list[str]:
     """Each output and gradient of ``kernel="cpu"`` against the reference: the row outputs per
     row and group, the parameters' gradients whole."""
     found = _found(spec, rows, w, b, DTYPES[dtype][0])
-    expected = _expected(spec, rows, w, b)
+    expected = gated.expected(spec, *rows, w, b)
     assert set(found) == set(expected), (set(found), set(expected))
     gate = rows.z if spec.gate else None
     magnitude = reference.scaled_magnitude(rows.x, spec, w, gate=gate)
