@@ -1,9 +1,9 @@
 """normkit's CPU kernel on rows at float32's edges, each row (each group) measured against the
 reference on its own: rows of scale 0 and 1e-30 to 1e37 side by side, a large mean, partial
 RMS heads and tails of different scales, cotangents of 1e-30 to 1e36, a cotangent whose
-products with the weight overflow float32, gates of 1e10 to 1e30; every kind, with and
-without weight and bias, gate before and after, groups of different scales side by side,
-eps inside and outside, float32, bfloat16 and float16 rows.
+products with the weight overflow float32, SiLU gates of 1e10 to 1e30 (a sigmoid gate is
+bounded by 1); every kind, with and without weight and bias, gate before and after, groups of
+different scales side by side, eps inside and outside, float32, bfloat16 and float16 rows.
 
 Measured over a whole batch, an error in a row of 1e25 (whose gradient is about 1e-25) hides
 under the ordinary rows' gradients; here every row and group meets the tolerance on its own.
