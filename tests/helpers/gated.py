@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 
-from normkit import NormSpec, dtypes, tolerances
+from normkit import NormSpec, dtypes, reference, tolerances
 
 
 def specs() -> list[NormSpec]:
@@ -47,3 +47,17 @@ def check(name, got, got_dtype, want, spec, x_dtype, magnitude=None):
         got, want, dtype, "forward" if name == "y" else "grad", spec.cast,
         what=f"{name} of {spec!r}", magnitude=magnitude,
     )
+
+
+def expected(spec, x, z, dy, w, b):
+    """The reference's ``y`` and gradients (``dx``, ``dgate`` with a gate, ``dweight``, ``dbias``
+    where the spec has them) of ``spec`` on ``x`` with the gate ``z`` (unread without one)."""
+    if spec.gate:
+        y = reference.gated_normalize(x, z, spec, w, b)
+        dx, dgate, dw, db = reference.gated_normalize_vjp(x, z, dy, spec, w, b)
+    else:
+        y = reference.normalize(x, spec, w, b)
+        dx, dw, db = reference.normalize_vjp(x, dy, spec, w, b)[:3]
+        dgate = None
+    found = {"y": y, "dx": dx, "dgate": dgate, "dweight": dw, "dbias": db}
+    return {k: v for k, v in found.items() if v is not None}

@@ -8,8 +8,6 @@ import importlib
 import inspect
 import itertools
 import os
-import platform
-import re
 import subprocess
 import sys
 import threading
@@ -347,40 +345,6 @@ def test_row_of_2_20_elements(kind: Kind, spy: Spy) -> None:
     _check(NormSpec(kind=kind), x + np.float32(3.0), dy, None, None, "n=2**20")
 
 
-_PACKED_FLOAT = re.compile(r"\bv?(add|sub|mul|fmadd\d+)p[sd]\b")
-
-
-def _row_loops(dtype: str) -> dict[str, tuple[Any, ...]]:
-    """Each row loop of the kernels, by name: the function and its argument types (the
-    flags that select a loop as literals, as the kernels call them)."""
-    from numba import typeof, types
-
-    m = importlib.import_module("normkit.torch.kernels._cpu_numba")
-    row = typeof(np.empty(1, m.ROW_DTYPES[dtype]))
-    vec = typeof(np.empty(1, np.float32))
-    f32, yes, no = types.float32, types.literal(True), types.literal(False)
-    scale = (row, row, vec, vec, f32, f32, f32)
-    gradient = (row, row, row, vec, vec, vec, f32, f32, f32, f32, f32)
-    return {
-        "sum of squares": (m._row_sum, row, yes),
-        "sum": (m._row_sum, row, no),
-        "centered sums": (m._centered_sums, row, types.float64),
-        "dot product": (m._dot, row, row, vec, types.int64, types.int64),
-        "layer backward sums": (m._layer_backward_sums, row, row, vec),
-        **{
-            f"scale (centered {c}, biased {b})": (m._scale_span, *scale, c, b)
-            for c in (yes, no) for b in (yes, no)
-        },
-        "gradient": (m._gradient_span, *gradient, no),
-        "rms gradient": (m._gradient_span, *gradient, yes),
-        "gate product": (m._times, row, vec, vec),
-        "gated scale": (m._gated_scale_span, row, row, vec, vec, vec, f32, f32, f32),
-        "gate-after gradient": (m._gate_after_gradient_span, row, row, row, vec, vec, vec, f32,
-                                f32, f32),
-        "gate-before gradient": (m._gate_before_gradient, row, vec, vec, vec, row, row),
-    }
-
-
 def _recompiled(function: Any, argtypes: Any, **options: Any) -> Any:
     """``function`` (a kernel's jitted function) compiled again for ``argtypes`` without numba's
     cache, whose loaded functions keep no machine code, IR or diagnostics to read."""
@@ -389,34 +353,6 @@ def _recompiled(function: Any, argtypes: Any, **options: Any) -> Any:
     fresh = njit(**options)(function.py_func)
     fresh.compile(argtypes)
     return fresh
-
-
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="reads x86 machine code")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_row_loop_compiles_to_vector_code(dtype: str) -> None:
-    """Structural guard for speed (nothing is timed): each loop over a row, the reads of its
-    statistic and the writes of its output, compiles to packed (SIMD) float arithmetic. A change
-    that leaves one scalar (a sum that may not be reassociated, an index check, a conversion
-    that does not vectorize) fails here."""
-    for name, (function, *argtypes) in _row_loops(dtype).items():
-        machine_code = "".join(_recompiled(function, tuple(argtypes)).inspect_asm().values())
-        assert _PACKED_FLOAT.search(machine_code), f"{name} on {dtype} rows runs scalar"
-
-
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="reads x86 machine code")
-@pytest.mark.parametrize("name", ["_biased", "_nan_free"])
-def test_the_parameter_scans_compile_to_vector_code(name: str) -> None:
-    """Structural guard for speed (nothing is timed): each launch scans the weight and the
-    bias (is there a bias, is there a NaN); a scan that stops at its first find runs one
-    element at a time, 3 us on a row of 4096, most of a one-token call's kernel time."""
-    from numba import typeof
-
-    m = importlib.import_module("normkit.torch.kernels._cpu_numba")
-    fresh = _recompiled(getattr(m, name), (typeof(np.empty(1, np.float32)),))
-    machine_code = "".join(fresh.inspect_asm().values())
-    assert re.search(r"\bv\w*cmp\w*\s+.*\b[yz]mm", machine_code), f"{name} runs scalar"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

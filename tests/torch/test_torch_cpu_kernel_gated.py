@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import zlib
 from dataclasses import replace
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +21,7 @@ from normkit.torch.functional import normalize
 from normkit.torch.kernels import KernelOptions, cpu
 from normkit.torch.modules import GatedRMSNorm
 from tests.helpers import gated
+from tests.torch import cpu_launches
 
 pytest.importorskip("numba")
 
@@ -36,21 +36,7 @@ KERNELS = ("gated_forward", "gated_backward")
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """The gated kernels, compiled for every dtype, with their launches counted."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert cpu.load(dtype, gated=True) is not None, cpu.unavailable_reason()
-    module = cpu._state["module"]
-    counts: collections.Counter[str] = collections.Counter()
-
-    def counting(name: str, kernel: Any) -> Any:
-        def counted(*args: Any) -> Any:
-            counts[name] += 1
-            return kernel(*args)
-
-        return counted
-
-    for name in KERNELS:
-        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
-    return counts
+    return cpu_launches.counted(monkeypatch, KERNELS, gated=(True,))
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -81,15 +67,8 @@ def _check_all(spec: NormSpec, x: np.ndarray, z: np.ndarray, dy: np.ndarray, w: 
                b: np.ndarray | None, found: dict[str, torch.Tensor]) -> None:
     """Every output of `_run` against the reference (`tests.helpers.gated.check`)."""
     gate = z if spec.gate else None
-    if spec.gate:
-        want = reference.gated_normalize(x, z, spec, w, b)
-        dx, dgate, dscale, dbias = reference.gated_normalize_vjp(x, z, dy, spec, w, b)
-    else:
-        want = reference.normalize(x, spec, w, b)
-        dx, dscale, dbias = reference.normalize_vjp(x, dy, spec, w, b)[:3]
-        dgate = None
-    expected = {"y": want, "dx": dx, "dgate": dgate, "dweight": dscale, "dbias": dbias}
-    assert set(found) == {k for k, v in expected.items() if v is not None}
+    expected = gated.expected(spec, x, z, dy, w, b)
+    assert set(found) == set(expected)
     magnitude = reference.scaled_magnitude(x, spec, w, gate=gate)
     for name, got in found.items():
         gated.check(name, got.detach().double().numpy(), _name(got), expected[name], spec,

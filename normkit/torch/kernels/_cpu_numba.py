@@ -378,7 +378,7 @@ def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     """``sum(x - m0)`` and ``sum((x - m0)^2)``: float32 chunks of the centered row (``m0``
     split into two float32 parts) added in float64; in float64 where that is not finite or
     ``m0`` is not a float32-safe scalar."""
-    if m0 != 0.0 and not _fast(m0):
+    if not _fast_or_zero(m0):
         return _exact_centered_sums(row, m0)
     m_hi, m_lo = _split(m0)
     n = np.uint64(row.size)
@@ -394,22 +394,23 @@ def _centered_sums(row: np.ndarray, m0: float) -> tuple[float, float]:
     return _exact_centered_sums(row, m0)
 
 
+@_row_jit()
+def _scaled(dy: float, g: float, wide: bool) -> float:
+    """``d = dy g`` of float32 ``dy`` and ``g`` in float64: their float32 product (the one the
+    float32 loops use), or with ``wide`` the product of the widened factors, which cannot
+    overflow."""
+    if wide:
+        return np.float64(dy) * np.float64(g)
+    return np.float64(dy * g)
+
+
 @_row_jit(fastmath=_REDUCE)
 def _exact_dot(row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
-    """``sum(dy * g * x)`` in float64 (``dy * g`` rounded to float32, as in the chunked sum)."""
+    """``sum(dy * g * x)`` in float64, products too (``dy * g`` may overflow float32)."""
     acc = 0.0
     for j in range(row.size):
-        acc += np.float64(_load(dy, j) * g[j]) * np.float64(_load(row, j))
+        acc += _scaled(_load(dy, j), g[j], True) * np.float64(_load(row, j))
     return acc
-
-
-@_row_jit()
-def _checked_dot(total: float, row: np.ndarray, dy: np.ndarray, g: np.ndarray) -> float:
-    """``total``, a chunked ``sum(dy * g * x)``, or the exact one where it is not finite or below
-    `_FAST_LOW` (products under float32's normal range)."""
-    if np.isfinite(total) and abs(total) > _FAST_LOW:
-        return total
-    return _exact_dot(row, dy, g)
 
 
 @_row_jit()
@@ -480,6 +481,12 @@ def _dr_ds(r: float, s: float, outside: bool) -> float:
 def _fast(v: float) -> bool:
     """Whether a row scalar is safe to apply in float32: finite, far from under/overflow."""
     return _FAST_LOW < abs(v) < _FAST_HIGH
+
+
+@_row_jit()
+def _fast_or_zero(v: float) -> bool:
+    """Whether a row scalar is 0 or `_fast`."""
+    return v == 0.0 or _fast(v)
 
 
 @_row_jit()
@@ -563,7 +570,7 @@ def _forward_row(x: np.ndarray, y: np.ndarray, g: np.ndarray, b: np.ndarray, kin
     n = x.size
     mean, s = _moments(x, kind, k, before_scale)
     r = _rstd(s, eps, outside)
-    fast = _fast(r) and (mean == 0.0 or _fast(mean))
+    fast = _fast(r) and _fast_or_zero(mean)
     if fast and clean and not before_scale:
         m_hi, m_lo = _split(mean)
         _scale_span(x, y, g, b, np.float32(r), m_hi, m_lo, kind == LAYER, biased)
@@ -668,28 +675,34 @@ def _chunk_dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: i
 
 
 @_row_jit()
-def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int) -> float:
-    """``sum(dy g x)`` over elements ``start:stop``: float32 chunks added in float64, taken
-    again in float64 where that is not finite or below `_FAST_LOW` (`_checked_dot`)."""
+def _dot(x: np.ndarray, dy: np.ndarray, g: np.ndarray, start: int, stop: int
+         ) -> tuple[float, bool]:
+    """``sum(dy g x)`` over elements ``start:stop``, and whether float32 products overflowed:
+    float32 chunks added in float64, taken again in float64 (`_exact_dot`) where that is not
+    finite (then the products, ``dy g`` perhaps, overflowed, or a value is NaN or infinite)
+    or below `_FAST_LOW` (products under float32's normal range)."""
     chunk = np.uint64(CHUNK)
     hi = np.uint64(stop)
     acc = 0.0
     for lo in range(np.uint64(start), hi, chunk):
         acc += np.float64(_chunk_dot(x, dy, g, lo, min(lo + chunk, hi)))
-    return _checked_dot(acc, x[start:stop], dy[start:stop], g[start:stop])
+    if np.isfinite(acc) and abs(acc) > _FAST_LOW:
+        return acc, False
+    return _exact_dot(x[start:stop], dy[start:stop], g[start:stop]), not np.isfinite(acc)
 
 
 @_row_jit()
-def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray
+def _layer_backward_sums(x: np.ndarray, dy: np.ndarray, g: np.ndarray, wide: bool
                          ) -> tuple[float, float, float]:
     """``sum(c)``, ``sum(d)`` and ``sum(d c)`` in float64, ``c = x - x_0`` (the row shifted by
-    its first element, so that a large mean does not cancel), ``d = dy g``."""
+    its first element, so that a large mean does not cancel), ``d = dy g`` (`_scaled`: with
+    ``wide`` a float64 product)."""
     m0 = np.float64(_load(x, 0))
     sc = 0.0
     sd = 0.0
     sdc = 0.0
     for j in range(x.size):
-        d = np.float64(_load(dy, j) * g[j])
+        d = _scaled(_load(dy, j), g[j], wide)
         c = np.float64(_load(x, j)) - m0
         sc = _add(sc, c)
         sd = _add(sd, d)
@@ -730,7 +743,10 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     are read first (loops that only read), then ``dx`` is written from the cached row.
 
     The forward's float32 ``r`` serves where it determines ``r'(s)`` (eps inside, r in
-    float32's comfortable range); elsewhere the statistic is recomputed.
+    float32's comfortable range); elsewhere the statistic is recomputed. ``dx`` is written in
+    float32 where every scalar it applies (``r``, ``q``, ``mean(d)``, the mean) is 0 or `_fast`
+    and no product ``dy g`` overflowed float32; elsewhere in float64. (``q ~ dx / x`` leaves
+    float32 on rows of large values: about 1e-50 on a row of 1e25, where ``r`` is 1e-25.)
 
     ``dx_j = r (d_j - mean(d)) + [j < k] c_j (2/k) r'(s) sum_i d_i c_i`` with ``d = dy * g``
     and ``c`` the centered row (``mean(d)`` only for layer); for k = 1 element 0 takes the
@@ -740,7 +756,10 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
     reuse_r = not outside and _fast(saved_r)
     tail = 0.0  # sum_{i >= 1} d_i x_i, for element 0's closed form (k = 1) only
     if kind == LAYER:
-        sc, sd, sdc = _layer_backward_sums(x, dy, g)
+        sc, sd, sdc = _layer_backward_sums(x, dy, g, False)
+        wide = not (np.isfinite(sd) and np.isfinite(sdc))  # float32 products overflowed
+        if wide:
+            sc, sd, sdc = _layer_backward_sums(x, dy, g, True)
         mean = np.float64(_load(x, 0)) + sc / n
         dot = sdc - (sc / n) * sd
         mean_d = sd / n
@@ -750,17 +769,19 @@ def _backward_row(x: np.ndarray, saved_r: float, dy: np.ndarray, dx: np.ndarray,
         # it (the tail first, then the head, took partial RMS 3-8 % longer than RMS); apart
         # only where element 0's closed form needs the tail.
         if k == 1:
-            tail = _dot(x, dy, g, 1, n)
-            dot = _dot(x, dy, g, 0, 1) + tail
+            tail, wide_tail = _dot(x, dy, g, 1, n)
+            head, wide = _dot(x, dy, g, 0, 1)
+            dot = head + tail
+            wide = wide or wide_tail
         else:
-            dot = _dot(x, dy, g, 0, n)
+            dot, wide = _dot(x, dy, g, 0, n)
         mean = 0.0
         s = 0.0 if reuse_r else _row_sum(x[:k], True) / k
         mean_d = 0.0
     r = np.float64(saved_r) if reuse_r else _rstd(s, eps, outside)
     q = (2.0 / k) * _dr_ds(r, s, outside) * dot
-    if (_fast(r) and abs(q) < _FAST_HIGH and abs(mean_d) < _FAST_HIGH
-            and (mean == 0.0 or _fast(mean))):
+    if (not wide and _fast(r) and _fast_or_zero(q) and _fast_or_zero(mean_d)
+            and _fast_or_zero(mean)):
         m_hi, m_lo = _split(mean)
         rms_only = kind != LAYER and not need_b
         _gradient_span(x[:k], dy[:k], dx[:k], g[:k], dg[:k], db[:k], np.float32(r),
@@ -912,7 +933,7 @@ def _gate_after_row(x: np.ndarray, y: np.ndarray, a: np.ndarray, g: np.ndarray, 
     ``u = y_hat g + b``, each once from float64, as in the reference."""
     mean, s = _moments(x, kind, k, before_scale)
     r = _rstd(s, eps, outside)
-    if _fast(r) and (mean == 0.0 or _fast(mean)) and not before_scale:
+    if _fast(r) and _fast_or_zero(mean) and not before_scale:
         m_hi, m_lo = _split(mean)
         _gated_scale_span(x, y, a, g, b, np.float32(r), m_hi, m_lo)
     else:
@@ -1008,7 +1029,7 @@ def _gate_after_gradient(x: np.ndarray, dy: np.ndarray, dz: np.ndarray, slope: n
                          g: np.ndarray, b: np.ndarray, r: float, mean: float) -> None:
     """``dz = dy u a'(z)``, ``u = (x - mean) r g + b`` (unrounded): in float32 with the mean
     split, in float64 where the row's scalars are not float32-safe (`_fast`)."""
-    if _fast(r) and (mean == 0.0 or _fast(mean)):
+    if _fast(r) and _fast_or_zero(mean):
         m_hi, m_lo = _split(mean)
         _gate_after_gradient_span(x, dy, dz, slope, g, b, np.float32(r), m_hi, m_lo)
     else:
