@@ -8,8 +8,6 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from normkit.bench.core import LATENCY
-
 LEGEND = (
     "Per call: median ms and the samples' min-max; GB/s: bytes moved / median; of copy: the "
     "group's copy median / this median; host us: the host's time in a call (before the wait), "
@@ -31,7 +29,7 @@ def _ratios(row: dict[str, Any]) -> str:
 
 def _group_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["backend"], row["device"], row["dtype"], tuple(row["shape"]), row["pass"],
-            row["mode"], row.get("timing", LATENCY), row["memory"])
+            row["mode"], row["timing"], row["memory"])
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
