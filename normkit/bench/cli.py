@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true",
         help="a smoke run (under a minute on 2 cores once the compilation caches are warm): "
-             "hidden 4096 at 1M elements and one token, 3 rounds, one torch.compile pair, "
-             "outputs as allocated only")
+             "hidden 4096 at 1M elements and one token, float32 (--dtype for others), 3 samples, "
+             "one torch.compile pair, outputs as allocated only")
     add("--backend", action="append", choices=[b.name for b in backends.BACKENDS],
         help="only this backend (repeatable)")
     add("--device", action="append", type=arguments.device,

@@ -56,10 +56,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         low, high = row.get("min_s", row["median_s"]), row.get("max_s", row["median_s"])
         spread = f"{_ms(low)}-{_ms(high)}"
         host = row.get("host_s")
-        lines.append(
+        line = (
             f"  {row['implementation']:<{name_width}} {_ms(row['median_s']):>9} {spread:>17} "
             f"{row['gb_per_s']:8.2f} {row['fraction_of_copy_floor']:7.0%} "
             f"{'-' if host is None else f'{host * 1e6:.1f}':>8} {row.get('calls', 1):>5}  "
             + "; ".join(p for p in [ratios, *extra] if p)
         )
+        lines.append(line.rstrip())
     return "\n".join(lines)

@@ -91,9 +91,9 @@ def _number(value: float | None, width: int = 9, digits: int = 2) -> str:
     return f"{value:>{width}.{digits}f}"
 
 
-def _span(width: int, heads: Sequence[str], column: int) -> str:
-    """A header line naming groups of ``column``-wide columns after ``width`` characters."""
-    return " " * width + "".join(f"{h:^{column * 2}}" for h in heads)
+def _span(width: int, heads: Sequence[str], span: int) -> str:
+    """A header line naming, after ``width`` characters, groups of columns ``span`` wide."""
+    return (" " * width + "".join(f"{h:^{span}}" for h in heads)).rstrip()
 
 
 def speed(rows: Sequence[Row]) -> list[str]:
@@ -104,20 +104,23 @@ def speed(rows: Sequence[Row]) -> list[str]:
         return []
     timings = [t for t in TIMINGS if any(c[2] == t for v in table.values() for c in v)]
     width = max(len(HEADING), *(len(_label(c)) for c in table)) + 6
-    lines = [f"Speed at {_shapes(rows)}: the framework layer's time / normkit's (above 1: "
-             "normkit faster)"]
+    column = 11 if len(timings) > 1 else 18
+    lines = _wrap(f"Speed at {_shapes(rows)}: the framework layer's time / normkit's (above 1: "
+                  "normkit faster)" + ("" if len(timings) > 1 else f", {timings[0]} timing"), "")
     for panel in _panels(table):
         lines += ["", f"  {_title(*panel)}"]
         if len(timings) > 1:
-            lines.append(_span(width, ("forward", "forward+backward"), 11).rstrip())
-        lines.append(f"    {HEADING:<{width - 4}}"
-                     + "".join(f"{t:>11}" for _ in PASSES for t in timings))
+            lines.append(_span(width, PASSES, column * len(timings)))
+            heads = [t for _ in PASSES for t in timings]
+        else:
+            heads = list(PASSES)
+        lines.append(f"    {HEADING:<{width - 4}}" + "".join(f"{h:>{column}}" for h in heads))
         for comparison in (c for c in table if (c.backend, c.device, c.mode, c.memory) ==
                            panel[:4] and any(cell[0] == panel[4] for cell in table[c])):
             cells = table[comparison]
             values = [cells.get((panel[4], p, t)) for p in PASSES for t in timings]
             lines.append(f"    {_label(comparison):<{width - 4}}"
-                         + "".join(_number(geomean(v) if v else None, 11) for v in values))
+                         + "".join(_number(geomean(v) if v else None, column) for v in values))
     return lines
 
 
@@ -137,7 +140,7 @@ def token(rows: Sequence[Row]) -> list[str]:
              "(on the CPU, where a call computes before it returns, the whole call)"]
     for panel in _panels(table):
         lines += ["", f"  {_title(*panel)}",
-                  _span(width, ("forward", "forward+backward"), 10).rstrip(),
+                  _span(width, ("forward", "forward+backward"), 20),
                   f"    {HEADING:<{width - 4}}" + f"{'normkit':>10}{'framework':>10}" * 2]
         for comparison in (c for c in table if (c.backend, c.device, c.mode, c.memory) ==
                            panel[:4] and any(cell[0] == panel[4] for cell in table[c])):
@@ -186,7 +189,7 @@ def verdicts(judged: Sequence[Verdict]) -> list[str]:
     return lines
 
 
-def terms(rows: Sequence[Row]) -> list[str]:
+def terms(rows: Sequence[Row], judged: Sequence[Verdict] = ()) -> list[str]:
     """What the terms printed above mean."""
     lines = ["Terms"]
     timings = {r.get("timing", LATENCY) for r in rows}
@@ -201,9 +204,10 @@ def terms(rows: Sequence[Row]) -> list[str]:
                    "the device")
     if any(r["memory"] != AS_ALLOCATED for r in rows):
         lines += _wrap(MEMORY_NOTE)
-    lines += _wrap("1/3: a target within the noise of its bound, decided by the median of three "
-                   "full runs (normkit bench --combine A.json B.json C.json); its verdict read 1 "
-                   "of them")
+    if any(not (v.final or v.quick) for v in judged):
+        lines += _wrap("1/3: a target within the noise of its bound, decided by the median of "
+                       "three full runs (normkit bench --combine A.json B.json C.json); its "
+                       "verdict read 1 of them")
     return lines
 
 
@@ -211,7 +215,7 @@ def summary(data: Mapping[str, Any], judged: Sequence[Verdict], runs: int = 1) -
     """The summary: header, speed ratios, one token's host time, targets, terms."""
     rows = data.get("rows") or []
     sections: Iterable[list[str]] = (
-        header(data, runs), speed(rows), token(rows), verdicts(judged), terms(rows),
+        header(data, runs), speed(rows), token(rows), verdicts(judged), terms(rows, judged),
     )
     return "\n\n".join("\n".join(s) for s in sections if s)
 
