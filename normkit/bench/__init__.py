@@ -87,9 +87,9 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 EXPECTED_S: Mapping[str, tuple[float, float, float]] = {
     "torch": (3.0, 2.4, 12.0),
     f"torch [{HUGE_PAGES}]": (3.0, 2.4, 12.0),
-    "tf": (5.0, 1.25, 8.0),
-    "tf [Keras on JAX]": (4.0, 0.75, 10.0),
-    "jax": (3.0, 0.5, 8.0),
+    "tf": (5.0, 2.4, 8.0),
+    "tf [Keras on JAX]": (4.0, 1.25, 10.0),
+    "jax": (3.0, 0.4, 8.0),
 }
 EXPECTED_MODES = {"torch": 2, "tf": 2, "jax": 1}
 
