@@ -69,6 +69,7 @@ from normkit.bench.core import (
     FIELDS,
     HUGE_PAGE_ENV,
     HUGE_PAGES,
+    MEMORY_NOTE,
     PASSES,
     Sweep,
     sweep_to_dict,
@@ -227,7 +228,7 @@ def _huge_pages_view(backend: _backends.Backend, sweep: Sweep, report: Report) -
     if sweep.devices is not None and "cpu" not in sweep.devices:
         return []
     if sweep.quick:
-        report.skipped[label] = "the quick sweep times outputs as allocated only"
+        report.skipped[label] = f"not with --quick ({MEMORY_NOTE})"
         return []
     why = _huge_pages_unavailable()
     if why:

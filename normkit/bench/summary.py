@@ -222,5 +222,6 @@ def summary(data: Mapping[str, Any], judged: Sequence[Verdict], runs: int = 1) -
 
 def skipped(data: Mapping[str, Any]) -> list[str]:
     """The backends or views skipped, and why."""
-    return [f"{name}: skipped, {why}" for name, why in (data.get("skipped") or {}).items()]
+    return [line for name, why in (data.get("skipped") or {}).items()
+            for line in _wrap(f"{name}: skipped, {why}", "")]
 

@@ -29,6 +29,7 @@ from normkit import backends, workers
 from normkit.bench import cli, report
 from normkit.bench.core import (
     FIELDS,
+    MEMORY_NOTE,
     PASSES,
     QUICK_TOKEN_ROUNDS,
     ROLES,
@@ -152,7 +153,7 @@ def test_torch_on_the_cpu_is_timed_again_with_every_output_on_huge_pages() -> No
 def test_the_quick_sweep_skips_the_huge_pages_view_saying_why() -> None:
     report = normkit.bench.Report()
     assert normkit.bench._huge_pages_view(backends.get("torch"), Sweep.make(quick=True), report) == []
-    assert report.skipped == {"torch [on huge pages]": "the quick sweep times outputs as allocated only"}
+    assert report.skipped == {"torch [on huge pages]": f"not with --quick ({MEMORY_NOTE})"}
 
 
 def test_the_huge_pages_view_refuses_to_run_without_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
