@@ -13,20 +13,25 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from normkit.arguments import device
-from normkit.bench.timing import interleaved
+from normkit.bench.timing import Stopwatch, Timing, Wait, interleaved
 
 PASSES = ("forward", "forward+backward")
 ROLES = ("normkit", "peer", "copy floor")
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+LATENCY, THROUGHPUT = "latency", "throughput"
+TIMINGS = (LATENCY, THROUGHPUT)
+"""How a group is timed (the rows' ``timing``): a wait for the device after each call, or many
+calls back to back between two waits (`normkit.bench.timing`)."""
 FIELDS = (
-    "implementation", "role", "backend", "device", "pass", "mode", "memory", "shape", "dtype",
-    "median_s", "min_s", "repeats", "bytes_moved", "gb_per_s", "fraction_of_copy_floor",
-    "ratios", "peak_memory_bytes", "saved_for_backward_bytes",
+    "implementation", "role", "backend", "device", "pass", "mode", "timing", "memory", "shape",
+    "dtype", "median_s", "min_s", "max_s", "repeats", "calls", "host_s", "bytes_moved",
+    "gb_per_s", "fraction_of_copy_floor", "ratios", "peak_memory_bytes",
+    "saved_for_backward_bytes",
 )
 HIDDEN = (1024, 4096, 16384)
 ELEMENTS = 32 * 2**20
-QUICK_HIDDEN = (1024, 4096)
+QUICK_HIDDEN = (4096,)
 QUICK_ELEMENTS = 2**20
 EPS = 1e-6
 TOKEN_SHAPE = (1, 4096)
@@ -34,11 +39,38 @@ TOKEN_SHAPE = (1, 4096)
 dispatch, launches), not memory traffic, and it is timed over many rounds (`Sweep.token_rounds`)."""
 TOKEN_ROUNDS = 200
 QUICK_TOKEN_ROUNDS = 20
+THROUGHPUT_CALLS = 50
+"""Calls per throughput sample: back to back between two waits for the device."""
+THROUGHPUT_MIN_CALLS = 2
+CPU_SAMPLE_S = 0.05
+QUICK_CPU_SAMPLE_S = 0.02
+"""On the CPU a throughput sample of the swept shapes holds as many calls as fill this many
+seconds (`Sweep.cpu_sample_s`; at least `THROUGHPUT_MIN_CALLS`, at most `THROUGHPUT_CALLS`): a
+call there takes 1 to 500 ms, its host work well under 1 % of it, and 50 calls a sample would
+make the sweep last hours. Elsewhere, and at one token everywhere, a sample is
+`THROUGHPUT_CALLS` calls."""
+QUICK_DTYPES = ("float32",)
+TIMING_NOTE = {
+    LATENCY: "latency: a wait for the device after every call, as a step that reads its result "
+             "does",
+    THROUGHPUT: f"throughput: {THROUGHPUT_CALLS} calls back to back between two waits, per call, "
+                "as a loop that keeps the device busy runs them (on the CPU's large shapes as "
+                f"many as fill {CPU_SAMPLE_S * 1e3:.0f} ms, {QUICK_CPU_SAMPLE_S * 1e3:.0f} ms with "
+                f"--quick, at least {THROUGHPUT_MIN_CALLS}: there a call computes before it "
+                "returns)",
+}
+"""What each timing means, in one sentence (the summary, the figures)."""
 # Where every implementation's outputs live: as each allocates them, or all on transparent huge
 # pages (torch on the CPU: normkit's kernel advises its outputs onto huge pages, torch's
 # allocator does so only under THP_MEM_ALLOC_ENABLE=1, which it reads once per process).
 AS_ALLOCATED, HUGE_PAGES = "as allocated", "on huge pages"
 MEMORY_VIEWS = (AS_ALLOCATED, HUGE_PAGES)
+MEMORY_NOTE = (
+    "on huge pages: torch's CPU groups timed again in a process whose torch puts its own "
+    "outputs on transparent huge pages (THP_MEM_ALLOC_ENABLE=1) as normkit's CPU kernel does, "
+    "so that every implementation and the copy write into the same kind of memory"
+)
+"""What the memory view ``"on huge pages"`` means, in one sentence (the summary, the figure)."""
 # The backends timed a second time on the CPU in the huge-pages view, and the environment that
 # makes their allocator put its outputs there.
 HUGE_PAGE_ENV: Mapping[str, Mapping[str, str]] = {"torch": {"THP_MEM_ALLOC_ENABLE": "1"}}
@@ -47,14 +79,17 @@ HUGE_PAGE_ENV: Mapping[str, Mapping[str, str]] = {"torch": {"THP_MEM_ALLOC_ENABL
 ALSO_ON: Mapping[str, tuple[str, ...]] = {"tf": ("Keras on JAX",)}
 KERAS_JAX_MODES = ("JAX eager", "jax.jit")
 """The modes of normkit.tf's rows on Keras' JAX backend: op by op, and under ``jax.jit``."""
+MODES = ("eager", "torch.compile", "tf.function(jit_compile=True)", *KERAS_JAX_MODES)
+"""Every mode a backend runs its layers in (`Sweep.modes` selects among them)."""
 
 
 @dataclass(frozen=True)
 class Sweep:
-    """The shapes, dtypes, devices and repeat counts of one benchmark run.
+    """The shapes, dtypes, devices, timings and repeat counts of one benchmark run.
 
     ``dtypes`` / ``devices`` None: float32 and bfloat16 (plus float16 off the CPU) on every
-    device the backend sees.
+    device the backend sees. ``repeats`` latency samples per group (``token_rounds`` at one
+    token), then ``throughput_repeats`` throughput samples (``token_throughput_repeats``).
     """
 
     hidden: tuple[int, ...] = HIDDEN
@@ -66,26 +101,39 @@ class Sweep:
     quick: bool = False
     memory: str = AS_ALLOCATED
     token_rounds: int = TOKEN_ROUNDS
+    timings: tuple[str, ...] = TIMINGS
+    modes: tuple[str, ...] | None = None
+    throughput_repeats: int = 3
+    token_throughput_repeats: int = 10
+    cpu_sample_s: float = CPU_SAMPLE_S
 
     @classmethod
     def make(
         cls, quick: bool = False, devices: Sequence[str] | None = None,
-        dtypes: Sequence[str] | None = None,
+        dtypes: Sequence[str] | None = None, timings: Sequence[str] | None = None,
+        modes: Sequence[str] | None = None,
     ) -> Sweep:
-        """The default sweep (hidden 1024, 4096, 16384 at 32M elements, 8 rounds; one token's row
-        over `TOKEN_ROUNDS`) or the quick one (hidden 1024 and 4096, 1M elements, 3 rounds; the
-        token's over `QUICK_TOKEN_ROUNDS`)."""
-        for dtype in dtypes or ():
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+        """The default sweep (hidden 1024, 4096, 16384 at 32M elements, 8 latency rounds; one
+        token's row over `TOKEN_ROUNDS`) or the quick one (hidden 4096 at 1M elements, 3
+        rounds; the token's over `QUICK_TOKEN_ROUNDS`; float32 unless ``dtypes`` says
+        otherwise), each in both timings (default) or those of ``timings``, in every mode each
+        backend runs (default) or those of ``modes``."""
+        for kind, given, known in (("dtype", dtypes, DTYPES), ("timing", timings, TIMINGS),
+                                   ("mode", modes, MODES)):
+            for name in given or ():
+                if name not in known:
+                    raise ValueError(f"{kind} {name!r} is not one of {known}")
         chosen = tuple(dtypes) if dtypes else None
         where = tuple(devices) if devices else None
+        how = tuple(t for t in TIMINGS if t in timings) if timings else TIMINGS
+        which = tuple(modes) if modes else None
         if quick:
             return cls(
-                QUICK_HIDDEN, QUICK_ELEMENTS, 1, 3, chosen, where, quick=True,
-                token_rounds=QUICK_TOKEN_ROUNDS,
+                QUICK_HIDDEN, QUICK_ELEMENTS, 1, 3, chosen or QUICK_DTYPES, where, quick=True,
+                token_rounds=QUICK_TOKEN_ROUNDS, timings=how, modes=which,
+                token_throughput_repeats=3, cpu_sample_s=QUICK_CPU_SAMPLE_S,
             )
-        return cls(dtypes=chosen, devices=where)
+        return cls(dtypes=chosen, devices=where, timings=how, modes=which)
 
     def shapes(self) -> list[tuple[int, int]]:
         """``(rows, hidden)`` for each hidden size, about ``elements`` elements each, then
@@ -101,6 +149,14 @@ class Sweep:
     def select(self, seen: Sequence[str]) -> list[str]:
         """The devices of ``seen`` (the backend's) that this sweep asked for."""
         return [d for d in seen if self.devices is None or d in self.devices]
+
+    def calls(self, device: str, shape: Sequence[int], seconds_per_call: float) -> int:
+        """Calls per throughput sample of a call that takes ``seconds_per_call`` (see
+        `CPU_SAMPLE_S`)."""
+        if device != "cpu" or tuple(shape) == TOKEN_SHAPE:
+            return THROUGHPUT_CALLS
+        fill = int(self.cpu_sample_s / max(seconds_per_call, 1e-9))
+        return max(THROUGHPUT_MIN_CALLS, min(THROUGHPUT_CALLS, fill))
 
 
 @dataclass(frozen=True)
@@ -166,15 +222,19 @@ def plan_groups(
     modes: Callable[[str, str, str, int], Iterable[str]],
 ) -> list[Group]:
     """Every group of a backend: device x dtype x shape x pass x each mode ``modes(device, dtype,
-    pass, shape index)`` yields."""
-    return [
+    pass, shape index)`` yields that the sweep selects (`Sweep.modes`); a mode's groups before
+    the next mode's (a run stopped at a time limit has the eager ones, which the targets read
+    most)."""
+    groups = [
         Group(backend, device, pass_, mode, shape, dtype, sweep.memory)
         for device in sweep.select(seen)
         for dtype in sweep.dtypes_on(device)
         for i, shape in enumerate(sweep.shapes())
         for pass_ in PASSES
         for mode in modes(device, dtype, pass_, i)
+        if sweep.modes is None or mode in sweep.modes
     ]
+    return sorted(groups, key=lambda g: MODES.index(g.mode))
 
 
 def time_group(
@@ -183,20 +243,45 @@ def time_group(
     candidates: Mapping[str, Callable[[], object]],
     copy: tuple[str, Callable[[], object]],
     *,
-    sync: Callable[[], object] | None = None,
+    wait: Wait | None = None,
+    stopwatch: Stopwatch | None = None,
     extras: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time ``candidates`` and the ``copy`` floor interleaved; one row each (see `normkit.bench`).
+    """Time ``candidates`` and the ``copy`` floor interleaved, in each of the sweep's timings;
+    one row each per timing (see `normkit.bench`).
 
+    ``wait`` blocks on a call's result (None: calls finish before they return); ``stopwatch``
+    times a throughput sample (default: the host's clock after ``wait``), e.g. CUDA events.
     Names starting with ``normkit.`` get the role "normkit"; ``extras`` adds fields per name
     (``peak_memory_bytes``, ``saved_for_backward_bytes``).
     """
-    copy_name, copy_fn = copy
+    everything = {**candidates, copy[0]: copy[1]}
     token = group.shape == TOKEN_SHAPE
-    timings = interleaved(
-        {**candidates, copy_name: copy_fn}, warmup=sweep.warmup * (10 if token else 1),
-        repeats=sweep.token_rounds if token else sweep.repeats, sync=sync,
-    )
+    warmup = sweep.warmup * (10 if token else 1)
+    timed: dict[str, dict[str, Timing]] = {}
+    if LATENCY in sweep.timings:
+        timed[LATENCY] = interleaved(
+            everything, warmup=warmup, repeats=sweep.token_rounds if token else sweep.repeats,
+            wait=wait,
+        )
+    if THROUGHPUT in sweep.timings:
+        probe = timed.get(LATENCY) or interleaved(everything, warmup=warmup, repeats=1, wait=wait)
+        calls = {k: sweep.calls(group.device, group.shape, t.median_s) for k, t in probe.items()}
+        timed[THROUGHPUT] = interleaved(
+            everything, warmup=0, calls=calls, wait=wait, stopwatch=stopwatch,
+            repeats=sweep.token_throughput_repeats if token else sweep.throughput_repeats,
+        )
+    rows = []
+    for timing, timings in timed.items():
+        rows += _rows(group, timing, timings, copy[0], list(candidates), extras or {})
+    return rows
+
+
+def _rows(
+    group: Group, timing: str, timings: Mapping[str, Timing], copy_name: str,
+    names: Sequence[str], extras: Mapping[str, Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """One group's rows in one timing."""
     floor = timings[copy_name].median_s
     rows = []
     for name, t in timings.items():
@@ -215,23 +300,25 @@ def time_group(
                 "device": group.device,
                 "pass": group.pass_,
                 "mode": group.mode,
+                "timing": timing,
                 "memory": group.memory,
                 "shape": list(group.shape),
                 "dtype": group.dtype,
                 "median_s": t.median_s,
                 "min_s": t.min_s,
+                "max_s": t.max_s,
                 "repeats": t.repeats,
+                "calls": t.calls,
+                "host_s": t.host_s,
                 "bytes_moved": group.bytes_moved,
                 "gb_per_s": group.bytes_moved / t.median_s / 1e9,
                 "fraction_of_copy_floor": floor / t.median_s,
                 "ratios": {}
                 if role == "copy floor"
-                else {
-                    peer: timings[peer].median_s / t.median_s for peer in candidates if peer != name
-                },
+                else {peer: timings[peer].median_s / t.median_s for peer in names if peer != name},
                 "peak_memory_bytes": None,
                 "saved_for_backward_bytes": None,
-                **(extras or {}).get(name, {}),
+                **extras.get(name, {}),
             }
         )
     return rows
@@ -266,10 +353,12 @@ def run(
     quick: bool = False,
     devices: Sequence[str] | None = None,
     dtypes: Sequence[str] | None = None,
+    timings: Sequence[str] | None = None,
+    modes: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every group of ``bench``'s sweep (`Sweep.make`), timed in this process; rows in
     `normkit.bench`'s schema."""
-    return collect(bench, Sweep.make(quick, devices, dtypes))
+    return collect(bench, Sweep.make(quick, devices, dtypes, timings, modes))
 
 
 def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None:
@@ -278,7 +367,7 @@ def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None
 
     parser = argparse.ArgumentParser(description=(bench.__doc__ or "").splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="hidden 1024 and 4096, 1M elements, 3 rounds"
+        "--quick", action="store_true", help="hidden 4096 at 1M elements and one token, 3 rounds"
     )
     parser.add_argument(
         "--device", action="append", type=device,
@@ -287,8 +376,14 @@ def backend_main(bench: BackendBench, argv: Sequence[str] | None = None) -> None
     parser.add_argument(
         "--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)"
     )
+    parser.add_argument(
+        "--timing", action="append", choices=TIMINGS, help="only this timing (repeatable)"
+    )
+    parser.add_argument(
+        "--mode", action="append", choices=MODES, help="only this mode (repeatable)"
+    )
     args = parser.parse_args(argv)
-    sweep = Sweep.make(args.quick, args.device, args.dtype)
+    sweep = Sweep.make(args.quick, args.device, args.dtype, args.timing, args.mode)
     print(", ".join(f"{k} {v}" for k, v in bench.versions().items()))
     print(report.table(collect(bench, sweep)))
 

@@ -3,7 +3,10 @@
 ``python -m normkit.bench.jax [--quick] [--device D] [--dtype T]`` prints the table;
 `normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
 also times a jitted ``jnp.copy`` of the same bytes (the copy floor). Forward+backward is one jitted
-function returning ``y`` and the VJP (gradients of ``x`` and the parameters). Parameters are
+function returning ``y`` and the VJP (gradients of ``x`` and the parameters). A call dispatches
+its computation and returns (JAX's asynchronous dispatch); the bench waits on the result with
+``jax.block_until_ready``: after each call (latency) or after the last of a throughput sample,
+whose computations JAX runs on the device in the order they were dispatched. Parameters are
 float32; flax's modules get ``dtype=`` the input's so that they return it, as normkit's do. An
 nnx module runs as its graph and state (``nnx.split``), merged inside the jitted function.
 """
@@ -18,7 +21,6 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import normkit.jax as nkjax
@@ -79,8 +81,8 @@ def _task(
         return y, vjp(dy)
 
     if backward:
-        return lambda: jax.block_until_ready(forward_backward(params, x, dy))
-    return lambda: jax.block_until_ready(forward(params, x))
+        return lambda: forward_backward(params, x, dy)
+    return lambda: forward(params, x)
 
 
 def versions() -> dict[str, str]:
@@ -102,21 +104,18 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """Time one group: the six modules, interleaved with a jitted copy of the same bytes."""
     device = _BRIDGE.device(group.device)
     dtype = jnp.dtype(group.dtype)
-    rng = np.random.default_rng(0)
-
-    def put(shape: Any) -> jax.Array:
-        return jax.device_put(
-            jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype), device
-        )
-
-    x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
+    with jax.default_device(device):  # drawn on the device: no copy of 32M values
+        keys = jax.random.split(jax.random.key(0), 3)
+        x, dy = (jax.random.normal(k, group.shape).astype(dtype) for k in keys[:2])
+        buffer = jax.random.normal(keys[2], (group.copy_elements,)).astype(dtype)
     candidates = {
         k: _task(apply, params, x, dy, group.backward)
         for k, (apply, params) in _layers(dtype, x).items()
     }
     copy = jax.jit(jnp.copy)
     return time_group(
-        group, sweep, candidates, ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer)))
+        group, sweep, candidates, ("copy (jnp.copy)", lambda: copy(buffer)),
+        wait=jax.block_until_ready,
     )
 
 

@@ -6,7 +6,10 @@ eager (the copy floor: ``tf.identity`` moves nothing, and XLA would fold a multi
 JAX (``KERAS_BACKEND=jax``, timed by `normkit.bench.run` in a worker of its own) the layers run
 statelessly (``stateless_call``, as Keras' JAX trainer calls them), each op dispatched by JAX
 (`JAX_EAGER`) or the whole call jitted (`JAX_JIT`), beside a jitted ``jnp.copy``.
-Forward+backward takes the gradients of ``x`` and the weights given ``dy``. Layers run under
+Forward+backward takes the gradients of ``x`` and the weights given ``dy``. The bench waits
+for a call's work with ``jax.block_until_ready`` on JAX, and on a TensorFlow GPU with
+``tf.test.experimental.sync_devices`` (TensorFlow computes a CPU call before it returns): after
+each call (latency) or after the last of a throughput sample. Layers run under
 the dtype policy of the input: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``.
 
 ``python -m normkit.bench.tf [--quick] [--device D] [--dtype T]`` prints the table;
@@ -91,7 +94,7 @@ def _jax_task(
     fn = forward_backward if backward else forward
     if jit:
         fn = jax.jit(fn)
-    return lambda: jax.block_until_ready(fn(weights, x))
+    return lambda: fn(weights, x)
 
 
 def _keras_backend() -> str:
@@ -153,20 +156,26 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
             k: _tf_task(layer, x, dy, group.backward, group.mode == XLA)
             for k, layer in _layers_built(group.dtype, group.shape).items()
         }
-        sync = tf.test.experimental.sync_devices if on_gpu else None
-        rows = time_group(group, sweep, candidates, ("copy (x * 1)", lambda: buffer * 1), sync=sync)
+        wait = (lambda _: tf.test.experimental.sync_devices()) if on_gpu else None
+        copy = ("copy (x * 1)", lambda: buffer * 1)
+        rows = time_group(group, sweep, candidates, copy, wait=wait)
         if on_gpu:
+            peaks = {k: _peak_bytes(fn, name) for k, fn in {**candidates, copy[0]: copy[1]}.items()}
             for row in rows:
-                fn = candidates.get(row["implementation"], lambda: buffer * 1)
-                tf.test.experimental.sync_devices()
-                tf.config.experimental.reset_memory_stats(name)
-                before = tf.config.experimental.get_memory_info(name)["current"]
-                fn()
-                tf.test.experimental.sync_devices()
-                row["peak_memory_bytes"] = (
-                    tf.config.experimental.get_memory_info(name)["peak"] - before
-                )
+                row["peak_memory_bytes"] = peaks[row["implementation"]]
     return rows
+
+
+def _peak_bytes(fn: Callable[[], object], name: str) -> int:
+    """TensorFlow's peak memory on device ``name`` during one call, above what it held before."""
+    import tensorflow as tf
+
+    tf.test.experimental.sync_devices()
+    tf.config.experimental.reset_memory_stats(name)
+    before = tf.config.experimental.get_memory_info(name)["current"]
+    fn()
+    tf.test.experimental.sync_devices()
+    return int(tf.config.experimental.get_memory_info(name)["peak"] - before)
 
 
 def _measure_jax(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
@@ -175,22 +184,18 @@ def _measure_jax(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     import jax.numpy as jnp
 
     device = JaxBridge().device(group.device)
-    rng = np.random.default_rng(0)
-
-    def put(shape: Any) -> Any:
-        values = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), group.dtype)
-        return jax.device_put(values, device)
-
-    x, dy, buffer = put(group.shape), put(group.shape), put(group.copy_elements)
-    with jax.default_device(device):
+    with jax.default_device(device):  # drawn on the device: no copy of 32M values
+        keys = jax.random.split(jax.random.key(0), 3)
+        x, dy = (jax.random.normal(k, group.shape).astype(group.dtype) for k in keys[:2])
+        buffer = jax.random.normal(keys[2], (group.copy_elements,)).astype(group.dtype)
         candidates = {
             k: _jax_task(layer, x, dy, group.backward, group.mode == JAX_JIT)
             for k, layer in _layers_built(group.dtype, group.shape).items()
         }
         copy = jax.jit(jnp.copy)
         return time_group(
-            group, sweep, candidates,
-            ("copy (jnp.copy)", lambda: jax.block_until_ready(copy(buffer))),
+            group, sweep, candidates, ("copy (jnp.copy)", lambda: copy(buffer)),
+            wait=jax.block_until_ready,
         )
 
 

@@ -2,7 +2,9 @@
 
 ``python -m normkit.bench.torch [--quick] [--device D] [--dtype T]`` prints the table;
 `normkit.bench.core.run` of this module returns the rows in `normkit.bench`'s schema. Every group
-also times ``x.clone()`` of the same bytes (the copy floor). Eager forward+backward rows carry
+also times ``x.clone()`` of the same bytes (the copy floor); on CUDA a throughput sample is timed
+by CUDA events (`CudaEvents`), a latency sample by the host's clock after a
+``torch.cuda.synchronize``. Eager forward+backward rows carry
 ``saved_for_backward_bytes`` (distinct storages autograd saves, parameters excluded, from
 ``torch.autograd.graph.saved_tensors_hooks``); rows on CUDA carry ``peak_memory_bytes``.
 """
@@ -21,7 +23,7 @@ from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, tim
 from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
-__all__ = ["LlamaRMSNorm", "measure", "plan", "saved_bytes", "versions"]
+__all__ = ["CudaEvents", "LlamaRMSNorm", "measure", "plan", "saved_bytes", "versions"]
 
 EAGER, COMPILED = "eager", "torch.compile"
 devices = TorchBridge().devices
@@ -124,12 +126,32 @@ def _forward_backward(
     return fn
 
 
-def _sync(device: str) -> Callable[[], object] | None:
+def _wait(device: str) -> Callable[[object], object] | None:
+    """Blocks until the device has run what was queued (None on the CPU: a call computes its
+    result before it returns)."""
     if device.startswith("cuda"):
-        return lambda: torch.cuda.synchronize(device)
+        return lambda _: torch.cuda.synchronize(device)
     if device == "mps":
-        return torch.mps.synchronize
+        return lambda _: torch.mps.synchronize()
     return None
+
+
+class CudaEvents:
+    """A throughput sample's time on a CUDA device: events recorded on the current stream before
+    the first call and after the last, and the time the device measured between them."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.began = torch.cuda.Event(enable_timing=True)
+        self.ended = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.began.record(torch.cuda.current_stream(self.device))
+
+    def stop(self, result: object) -> float:
+        self.ended.record(torch.cuda.current_stream(self.device))
+        self.ended.synchronize()
+        return float(self.began.elapsed_time(self.ended)) / 1e3
 
 
 def _peak_bytes(fn: Callable[[], object], device: str) -> int:
@@ -169,10 +191,12 @@ def plan(sweep: Sweep) -> list[Group]:
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """Time one group: its modules, interleaved with ``clone`` of the same bytes."""
     dtype = getattr(torch, group.dtype)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(group.shape, generator=gen).to(group.device, dtype)
-    dy = torch.randn(group.shape, generator=gen).to(group.device, dtype)
-    buffer = torch.randn(group.copy_elements, generator=gen).to(group.device, dtype)
+    gen = torch.Generator(group.device).manual_seed(0)  # on the device: no copy of 32M values
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=group.device).to(dtype)
+
+    x, dy, buffer = randn(*group.shape), randn(*group.shape), randn(group.copy_elements)
     modules = _modules(group.shape[1], dtype, group.device)
     extras: dict[str, dict[str, Any]] = {}
     if group.mode == COMPILED:
@@ -193,18 +217,21 @@ def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
         k: _forward_backward(m, x, dy) if group.backward else _forward(m, x)
         for k, m in calls.items()
     }
+    on_cuda = group.device.startswith("cuda")
     rows = time_group(
         group,
         sweep,
         candidates,
         ("copy (clone)", buffer.clone),
-        sync=_sync(group.device),
+        wait=_wait(group.device),
+        stopwatch=CudaEvents(group.device) if on_cuda else None,
         extras=extras,
     )
-    if group.device.startswith("cuda"):
+    if on_cuda:
+        peaks = {k: _peak_bytes(fn, group.device)
+                 for k, fn in {**candidates, "copy (clone)": buffer.clone}.items()}
         for row in rows:
-            fn = candidates.get(row["implementation"], buffer.clone)
-            row["peak_memory_bytes"] = _peak_bytes(fn, group.device)
+            row["peak_memory_bytes"] = peaks[row["implementation"]]
     return rows
 
 

@@ -1,4 +1,6 @@
-"""normkit bench: the quick CLI run writes every row with every field, a readable PNG; skips and failures.
+"""normkit bench: the quick CLI run prints its summary first and writes every row with every field
+in both timings, a readable PNG; the huge-pages view; the estimate of the time left over the whole
+run; skips and failures.
 
 No timing assertions: the speed targets live in the benchmark (docs/benchmarks.md), never here.
 """
@@ -6,8 +8,10 @@ No timing assertions: the speed targets live in the benchmark (docs/benchmarks.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -21,19 +25,23 @@ from typing import Any
 import pytest
 
 import normkit.bench
-from normkit import backends
+from normkit import backends, workers
 from normkit.bench import cli, report
 from normkit.bench.core import (
     FIELDS,
+    MEMORY_NOTE,
     PASSES,
     QUICK_TOKEN_ROUNDS,
     ROLES,
+    THROUGHPUT_CALLS,
+    TIMINGS,
     TOKEN_SHAPE,
     Group,
     Sweep,
     bytes_moved,
     time_group,
 )
+from normkit.progress import Progress
 
 PEERS = {
     "torch": {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "Llama RMSNorm (torch ops)", "normkit.torch.LayerNorm", "torch.nn.LayerNorm"},
@@ -61,22 +69,27 @@ def _args(*argv: str) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``normkit bench --quick --json out.json --plot out.png`` on the CPU, once for this module."""
+    """``normkit bench --quick --json out.json --plot out.png`` on the CPU, once for this module,
+    with what it printed."""
     out = tmp_path_factory.mktemp("bench")
     start = time.perf_counter()
-    status = cli.run(_args("--quick", "--device", "cpu", "--json", str(out / "out.json"), "--plot", str(out / "out.png")))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.run(_args("--quick", "--device", "cpu", "--json", str(out / "out.json"), "--plot", str(out / "out.png")))
     return {
         "status": status,
         "seconds": time.perf_counter() - start,
         "data": json.loads((out / "out.json").read_text()),
         "png": out / "out.png",
+        "printed": printed.getvalue(),
     }
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """The rows by group and timing (the rows compared with one another)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["backend"], row["device"], row["pass"], row["mode"], row["memory"], tuple(row["shape"]), row["dtype"])
+        key = (row["backend"], row["device"], row["pass"], row["mode"], row["memory"], tuple(row["shape"]), row["dtype"], row["timing"])
         groups.setdefault(key, []).append(row)
     return groups
 
@@ -86,37 +99,61 @@ def test_quick_run_covers_every_installed_backend_peer_pass_and_dtype(quick: dic
     assert quick["status"] == 0 and data["errors"] == {}
     print(f"normkit bench --quick: {quick['seconds']:.0f} s")
     assert sorted(data["versions"]) == sorted(INSTALLED)
-    huge = normkit.bench._huge_pages_unavailable()
-    views = {"torch [on huge pages]"} if huge and "torch" in INSTALLED else set()
+    views = {"torch [on huge pages]"} if "torch" in INSTALLED else set()  # not with --quick
     views |= {"tf [Keras on JAX]"} if "tf" in INSTALLED and not KERAS_ON_JAX else set()
     assert sorted(data["skipped"]) == sorted(set(PEERS) - set(INSTALLED) | views)
+    sweep = Sweep.make(quick=True)
     for backend in INSTALLED:
         rows = [r for r in data["rows"] if r["backend"] == backend]
         assert PEERS[backend] <= {r["implementation"] for r in rows}
         assert {r["mode"] for r in rows} == MODES[backend]
-        assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
-        assert {r["shape"][1] for r in rows} == set(Sweep.make(quick=True).hidden)
+        assert {(r["pass"], r["dtype"], r["timing"]) for r in rows} == {(p, "float32", t) for p in PASSES for t in TIMINGS}
+        assert {r["shape"][1] for r in rows} == set(sweep.hidden)
         token = [r for r in rows if tuple(r["shape"]) == TOKEN_SHAPE]
-        assert token and all(r["repeats"] == QUICK_TOKEN_ROUNDS for r in token)
-        assert {(r["pass"], r["dtype"]) for r in token} == {(p, d) for p in PASSES for d in ("float32", "bfloat16")}
-    torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile" and r["memory"] == "as allocated"}
+        assert {(r["pass"], r["timing"]) for r in token} == {(p, t) for p in PASSES for t in TIMINGS}
+        for row in token:
+            latency = row["timing"] == "latency"
+            assert row["repeats"] == (QUICK_TOKEN_ROUNDS if latency else sweep.token_throughput_repeats)
+            assert row["calls"] == (1 if latency else THROUGHPUT_CALLS)
+    torch_compiled = {tuple(r["shape"]) + (r["dtype"], r["pass"]) for r in data["rows"] if r["mode"] == "torch.compile"}
     assert len(torch_compiled) <= 1  # --quick: one compiled pair
-    for row in data["rows"]:
-        assert row["memory"] == "as allocated" or (row["backend"], row["device"], row["memory"]) == ("torch", "cpu", "on huge pages")
+    assert {row["memory"] for row in data["rows"]} == {"as allocated"}
+
+
+TINY = dataclasses.replace(
+    Sweep.make(), hidden=(1024,), elements=8192, warmup=1, repeats=1, token_rounds=2,
+    throughput_repeats=1, token_throughput_repeats=1, dtypes=("float32",), devices=("cpu",),
+    modes=("eager",),
+)
+"""A sweep of a few seconds: one hidden size and one token, eager, float32, one sample each."""
 
 
 @pytest.mark.skipif("torch" not in INSTALLED, reason="torch is not installed")
-def test_torch_on_the_cpu_is_timed_again_with_every_output_on_huge_pages(quick: dict[str, Any]) -> None:
+def test_torch_on_the_cpu_is_timed_again_with_every_output_on_huge_pages() -> None:
     """The huge-pages view times the same groups as the default view, in a worker whose torch
     allocates on huge pages (the worker refuses to run that view without the environment)."""
     if normkit.bench._huge_pages_unavailable():
         pytest.skip(normkit.bench._huge_pages_unavailable())
-    groups = _groups([r for r in quick["data"]["rows"] if r["backend"] == "torch"])
+    torch_backend = backends.get("torch")
+    report = normkit.bench.Report()
+    view = normkit.bench._huge_pages_view(torch_backend, TINY, report)
+    assert [job.label for job in view] == ["torch [on huge pages]"] and not report.skipped
+    jobs = [normkit.bench._Job(torch_backend, TINY, "torch"), *view]
+    eta = normkit.bench._Eta(jobs, None)
+    for job in jobs:
+        normkit.bench._work(job, report, eta)
+    assert report.errors == {}
     views: dict[str, set[tuple[Any, ...]]] = {"as allocated": set(), "on huge pages": set()}
-    for key, rows in groups.items():
+    for key, rows in _groups(report.rows).items():
         views[key[4]].add(key[:4] + key[5:])
         assert {r["implementation"] for r in rows} >= {"normkit.torch.RMSNorm", "torch.nn.RMSNorm", "copy (clone)"}
-    assert views["on huge pages"] == views["as allocated"]
+    assert views["on huge pages"] == views["as allocated"] != set()
+
+
+def test_the_quick_sweep_skips_the_huge_pages_view_saying_why() -> None:
+    report = normkit.bench.Report()
+    assert normkit.bench._huge_pages_view(backends.get("torch"), Sweep.make(quick=True), report) == []
+    assert report.skipped == {"torch [on huge pages]": f"not with --quick ({MEMORY_NOTE})"}
 
 
 def test_the_huge_pages_view_refuses_to_run_without_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,16 +166,25 @@ def test_the_huge_pages_view_refuses_to_run_without_its_environment(monkeypatch:
 
 
 def test_every_row_has_every_field_and_consistent_figures(quick: dict[str, Any]) -> None:
-    for key, rows in _groups(quick["data"]["rows"]).items():
+    sweep = Sweep.make(quick=True)
+    groups = _groups(quick["data"]["rows"])
+    for key, rows in groups.items():
         assert Counter(r["role"] for r in rows)["copy floor"] == 1, key
         (floor,) = [r for r in rows if r["role"] == "copy floor"]
         named = {r["implementation"] for r in rows if r["role"] != "copy floor"}
+        latency = {r["implementation"]: r for r in groups[key[:-1] + ("latency",)]}
         for row in rows:
             assert tuple(row) == FIELDS
-            assert row["role"] in ROLES and row["pass"] in PASSES
+            assert row["role"] in ROLES and row["pass"] in PASSES and row["timing"] in TIMINGS
             assert row["role"] != "normkit" or row["implementation"].startswith("normkit.")
             assert len(row["shape"]) == 2 and all(isinstance(n, int) and n > 0 for n in row["shape"])
-            assert 0 < row["min_s"] <= row["median_s"] and row["repeats"] >= 3
+            assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"] and row["repeats"] >= 3
+            # On the CPU every call computes before it returns: its host time is all of it.
+            assert 0 < row["host_s"] <= row["median_s"]
+            # A throughput sample holds as many calls as the sweep gives a call of the
+            # latency median measured just before it (50 at one token).
+            expected = sweep.calls(row["device"], row["shape"], latency[row["implementation"]]["median_s"])
+            assert row["calls"] == (1 if row["timing"] == "latency" else expected)
             assert row["bytes_moved"] == bytes_moved(row["shape"], row["dtype"], row["pass"])
             assert row["gb_per_s"] == pytest.approx(row["bytes_moved"] / row["median_s"] / 1e9)
             assert row["fraction_of_copy_floor"] == pytest.approx(floor["median_s"] / row["median_s"])
@@ -175,6 +221,38 @@ def test_table_has_a_line_per_row(quick: dict[str, Any]) -> None:
     assert sum(line.startswith("  ") for line in text.splitlines()) == len(rows) + len(_groups(rows))
 
 
+def test_the_tables_columns_line_up_under_their_headers(quick: dict[str, Any]) -> None:
+    """Each right-aligned column ends where its header ends, in every line of every group."""
+    lines = report.table(quick["data"]["rows"]).splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("  implementation")]
+    assert heads
+    for i in heads:
+        head = lines[i]
+        ends = [head.index(name) + len(name) for name in ("median ms", "min-max ms", "GB/s", "of copy", "host us", "calls")]
+        for line in lines[i + 1:]:
+            if not line.startswith("  ") or line.startswith("  implementation"):
+                break
+            for end in ends:
+                assert line[end - 1] != " " and (end == len(line) or line[end] == " "), (head, line)
+
+
+def test_the_summary_comes_first_fits_100_columns_and_explains_its_terms(quick: dict[str, Any]) -> None:
+    printed = quick["printed"]
+    lines = printed.splitlines()
+    assert lines[0].startswith("normkit ") and " bench --quick: " in lines[0]
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    rows, hidden = Sweep.make(quick=True).shapes()[0]
+    order = [printed.index(title) for title in (f"\nSpeed at {rows} x {hidden}: ", "\nOne token (1 x 4096): ", "\nTargets (docs/benchmarks.md): ", "\nTerms\n")]
+    assert order == sorted(order)
+    terms = printed[printed.index("\nTerms\n"):]
+    for term in ("latency: ", "throughput: ", "ratio: ", "host time: "):
+        assert f"\n  {term}" in terms
+    # every heading names the timings it shows, and the per-row table waits for --table
+    assert "latency throughput" in printed and "\n  implementation" not in printed
+    assert lines[-1].endswith("every row: --table, every field: --json PATH")
+    assert all(line == line.rstrip() for line in lines)
+
+
 def test_bytes_moved_and_the_copy_of_the_same_bytes() -> None:
     assert bytes_moved((8, 1024), "float32", "forward") == 2 * 8 * 1024 * 4
     assert bytes_moved((8, 1024), "bfloat16", "forward+backward") == 5 * 8 * 1024 * 2
@@ -193,11 +271,27 @@ def test_sweep_defaults_and_dtype_errors() -> None:
     assert sweep.dtypes_on("cuda:0") == ("float32", "bfloat16", "float16")
     assert sweep.select(["cpu", "cuda:0"]) == ["cpu", "cuda:0"]
     assert Sweep.make(devices=["cuda:0"]).select(["cpu"]) == []
+    assert sweep.timings == TIMINGS and Sweep.make(timings=["throughput"]).timings == ("throughput",)
+    assert Sweep.make(quick=True).dtypes_on("cpu") == ("float32",)
+    assert Sweep.make(quick=True, dtypes=["bfloat16"]).dtypes_on("cpu") == ("bfloat16",)
     with pytest.raises(ValueError, match=r"dtype 'int8' is not one of"):
         Sweep.make(dtypes=["int8"])
+    with pytest.raises(ValueError, match=r"timing 'fast' is not one of"):
+        Sweep.make(timings=["fast"])
+    with pytest.raises(ValueError, match=r"mode 'lazy' is not one of"):
+        Sweep.make(modes=["lazy"])
 
 
-@pytest.mark.parametrize("empty", ["backends", "devices", "dtypes"])
+def test_throughput_calls_per_sample() -> None:
+    """50 calls a sample on an accelerator and at one token; on the CPU's swept shapes as many as
+    fill the sweep's sample time, at least 2 and at most 50."""
+    sweep, quick_ = Sweep.make(), Sweep.make(quick=True)
+    assert sweep.calls("cuda:0", (8192, 4096), 0.5) == sweep.calls("cpu", TOKEN_SHAPE, 0.01) == 50
+    assert sweep.calls("cpu", (8192, 4096), 0.01) == 5 and quick_.calls("cpu", (256, 4096), 0.01) == 2
+    assert sweep.calls("cpu", (8192, 4096), 0.5) == 2 and sweep.calls("cpu", (8192, 4096), 1e-5) == 50
+
+
+@pytest.mark.parametrize("empty", ["backends", "devices", "dtypes", "timings", "modes"])
 def test_an_empty_selection_is_refused_not_read_as_all(empty: str) -> None:
     with pytest.raises(ValueError, match=rf"{empty}=\[\] selects nothing"):
         normkit.bench.run(**{empty: []}, progress=False)
@@ -223,7 +317,7 @@ def test_an_alternative_framework_not_installed_is_skipped_naming_its_packages()
     absent = backends.Alternative(("no_such_package_nk",), {"KERAS_BACKEND": "jax"}, "Keras on JAX")
     tf_backend = dataclasses.replace(backends.get("tf"), alternatives=(absent,))
     report = normkit.bench.Report()
-    normkit.bench._alternatives(tf_backend, Sweep.make(quick=True), report, None)
+    assert normkit.bench._alternatives(tf_backend, Sweep.make(quick=True), report) == []
     assert report.rows == [] and report.errors == {}
     assert report.skipped == {"tf [Keras on JAX]": "no_such_package_nk not installed"}
 
@@ -236,11 +330,10 @@ def test_kerass_jax_backend_is_timed_where_tensorflow_is_missing(monkeypatch: py
         backends.get("tf"), packages=("no_such_package_nk", "keras"), alternatives=(present,)
     )
     monkeypatch.setattr(backends, "BACKENDS", (no_tensorflow,))
-    worked: list[tuple[str, dict[str, str] | None, str | None]] = []
+    worked: list[tuple[str, dict[str, str], str]] = []
 
-    def work(backend: backends.Backend, sweep: Sweep, report_: normkit.bench.Report, progress: Any,
-             env: dict[str, str] | None = None, label: str | None = None) -> None:
-        worked.append((backend.name, env, label))
+    def work(job: normkit.bench._Job, report_: normkit.bench.Report, eta: Any) -> None:
+        worked.append((job.backend.name, dict(job.env), job.label))
 
     monkeypatch.setattr(normkit.bench, "_work", work)
     result = normkit.bench.run(quick=True, progress=False)
@@ -272,6 +365,55 @@ def test_a_device_the_backend_lacks_is_skipped_naming_those_it_sees() -> None:
     assert result.skipped["jax"].startswith("no device of ['cuda:7'] (it sees ['cpu'")
 
 
+@pytest.mark.skipif("jax" not in INSTALLED, reason="needs jax and flax")
+def test_a_backend_that_runs_none_of_the_modes_asked_for_is_skipped_saying_so() -> None:
+    result = normkit.bench.run(backends=["jax"], modes=["eager"], quick=True, progress=False)
+    assert result.rows == [] and result.errors == {}
+    assert result.skipped["jax"] == "it runs in none of the modes ['eager']"
+
+
+def _fake_workers(groups: dict[str, int], fail: str = "") -> Any:
+    """`normkit.workers.run` standing in for the bench's workers: each plans ``groups[label]``
+    groups and reports them one by one; the backend named ``fail`` fails after its first."""
+    def run(module: str, job: dict[str, Any], env: dict[str, str], on_event: Any) -> str:
+        name = job["backend"] + (" [Keras on JAX]" if env.get("KERAS_BACKEND") == "jax" else "")
+        on_event({"versions": {}, "devices": ["cpu"], "planned": groups[name]})
+        for i in range(groups[name]):
+            on_event({"group": f"{name} group {i}", "rows": []})
+            if job["backend"] == fail:
+                return "it broke"
+        return ""
+    return run
+
+
+def test_the_estimate_of_the_time_left_covers_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress holds every worker's expected work from the start: once the first backend is
+    done, the work left is the others' (not nothing, as when each worker added its own groups on
+    starting); a worker that plans more groups than expected adds them; one that fails takes off
+    what it did not do, so that the run ends with nothing left."""
+    names = ["torch", "jax"]
+    present = [dataclasses.replace(backends.get(n), packages=(), alternatives=()) for n in names]
+    monkeypatch.setattr(backends, "BACKENDS", tuple(present))
+    monkeypatch.setattr(normkit.bench, "HUGE_PAGE_ENV", {})
+    sweep = Sweep.make(quick=True)
+    jobs = [normkit.bench._Job(b, sweep, b.name) for b in present]
+    for job in jobs:
+        job.expect()
+    expected = {job.label: (job.groups, job.startup_s + job.groups * job.group_s) for job in jobs}
+    bar = Progress("bench", stream=io.StringIO())
+    eta = normkit.bench._Eta(jobs, bar)
+    assert bar.total == sum(g for g, _ in expected.values())
+    assert bar.work == pytest.approx(sum(w for _, w in expected.values()))
+    monkeypatch.setattr(workers, "run", _fake_workers({"torch": expected["torch"][0] + 2, "jax": 5}, fail="jax"))
+    report = normkit.bench.Report()
+    normkit.bench._work(jobs[0], report, eta)
+    assert bar.done == expected["torch"][0] + 2
+    assert bar.work - bar.work_done == pytest.approx(expected["jax"][1]) and bar.left() > 0
+    normkit.bench._work(jobs[1], report, eta)
+    assert report.errors == {"jax": "it broke"}
+    assert bar.work - bar.work_done == pytest.approx(0) and bar.total == bar.done
+
+
 def test_importing_normkit_bench_imports_no_framework() -> None:
     code = (
         "import sys, normkit, normkit.bench, normkit.bench.cli, normkit.bench.report\n"
@@ -291,8 +433,8 @@ def test_a_terminated_run_writes_the_groups_it_measured_and_says_so(
     monkeypatch.setattr(backends, "BACKENDS", tuple(present))
     sweep = Sweep.make(True, None, None)
 
-    def work(backend: backends.Backend, sweep_: Sweep, report_: normkit.bench.Report, *_: Any) -> None:
-        if backend.name == "jax":
+    def work(job: normkit.bench._Job, report_: normkit.bench.Report, *_: Any) -> None:
+        if job.backend.name == "jax":
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
             raise AssertionError("SIGTERM did not interrupt the run")
@@ -317,7 +459,9 @@ def test_a_terminated_run_writes_the_groups_it_measured_and_says_so(
     assert status == 130
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["interrupted"] is True and data["errors"] == {}
-    assert [(r["backend"], r["implementation"]) for r in data["rows"]] == [("torch", "normkit.torch.RMSNorm"), ("torch", "copy")]
+    assert [(r["backend"], r["implementation"], r["timing"]) for r in data["rows"]] == [
+        ("torch", name, timing) for timing in TIMINGS for name in ("normkit.torch.RMSNorm", "copy")
+    ]
 
 
 def test_a_run_terminated_before_its_first_group_exits_130_with_no_rows(
