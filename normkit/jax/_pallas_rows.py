@@ -1,0 +1,331 @@
+"""The row arithmetic of normkit.jax's Pallas kernels (`normkit.jax.pallas`): what one program
+computes on a tile of rows held in registers, in float32, forward and backward.
+
+A tile is ``(rows, n)``, or ``(rows, groups, group_size)`` with ``group_size``: the statistic
+reduces the last axis. Every row is computed in units scaled by a power of two,
+``u = x 2**t``, with ``t`` chosen from the row's largest magnitude read (`scale_exponent`):
+scaling by a power of two commutes with float32 rounding, so an ordinary row gets the bits of
+the plain program, and a row whose squares would overflow or underflow float32 gets the careful
+program's answer, with no branch and no second read of the row. The true ``r`` is ``2**t r'``
+with ``r' = r(s', eps')`` of the scaled statistic and the scaled eps (``eps 4**t`` inside,
+``eps 2**t`` outside); ``y_hat = c' r'`` is scale-free, as is the input gradient's bracket.
+
+Only the operations Pallas lowers to Triton appear here (no ``reduce_precision``, no generic
+``reduce``): roundings to a half dtype go through `normkit._jax_rounding.round_bits`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from normkit._jax_rounding import round_bits
+
+F32 = jnp.float32
+#: The powers of two a row is scaled by: 2**-126 .. 2**126, normal float32 numbers.
+_LOWEST, _HIGHEST = -126, 126
+
+
+@dataclass(frozen=True)
+class RowMath:
+    """What the kernels compute per row, from the spec and the dtypes (hashable, static).
+
+    ``read``: the elements of a row (or group) the statistic reads (partial RMS's first k);
+    ``size``: the elements of a row (or group); ``half``: the input's half dtype, where its
+    roundings apply (None for float32); ``offset_dtype``: the half dtype ``scale_offset + w``
+    is rounded to (``offset_dtype="param"``); ``affine_dtype``: the half dtype the affine
+    result is rounded to before a gate after the norm (``cast="before_scale"``);
+    ``residual``: the spec's residual rounding."""
+
+    kind: str
+    eps: float
+    outside: bool
+    fast: bool
+    read: int
+    size: int
+    offset: float
+    has_scale: bool
+    has_bias: bool
+    half: jnp.dtype | None
+    before_scale: bool
+    offset_dtype: jnp.dtype | None
+    affine_dtype: jnp.dtype | None
+    gate: str | None
+    activation: str
+    residual: str | None
+
+    @property
+    def statistic(self) -> bool:
+        return self.kind != "dyt"
+
+    @property
+    def layer(self) -> bool:
+        return self.kind == "layer"
+
+    @property
+    def partial(self) -> bool:
+        return self.read < self.size
+
+    @property
+    def degenerate(self) -> bool:
+        """Rows whose gradient takes the closed form: one element read (RMS kinds) or two
+        (LayerNorm), where the general formula cancels."""
+        return self.statistic and self.read == (2 if self.layer else 1)
+
+    @property
+    def highest(self) -> int:
+        """The largest exponent a row is scaled by: a row smaller than ``floor`` (``sqrt(eps)``
+        inside, where eps dominates it; ``eps 2**-64`` outside, where rows far below eps still
+        reach unit scale for the gradient's ``c / sqrt(s)``) is scaled as ``floor`` is, so
+        that the scaled eps stays finite."""
+        floor = math.sqrt(self.eps) if not self.outside else self.eps * 2.0**-64
+        return max(_LOWEST, min(_HIGHEST, -math.frexp(floor)[1]))
+
+
+class Stats(NamedTuple):
+    """A tile's rows in scaled units: ``c`` (centered, zero outside the row), ``s`` and ``eps``
+    scaled, ``r = r(s, eps)`` and the exponent ``t`` (``u = x 2**t``), per row."""
+
+    c: jax.Array
+    s: jax.Array
+    eps: jax.Array
+    r: jax.Array
+    t: jax.Array
+
+
+def row_sum(value: jax.Array) -> jax.Array:
+    return jnp.sum(value, axis=-1, keepdims=True)
+
+
+def pow2(t: jax.Array) -> jax.Array:
+    """``2**t`` for integer ``t`` in [-126, 127], exactly (built from its exponent bits)."""
+    return lax.bitcast_convert_type(lax.shift_left(t + 127, np.int32(23)), F32)
+
+
+def ldexp(value: jax.Array, t: jax.Array) -> jax.Array:
+    """``value 2**t`` for ``t`` in [-252, 252], in two exact steps (no step leaves float32's
+    normal range unless the result does)."""
+    first = lax.shift_right_arithmetic(t, np.int32(1))
+    return value * pow2(first) * pow2(t - first)
+
+
+def scale_exponent(largest: jax.Array, highest: int) -> jax.Array:
+    """``t`` with ``largest 2**t`` in [1/2, 1) (``largest`` >= 0 per row), clamped to
+    [-126, ``highest``]: 0 and subnormal maxima take ``highest``, infinity and NaN -126."""
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(largest, jnp.int32), np.int32(23))
+    t = np.int32(126) - (biased & np.int32(255))
+    return jnp.where(biased == 0, np.int32(highest), jnp.clip(t, _LOWEST, highest))
+
+
+def rsqrt_or_inverse(s: jax.Array, eps: jax.Array, outside: bool) -> jax.Array:
+    """``r(s)``: ``1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside)."""
+    return 1 / (jnp.sqrt(s) + eps) if outside else lax.rsqrt(s + eps)
+
+
+def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath) -> Stats:
+    """The rows' statistic in scaled units (see the module docstring). LayerNorm centers twice
+    (the mean, then the mean of the centered values, which recovers what the rounding of a
+    large mean loses); ``read`` marks the elements the statistic reads."""
+    largest = jnp.max(jnp.where(read, jnp.abs(v), 0), axis=-1, keepdims=True)
+    t = scale_exponent(largest, m.highest)
+    scale = pow2(t)
+    u = v * scale
+    if m.layer:
+        mean = row_sum(u) / m.read
+        c = jnp.where(valid, u - mean, 0)
+        c = jnp.where(valid, c - row_sum(c) / m.read, 0)
+    else:
+        c = u
+    s = row_sum(jnp.where(read, c * c, 0)) / m.read
+    eps = m.eps * scale if m.outside else (m.eps * scale) * scale
+    return Stats(c, s, eps, rsqrt_or_inverse(s, eps, m.outside), t)
+
+
+def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
+    """``variance="fast"``'s ``y_hat = (x - m1) r(v)`` with the reference's roundings,
+    ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums in
+    float64 (exact but within about 2**-29 ulp of a halfway point), the products formed there
+    and rounded once, so no fused multiply-add changes them. Needs 64-bit mode at trace time
+    (`normkit.jax.pallas` enables it for this kernel)."""
+    f64 = jnp.float64
+    x64 = jnp.where(valid, v, 0).astype(f64)
+    m1 = (row_sum(x64) / m.size).astype(F32)
+    squares = (x64 * x64).astype(F32).astype(f64)
+    m2 = (row_sum(squares) / m.size).astype(F32)
+    m1_squared = (m1.astype(f64) * m1.astype(f64)).astype(F32)
+    variance = jnp.maximum((m2.astype(f64) - m1_squared.astype(f64)).astype(F32), 0)
+    return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
+
+
+def y_hat(v: jax.Array, st: Stats, m: RowMath) -> jax.Array:
+    """``c' r'``. Partial RMS's elements beyond the k read are not bounded by the scaled
+    maximum: where the row was scaled up they take ``x (2**t r')`` (``2**t r'``, the true r, is
+    at most ``1 / sqrt(eps)`` or ``1 / eps``), so that ``x 2**t`` cannot overflow."""
+    value = st.c * st.r
+    if m.partial:
+        value = jnp.where(st.t > 0, v * (pow2(st.t) * st.r), value)
+    return value
+
+
+def activation(z: jax.Array, name: str) -> tuple[jax.Array, jax.Array]:
+    """``a(z)`` and ``a'(z)`` (SiLU or sigmoid), both sigmoids from ``e^-|z|``."""
+    e = jnp.exp(-jnp.abs(z))
+    positive = z >= 0
+    sig = jnp.where(positive, 1.0, e) / (1.0 + e)
+    sig_neg = jnp.where(positive, e, 1.0) / (1.0 + e)
+    if name == "sigmoid":
+        return sig, sig * sig_neg
+    return z * sig, sig * (1.0 + z * sig_neg)
+
+
+def gain(w: jax.Array | None, m: RowMath) -> jax.Array | None:
+    """``scale_offset + w`` in float32 (rounded to w's half dtype with
+    ``offset_dtype="param"``); None without a scale."""
+    if w is None:
+        return None
+    g = w.astype(F32)
+    if m.offset:
+        g = g + m.offset
+        if m.offset_dtype is not None:
+            g = round_bits(g, m.offset_dtype)
+    return g
+
+
+def affine(
+    y_hat: jax.Array, g: jax.Array | None, b: jax.Array | None, m: RowMath, rounded: bool
+) -> jax.Array:
+    """``u = y_hat g + b``; ``rounded``: with the before-scale roundings of a half input
+    (``y_hat`` to its dtype first; the forward value only, the gradients read it exact)."""
+    if rounded and m.before_scale:
+        assert m.half is not None
+        y_hat = round_bits(y_hat, m.half)
+    u = y_hat if g is None else y_hat * g
+    return u if b is None else u + b
+
+
+def added(x: jax.Array, residual: jax.Array, m: RowMath) -> jax.Array:
+    """``x + residual`` in float32, rounded to a half input's dtype for ``residual="rounded"``:
+    the values normalized, and ``h`` (rounded again where it is stored in a half dtype)."""
+    total = x + residual
+    if m.residual == "rounded" and m.half is not None:
+        total = round_bits(total, m.half)
+    return total
+
+
+def forward(
+    v: jax.Array,
+    valid: jax.Array,
+    read: jax.Array,
+    a: jax.Array | None,
+    g: jax.Array | None,
+    b: jax.Array | None,
+    alpha: jax.Array | None,
+    m: RowMath,
+) -> jax.Array:
+    """``y`` in float32 for the values ``v`` (after the residual add), the activated gate
+    ``a`` (None without one), the gain ``g`` and bias ``b`` (broadcast to the tile) and DyT's
+    ``alpha``, with the before-scale roundings."""
+    if m.gate == "before":
+        assert a is not None
+        v = v * a
+    if alpha is not None:
+        normalized = jnp.tanh(alpha * v)
+    elif m.fast:
+        normalized = fast_y_hat(v, valid, m)
+    else:
+        normalized = y_hat(v, statistics(v, valid, read, m), m)
+    y = affine(normalized, g, b, m, rounded=True)
+    if m.gate == "after":
+        assert a is not None
+        if m.before_scale and m.affine_dtype is not None:
+            y = round_bits(y, m.affine_dtype)
+        y = y * a
+    return y
+
+
+class Grads(NamedTuple):
+    """The backward pass of a tile, in float32: ``dv`` (the input's gradient, before any
+    residual's ``dh``), ``dgate`` (None without a gate) and the tile's terms of the parameters'
+    gradients (``dy y_hat``, ``dy``, DyT's ``d x (1 - y_hat^2)``)."""
+
+    dv: jax.Array
+    dgate: jax.Array | None
+    dscale: jax.Array
+    dbias: jax.Array
+    dalpha: jax.Array | None
+
+
+def backward(
+    v: jax.Array,
+    dy: jax.Array,
+    valid: jax.Array,
+    read: jax.Array,
+    z: tuple[jax.Array, jax.Array] | None,
+    g: jax.Array | None,
+    b: jax.Array | None,
+    alpha: jax.Array | None,
+    m: RowMath,
+) -> Grads:
+    """`normkit.reference.normalize_vjp` (``gated_normalize_vjp`` with a gate: ``z`` is
+    ``(a(z), a'(z))``) on a tile, the statistic recomputed from ``v``; the fast variance has the
+    two-pass variance's gradient. The general input gradient, in scaled units::
+
+        dx_i = 2**(t - t_d) r' (d'_i - [i read] ([layer] sum_j d'_j + z_i sum_j d'_j y_hat_j) / k)
+
+    with ``d' = dy g 2**t_d`` scaled by the power of two of its largest magnitude (so that
+    the row sums of large cotangents stay finite) and ``z = y_hat`` (inside) or
+    ``c' / sqrt(s')`` (outside, 0 where s' = 0). Rows of one element read (RMS kinds) or two
+    (LayerNorm) take the closed form of `normkit.jax.functional._input_grad`:
+    ``d' eps' r'^2`` (inside; ``eps' r'`` outside), less the sums over the elements not read.
+    """
+    gated = v
+    if m.gate == "before":
+        assert z is not None
+        gated = v * z[0]
+    if alpha is not None:
+        normalized = jnp.tanh(alpha * gated)
+    else:
+        st = statistics(gated, valid, read, m)
+        normalized = y_hat(gated, st, m)
+    dgate = None
+    if m.gate == "after":
+        assert z is not None
+        dgate = dy * affine(normalized, g, b, m, rounded=False) * z[1]
+        dy = dy * z[0]
+    d = dy if g is None else dy * g
+    if alpha is not None:
+        slope = 1 - normalized * normalized
+        dv = alpha * slope * d
+        return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
+    largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
+    t_d = scale_exponent(largest, _HIGHEST)
+    scaled = jnp.where(valid, d * pow2(t_d), 0)
+    if m.outside:
+        positive = st.s > 0
+        zeta = st.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, st.s, 1)), 0)
+    else:
+        zeta = normalized
+    layer_sum = row_sum(scaled) if m.layer else 0
+    if m.degenerate:
+        rest = st.eps * st.r if m.outside else st.eps * st.r * st.r
+        own = row_sum(jnp.where(read, scaled, 0)) / m.read if m.layer else 0
+        inner = (scaled - own) * rest
+        if m.partial:
+            others = row_sum(jnp.where(read, 0, scaled * normalized))
+            inner = inner - zeta * others / m.read
+    else:
+        projection = row_sum(scaled * normalized)
+        inner = scaled - (layer_sum + zeta * projection) / m.read
+    inner = jnp.where(read, inner, scaled)
+    dv = ldexp(inner * st.r, st.t - t_d)
+    if m.gate == "before":
+        assert z is not None
+        dgate = dv * v * z[1]
+        dv = dv * z[0]
+    return Grads(dv, dgate, dy * normalized, dy, None)
