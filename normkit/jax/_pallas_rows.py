@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from normkit._jax_rounding import round_bits
+from normkit.jax import _exact
 
 F32 = jnp.float32
 #: The powers of two a row is scaled by: 2**-126 .. 2**126, normal float32 numbers.
@@ -147,19 +148,25 @@ def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath) -> S
     return Stats(c, s, eps, rsqrt_or_inverse(s, eps, m.outside), t)
 
 
+def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a b`` rounded once to float32 (infinity where it overflows), whatever the compiler
+    contracts or keeps in excess precision (`normkit.jax._exact.product`)."""
+    plain = a * b
+    return jnp.where(jnp.isinf(plain), plain, _exact.product(a, b))
+
+
 def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
     """``variance="fast"``'s ``y_hat = (x - m1) r(v)`` with the reference's roundings,
-    ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums in
-    float64 (exact but within about 2**-29 ulp of a halfway point), the products formed there
-    and rounded once, so no fused multiply-add changes them. Needs 64-bit mode at trace time
-    (`normkit.jax.pallas` enables it for this kernel)."""
+    ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums of
+    float32 values in float64 (exact but within about 2**-29 ulp of a halfway point), each
+    product and difference a float32 operation rounded once (`rounded_product`). Needs 64-bit
+    mode at trace time (`normkit.jax.pallas` enables it for this kernel)."""
     f64 = jnp.float64
-    x64 = jnp.where(valid, v, 0).astype(f64)
-    m1 = (row_sum(x64) / m.size).astype(F32)
-    squares = (x64 * x64).astype(F32).astype(f64)
-    m2 = (row_sum(squares) / m.size).astype(F32)
-    m1_squared = (m1.astype(f64) * m1.astype(f64)).astype(F32)
-    variance = jnp.maximum((m2.astype(f64) - m1_squared.astype(f64)).astype(F32), 0)
+    x = jnp.where(valid, v, 0)
+    m1 = (row_sum(x.astype(f64)) / m.size).astype(F32)
+    m2 = (row_sum(rounded_product(x, x).astype(f64)) / m.size).astype(F32)
+    difference = m2 - rounded_product(m1, m1)
+    variance = jnp.where(difference < 0, 0, difference)  # max(0, .), keeping a NaN
     return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
 
 

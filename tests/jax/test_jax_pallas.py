@@ -221,6 +221,9 @@ EDGES.update({
     for placement in ("inside", "outside")
 })
 EDGES["smallest_eps"] = (NormSpec(eps=2.0**-126), _tiny_rows)
+# the fast variance's roundings where its steps overflow float32 and where the mean is large
+EDGES["far_scales-layer-fast"] = (NormSpec("layer", variance="fast"), _far_scales)
+EDGES["large_mean-layer-fast"] = (NormSpec("layer", variance="fast"), _large_mean)
 EDGES["far_scales-gate-after"] = (NormSpec(gate="after"), _far_scales)
 
 
