@@ -249,24 +249,20 @@ def _forward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
 
 
 def _backward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
-    """One program's tiles: every ``programs``-th, from its own index."""
+    """One program's tiles, every ``programs``-th from its own index: their input gradients,
+    and the parameters' terms summed over its tiles in registers, written once."""
     got, outputs = inputs.bind(refs)
     m = k.math
     dx_ref = next(outputs)
-    dresidual_ref = next(outputs) if "residual" in got and not k.saves_h else None
-    if k.saves_h and m.residual is not None:
-        dresidual_ref = next(outputs)
+    dresidual_ref = next(outputs) if m.residual is not None else None
     dgate_ref = next(outputs) if "gate" in got else None
-    dscale_ref = next(outputs) if "scale" in got else None
-    dbias_ref = next(outputs) if "bias" in got else None
-    dalpha_ref = next(outputs) if "alpha" in got else None
-    w = _load_param(got.get("scale"), k)
-    g = rows_math.gain(w, m)
+    summed = [name for name in ("scale", "bias", "alpha") if name in got]
+    sum_refs = [next(outputs) for _ in summed]
+    g = rows_math.gain(_load_param(got.get("scale"), k), m)
     b = _load_param(got.get("bias"), k)
     alpha = _load_alpha(got.get("alpha"))
     program = pl.program_id(0)
     programs = k.layout.programs
-    zeros = jnp.zeros(k.layout.tile, F32)
 
     def tile(i: jax.Array, sums: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         first_row = (program + i * programs) * k.layout.block_rows
@@ -288,27 +284,26 @@ def _backward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
         if dgate_ref is not None:
             assert grads.dgate is not None
             _store(dgate_ref, k, first_row, valid, grads.dgate)
-        dalpha = zeros if grads.dalpha is None else jnp.where(valid, grads.dalpha, 0)
-        return (sums[0] + jnp.where(valid, grads.dscale, 0),
-                sums[1] + jnp.where(valid, grads.dbias, 0), sums[2] + dalpha)
+        terms = {"scale": grads.dscale, "bias": grads.dbias, "alpha": grads.dalpha}
+        return tuple(total + jnp.where(valid, terms[name], 0)  # type: ignore[arg-type]
+                     for name, total in zip(summed, sums, strict=True))
 
-    dscale, dbias, dalpha = lax.fori_loop(
-        0, pl.cdiv(k.layout.tiles, programs), tile, (zeros, zeros, zeros)
-    )
+    zeros = tuple(jnp.zeros(k.layout.tile, F32) for _ in summed)
+    sums = lax.fori_loop(0, pl.cdiv(k.layout.tiles, programs), tile, zeros)
     inner = tuple(pl.ds(0, b) for b in k.layout.block_inner)
     columns = functools.reduce(
         jnp.logical_and,
         [lax.broadcasted_iota(jnp.int32, k.layout.block_inner, a) < s
          for a, s in enumerate(k.layout.inner)],
     )
-    for ref, total in ((dscale_ref, dscale), (dbias_ref, dbias)):
-        if ref is not None:
+    for name, ref, total in zip(summed, sum_refs, sums, strict=True):
+        if name == "alpha":
+            for _ in k.layout.tile:  # one axis at a time, as Triton reduces
+                total = jnp.sum(total, axis=-1)
+            plgpu.store(ref.at[pl.ds(program, 1)], total.reshape(1))
+        else:
             plgpu.store(ref.at[(pl.ds(program, 1), *inner)],
                         jnp.sum(total, axis=0, keepdims=True), mask=columns[None])
-    if dalpha_ref is not None:
-        for _ in k.layout.tile:  # one axis at a time: Triton reduces one
-            dalpha = jnp.sum(dalpha, axis=-1)
-        plgpu.store(dalpha_ref.at[pl.ds(program, 1)], dalpha.reshape(1))
 
 
 # --- the calls --------------------------------------------------------------------------------
