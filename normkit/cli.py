@@ -23,6 +23,7 @@ import numpy as np
 import normkit
 from normkit import arguments, backends, dtypes
 from normkit.bench import cli as bench_cli
+from normkit.doctor import cli as doctor_cli
 from normkit.interrupts import INTERRUPTED, interruptible
 from normkit.port import cli as port_cli
 from normkit.spec import ALL_KINDS, CASTS, EPS_PLACEMENTS, KINDS, NormSpec
@@ -226,6 +227,7 @@ Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argpar
 COMMANDS: list[Command] = [
     ("bench", bench_cli.add_arguments, bench_cli.run),
     ("conformance", _add_conformance, _run_conformance),
+    ("doctor", doctor_cli.add_arguments, doctor_cli.run),
     ("identify", _add_identify, _run_identify),
     ("info", _add_info, _run_info),
     ("port", port_cli.add_arguments, port_cli.run),
@@ -236,6 +238,7 @@ HELP = {
     "conformance": (
         "check every installed implementation against the reference, forward and backward"
     ),
+    "doctor": doctor_cli.HELP,
     "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "port": port_cli.HELP,

@@ -67,6 +67,7 @@ except ImportError as error:
 from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction, apply, needs_graph
+from normkit.torch.kernels import triton_backward
 from normkit.torch.kernels.options import KernelOptions
 
 __all__ = [
@@ -762,6 +763,11 @@ def _backward_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dz, dw, db); dz is empty without a gate, dw and db where not needed. ``bias`` is
     given with ``gate_out`` only (dz reads u = y_hat g + b); ``bias_dtype`` is db's."""
+    if triton_backward.FUSED:  # NORMKIT_TRITON_BACKWARD=fused, experimental (docs/triton.md)
+        return triton_backward.backward_rows(
+            x, residual, gate, r, dy, dh, weight, bias, bias_dtype, kind, k, eps, outside,
+            scale_offset, group, gate_in, gate_out, rounding, dx_dtype, need_dw, need_db,
+            launch=_launcher(x))
     rows, n = x.shape
     groups = n // group
     dx = torch.empty((rows, n), dtype=dx_dtype, device=x.device)
