@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeVar, cast
@@ -25,8 +24,10 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit import _jax_exact as _exact
+from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
-from normkit.jax import _exact, _gated, pallas
+from normkit.jax import _gated
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
 __all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm",
@@ -39,7 +40,7 @@ Implementation = Literal["xla", "pallas"]
 """Which program computes a call: XLA's, or the Pallas kernels on NVIDIA GPUs (`normalize`)."""
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("xla", "pallas")
 #: The environment variable that selects the implementation where a call gives none.
-KERNELS_VARIABLE = "NORMKIT_JAX_KERNELS"
+KERNELS_VARIABLE = pallas.KERNELS_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def normalize(
             f"normalize: the spec has residual={spec.residual!r}, which adds a residual before "
             "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
         )
-    kernels = _kernels(implementation)
+    kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     gate = _checked_gate(gate, x, spec)
     if spec.gate is not None or spec.group_size is not None:
@@ -211,7 +212,7 @@ def add_norm(
             f"add_norm: normkit.jax does not compute a residual with group_size={spec.group_size}"
             " (normkit.torch does); add the residual and use normalize"
         )
-    kernels = _kernels(implementation)
+    kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
@@ -226,20 +227,6 @@ def add_norm(
 
 
 # --- the choice of program ---------------------------------------------------------------------
-
-def _kernels(implementation: Implementation | None) -> bool:
-    """Whether the call asks for the Pallas kernels: ``implementation``, else
-    `KERNELS_VARIABLE`, else not; ValueError for another value."""
-    chosen = implementation
-    if chosen is None:
-        chosen = os.environ.get(KERNELS_VARIABLE, "xla") or "xla"  # type: ignore[assignment]
-        where = f"the environment variable {KERNELS_VARIABLE}"
-    else:
-        where = "implementation"
-    if chosen not in IMPLEMENTATIONS:
-        raise ValueError(f"{where}={chosen!r}: expected one of {IMPLEMENTATIONS}")
-    return chosen == "pallas"
-
 
 _Program = Callable[..., "jax.Array | tuple[jax.Array, jax.Array]"]
 
@@ -258,7 +245,7 @@ def _dispatched(
     """``xla(x, residual, gate, scale, bias, alpha)``, or where the ``kernels`` are asked for
     and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every other
     platform): the choice is made when the program is lowered, and XLA compiles only the
-    platform's own (inside `normkit.jax.pallas.interpreted`: the kernels, interpreted)."""
+    platform's own (inside `normkit._pallas.interpreted`: the kernels, interpreted)."""
     args = (x, residual, gate, scale, bias, alpha)
     if not kernels or plan.axis_name is not None or not pallas.supports(
         x, plan.spec, plan.axes, args[1:]
@@ -912,7 +899,7 @@ def _added(
 def _fast_moments(plan: _Plan, v: jax.Array, reads: _Reads) -> tuple[jax.Array, jax.Array]:
     """``variance="fast"``: ``(m1, v)`` with ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))`` and
     ``v = max(0, c(m2 - c(m1^2)))``, the means over the elements read, each step rounded once
-    (`normkit.jax._exact`; float64 inputs in plain float64). Differentiated as the two-pass
+    (`normkit._jax_exact`; float64 inputs in plain float64). Differentiated as the two-pass
     variance: ``dv = 2 mean(c dx)``."""
     if v.dtype == jnp.float32:
 

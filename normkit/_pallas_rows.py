@@ -1,4 +1,4 @@
-"""The row arithmetic of normkit.jax's Pallas kernels (`normkit.jax.pallas`): what one program
+"""The row arithmetic of normkit's Pallas kernels (`normkit._pallas`): what one program
 computes on a tile of rows held in registers, in float32, forward and backward.
 
 A tile is ``(rows, n)``, or ``(rows, groups, group_size)`` with ``group_size``: the statistic
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from normkit import _jax_exact
 from normkit._jax_rounding import round_bits
-from normkit.jax import _exact
 
 F32 = jnp.float32
 #: The powers of two a row is scaled by: 2**-126 .. 2**126, normal float32 numbers.
@@ -150,9 +150,9 @@ def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath) -> S
 
 def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a b`` rounded once to float32 (infinity where it overflows), whatever the compiler
-    contracts or keeps in excess precision (`normkit.jax._exact.product`)."""
+    contracts or keeps in excess precision (`normkit._jax_exact.product`)."""
     plain = a * b
-    return jnp.where(jnp.isinf(plain), plain, _exact.product(a, b))
+    return jnp.where(jnp.isinf(plain), plain, _jax_exact.product(a, b))
 
 
 def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
@@ -160,7 +160,7 @@ def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
     ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums of
     float32 values in float64 (exact but within about 2**-29 ulp of a halfway point), each
     product and difference a float32 operation rounded once (`rounded_product`). Needs 64-bit
-    mode at trace time (`normkit.jax.pallas` enables it for this kernel)."""
+    mode at trace time (`normkit._pallas` enables it for this kernel)."""
     f64 = jnp.float64
     x = jnp.where(valid, v, 0)
     m1 = (row_sum(x.astype(f64)) / m.size).astype(F32)
