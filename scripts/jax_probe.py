@@ -370,9 +370,13 @@ def _keras_program(layer: Any, x: jax.Array, dy: jax.Array, backward: bool
 
 def keras_layers(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]
                  ) -> None:
-    import keras
+    try:
+        import keras
 
-    from normkit.tf.layers import LayerNorm, RMSNorm
+        from normkit.tf.layers import LayerNorm, RMSNorm
+    except ImportError as error:  # Keras comes with gpu-check's carried wheels
+        log(section="keras", skipped=f"Keras is not importable: {error}")
+        return
 
     policy = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
     for shape, dtype, backward in _groups(shapes, dtypes):
