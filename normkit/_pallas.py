@@ -10,7 +10,7 @@ and on any platform inside `interpreted`.
 
 Layout: the normalized axes must be the trailing ones (a reshape to rows, no copy), the row (or
 the group, with ``group_size``) at most `MAX_BLOCK` elements, padded to a power of two in
-registers. The forward runs one program per tile of rows (`_FORWARD_TILE` elements);
+registers. The forward runs one program per tile of rows (`LAUNCH`);
 the backward runs `programs` programs, each taking every ``programs``-th tile and summing its
 rows' terms of the parameters' gradients in registers, then writes them once; those partial
 sums are added by XLA in a fixed order (deterministic). The row arithmetic is
@@ -45,13 +45,14 @@ __all__ = ["KERNELS_VARIABLE", "MAX_BLOCK", "interpreted", "interpreting", "run"
 MAX_BLOCK = 32768
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KERNEL_DTYPES = (*_HALF, jnp.dtype(jnp.float32))
-#: Elements per program tile in the forward (rows of fewer are taken several at a time), and
-#: per warp; the backward's programs at most (a few per multiprocessor of an H200's 132) and
-#: tiles per program at least, so that the partial sums stay small.
-_FORWARD_TILE = 2048
-_ELEMENTS_PER_WARP = 1024
-_MAX_PROGRAMS = 264
-_TILES_PER_PROGRAM = 2
+#: The launch configuration, a first guess until a GPU run measures it (scripts/jax_probe.py
+#: times others by setting these): elements per tile (rows of fewer are taken several at a
+#: time); elements per warp, forward (Triton's 1024 of normkit.torch's kernels) and backward
+#: (which holds about twice as many values per element); the backward's programs at most (two
+#: per multiprocessor of an H200) and tiles per program at least, so that the partial sums
+#: stay small.
+LAUNCH = {"tile": 2048, "forward_per_warp": 1024, "backward_per_warp": 512,
+          "programs": 264, "tiles_per_program": 2}
 
 
 #: The environment variable that selects the kernels (``"pallas"``) or the XLA program
@@ -125,21 +126,21 @@ class _Layout:
         return pl.cdiv(self.rows, self.block_rows)
 
     def warps(self, backward: bool) -> int:
-        per_tile = math.prod(self.tile) // _ELEMENTS_PER_WARP
-        return max(4 if backward else 2, min(16, pl.next_power_of_2(max(per_tile, 1))))
+        per_warp = LAUNCH["backward_per_warp" if backward else "forward_per_warp"]
+        return max(2, min(32, pl.next_power_of_2(max(math.prod(self.tile) // per_warp, 1))))
 
     @property
     def programs(self) -> int:
-        """The backward's programs: ``_MAX_PROGRAMS`` at most, each taking at least
-        ``_TILES_PER_PROGRAM`` tiles (fewer programs than tiles keep the partial sums small)."""
-        return max(1, min(_MAX_PROGRAMS, self.tiles // _TILES_PER_PROGRAM))
+        """The backward's programs: ``LAUNCH["programs"]`` at most, each taking at least
+        ``LAUNCH["tiles_per_program"]`` tiles."""
+        return max(1, min(LAUNCH["programs"], self.tiles // LAUNCH["tiles_per_program"]))
 
 
 def _layout(rows: int, n: int, groups: int) -> _Layout:
     size = n // groups
     width = pl.next_power_of_2(groups) * pl.next_power_of_2(size) if groups > 1 else (
         pl.next_power_of_2(size))
-    block_rows = max(1, min(pl.next_power_of_2(rows), _FORWARD_TILE // width))
+    block_rows = max(1, min(pl.next_power_of_2(rows), LAUNCH["tile"] // width))
     return _Layout(rows, groups, size, block_rows)
 
 

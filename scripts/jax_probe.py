@@ -22,6 +22,9 @@ stopping where the budget (default 85 s, compiles included) runs out:
 - ``keras``: Keras' RMSNormalization and LayerNormalization on its JAX backend against
   normkit.tf's layers, with the kernels and without, stateless calls under ``jax.jit``.
 - ``apis``: normkit.jax's nnx modules and functions with the kernels, beside the linen module.
+- ``launch``: RMSNorm through the kernels at other launch configurations
+  (`normkit._pallas.LAUNCH`: elements per warp forward and backward, the backward's programs),
+  each against the default one: what tunes it.
 
 ``--interpret`` runs the kernels in Pallas' interpreter (without a GPU: slow, for small shapes).
 """
@@ -58,7 +61,7 @@ from normkit.jax import functional, pallas  # noqa: E402
 EPS = 1e-6
 SHAPES = ((8192, 4096), (32768, 1024), (2048, 16384))
 DTYPES = ("float32", "bfloat16")
-SECTIONS = ("check", "layers", "options", "keras", "apis")
+SECTIONS = ("check", "layers", "options", "keras", "apis", "launch")
 #: Calls between two syncs in throughput mode; rounds of each mode (after one warm-up round).
 CALLS = 10
 ROUNDS = 7
@@ -428,6 +431,49 @@ def apis(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...])
                 **{"pass": "forward+backward" if backward else "forward"}, ms=timed(candidates))
 
 
+# --- launch ----------------------------------------------------------------------------------
+
+#: Launch configurations tried beside the default, by what they change (`normkit._pallas.LAUNCH`).
+LAUNCHES = {
+    "forward": {"forward 512/warp": {"forward_per_warp": 512},
+                "forward 2048/warp": {"forward_per_warp": 2048}},
+    "forward+backward": {"backward 256/warp": {"backward_per_warp": 256},
+                         "backward 1024/warp": {"backward_per_warp": 1024},
+                         "132 programs": {"programs": 132},
+                         "528 programs": {"programs": 528}},
+}
+
+
+@contextlib.contextmanager
+def _launch(changes: Mapping[str, int]) -> Iterator[None]:
+    from normkit import _pallas
+
+    before = dict(_pallas.LAUNCH)
+    _pallas.LAUNCH.update(changes)
+    try:
+        yield
+    finally:
+        _pallas.LAUNCH.clear()
+        _pallas.LAUNCH.update(before)
+
+
+def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
+    """RMSNorm through the kernels at each launch configuration of `LAUNCHES`, side by side
+    with the default one, throughput mode."""
+    for shape, dtype, backward in _groups(shapes, dtypes):
+        _spend(log)
+        x, dy = _inputs(shape, dtype)
+        form = "forward+backward" if backward else "forward"
+        candidates = {}
+        for name, changes in {"default": {}, **LAUNCHES[form]}.items():
+            with _launch(changes):
+                module = nkjax.RMSNorm(epsilon=EPS, output_dtype="input", implementation="pallas")
+                candidates[name] = _program(*_linen(module, x), x, dy, backward)
+        times = timed(candidates)["throughput"]
+        log(section="launch", shape=shape, dtype=dtype, ms=times, **{"pass": form},
+            over_default={n: round(t / times["default"], 3) for n, t in times.items()})
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -461,6 +507,7 @@ def main() -> int:
         "options": lambda: options(log, args.shapes[0], args.dtypes[-1]),
         "keras": lambda: keras_layers(log, args.shapes, args.dtypes),
         "apis": lambda: apis(log, args.shapes, args.dtypes),
+        "launch": lambda: launch(log, args.shapes, args.dtypes),
     }
     scope = pallas.interpreted() if args.interpret else contextlib.nullcontext()
     with scope:

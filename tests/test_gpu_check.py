@@ -142,8 +142,8 @@ def test_the_jax_probe_times_each_implementation_in_both_modes(tmp_path):
     option over the default, each in throughput and latency mode beside the copy floor."""
     pytest.importorskip("flax")
     pytest.importorskip("keras")
-    records = _probe(tmp_path, "--dtypes", "float32", "--sections", "layers,options,keras,apis",
-                     "--budget", "500")
+    records = _probe(tmp_path, "--dtypes", "float32", "--sections",
+                     "layers,options,keras,apis,launch", "--budget", "500")
     assert records[-1]["seconds"] > 0 and not any("stopped" in r for r in records)
     sections = {"layers": ("normkit[pallas]", "normkit[xla]", "flax", "copy"),
                 "keras": ("normkit.tf[pallas]", "normkit.tf[xla]", "keras", "copy"),
@@ -161,6 +161,9 @@ def test_the_jax_probe_times_each_implementation_in_both_modes(tmp_path):
     assert [r["pass"] for r in options] == ["forward", "forward+backward"]
     for r in options:
         assert r["over_default"]["default"] == 1 and len(r["over_default"]) >= 15
+    launches = [r for r in records if r.get("section") == "launch"]
+    assert [r["pass"] for r in launches] == ["forward", "forward+backward"]
+    assert all(r["over_default"]["default"] == 1 and len(r["ms"]) >= 3 for r in launches)
 
 
 def test_a_failure_is_printed_before_the_run_ends(tmp_path):
