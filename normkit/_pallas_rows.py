@@ -90,14 +90,29 @@ class RowMath:
 
 
 class Stats(NamedTuple):
-    """A tile's rows in scaled units: ``c`` (centered, zero outside the row), ``s`` and ``eps``
-    scaled, ``r = r(s, eps)`` and the exponent ``t`` (``u = x 2**t``), per row."""
+    """Per row, in scaled units: the exponent ``t`` (``u = x 2**t``, int32), LayerNorm's
+    ``mean`` and ``correction`` (``c = (u - mean) - correction``; zeros for the RMS kinds),
+    ``s`` and ``eps`` scaled, and ``r = r(s, eps)``."""
 
-    c: jax.Array
+    t: jax.Array
+    mean: jax.Array
+    correction: jax.Array
     s: jax.Array
     eps: jax.Array
     r: jax.Array
-    t: jax.Array
+
+
+class Terms(NamedTuple):
+    """Per row, the sums of the input gradient (`backward`): the exponent ``t_d`` of the
+    scaled cotangent (int32), ``sum d'`` (LayerNorm), ``sum d' y_hat``, and for rows of one
+    element read (two: LayerNorm) the mean of ``d'`` read and ``sum d' y_hat`` over the others;
+    zeros where the spec has none."""
+
+    t_d: jax.Array
+    layer_sum: jax.Array
+    projection: jax.Array
+    own: jax.Array
+    others: jax.Array
 
 
 def row_sum(value: jax.Array) -> jax.Array:
@@ -129,23 +144,32 @@ def rsqrt_or_inverse(s: jax.Array, eps: jax.Array, outside: bool) -> jax.Array:
     return 1 / (jnp.sqrt(s) + eps) if outside else lax.rsqrt(s + eps)
 
 
-def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath) -> Stats:
-    """The rows' statistic in scaled units (see the module docstring). LayerNorm centers twice
-    (the mean, then the mean of the centered values, which recovers what the rounding of a
-    large mean loses); ``read`` marks the elements the statistic reads."""
+def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath
+               ) -> tuple[jax.Array, Stats]:
+    """``(c, stats)``: the rows centered and their statistic in scaled units (see the module
+    docstring). LayerNorm centers twice (the mean, then the mean of the centered values, which
+    recovers what the rounding of a large mean loses); ``read`` marks the elements the
+    statistic reads."""
     largest = jnp.max(jnp.where(read, jnp.abs(v), 0), axis=-1, keepdims=True)
     t = scale_exponent(largest, m.highest)
     scale = pow2(t)
     u = v * scale
+    zero = jnp.zeros(largest.shape, F32)
+    mean = correction = zero
     if m.layer:
         mean = row_sum(u) / m.read
-        c = jnp.where(valid, u - mean, 0)
-        c = jnp.where(valid, c - row_sum(c) / m.read, 0)
-    else:
-        c = u
+        correction = row_sum(jnp.where(valid, u - mean, 0)) / m.read
+    st = Stats(t, mean, correction, zero, zero, zero)
+    c = centered(v, valid, st, m)
     s = row_sum(jnp.where(read, c * c, 0)) / m.read
     eps = m.eps * scale if m.outside else (m.eps * scale) * scale
-    return Stats(c, s, eps, rsqrt_or_inverse(s, eps, m.outside), t)
+    return c, st._replace(s=s, eps=eps, r=rsqrt_or_inverse(s, eps, m.outside))
+
+
+def centered(v: jax.Array, valid: jax.Array, st: Stats, m: RowMath) -> jax.Array:
+    """``c`` of `statistics` from its per-row values (the same bits)."""
+    u = v * pow2(st.t)
+    return jnp.where(valid, (u - st.mean) - st.correction, 0) if m.layer else u
 
 
 def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -170,11 +194,11 @@ def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
     return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
 
 
-def y_hat(v: jax.Array, st: Stats, m: RowMath) -> jax.Array:
+def y_hat(v: jax.Array, c: jax.Array, st: Stats, m: RowMath) -> jax.Array:
     """``c' r'``. Partial RMS's elements beyond the k read are not bounded by the scaled
     maximum: where the row was scaled up they take ``x (2**t r')`` (``2**t r'``, the true r, is
     at most ``1 / sqrt(eps)`` or ``1 / eps``), so that ``x 2**t`` cannot overflow."""
-    value = st.c * st.r
+    value = c * st.r
     if m.partial:
         value = jnp.where(st.t > 0, v * (pow2(st.t) * st.r), value)
     return value
@@ -246,7 +270,7 @@ def forward(
     elif m.fast:
         normalized = fast_y_hat(v, valid, m)
     else:
-        normalized = y_hat(v, statistics(v, valid, read, m), m)
+        normalized = y_hat(v, *statistics(v, valid, read, m), m)
     y = affine(normalized, g, b, m, rounded=True)
     if m.gate == "after":
         assert a is not None
@@ -278,10 +302,12 @@ def backward(
     b: jax.Array | None,
     alpha: jax.Array | None,
     m: RowMath,
+    rows: tuple[Stats, Terms] | None = None,
 ) -> Grads:
     """`normkit.reference.normalize_vjp` (``gated_normalize_vjp`` with a gate: ``z`` is
-    ``(a(z), a'(z))``) on a tile, the statistic recomputed from ``v``; the fast variance has the
-    two-pass variance's gradient. The general input gradient, in scaled units::
+    ``(a(z), a'(z))``) on a tile, the statistic recomputed from ``v`` (or from its per-row
+    values ``rows``, `row_terms`', where the tile is a slice of its rows); the fast variance has
+    the two-pass variance's gradient. The general input gradient, in scaled units::
 
         dx_i = 2**(t - t_d) r' (d'_i - [i read] ([layer] sum_j d'_j + z_i sum_j d'_j y_hat_j) / k)
 
@@ -291,15 +317,16 @@ def backward(
     (LayerNorm) take the closed form of `normkit.jax.functional._input_grad`:
     ``d' eps' r'^2`` (inside; ``eps' r'`` outside), less the sums over the elements not read.
     """
-    gated = v
-    if m.gate == "before":
-        assert z is not None
-        gated = v * z[0]
+    gated = v * z[0] if m.gate == "before" and z is not None else v
     if alpha is not None:
         normalized = jnp.tanh(alpha * gated)
+    elif rows is None:
+        c, st = statistics(gated, valid, read, m)
+        normalized = y_hat(gated, c, st, m)
     else:
-        st = statistics(gated, valid, read, m)
-        normalized = y_hat(gated, st, m)
+        st = rows[0]
+        c = centered(gated, valid, st, m)
+        normalized = y_hat(gated, c, st, m)
     dgate = None
     if m.gate == "after":
         assert z is not None
@@ -310,29 +337,75 @@ def backward(
         slope = 1 - normalized * normalized
         dv = alpha * slope * d
         return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
-    largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
-    t_d = scale_exponent(largest, _HIGHEST)
-    scaled = jnp.where(valid, d * pow2(t_d), 0)
-    if m.outside:
-        positive = st.s > 0
-        zeta = st.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, st.s, 1)), 0)
-    else:
-        zeta = normalized
-    layer_sum = row_sum(scaled) if m.layer else 0
-    if m.degenerate:
-        rest = st.eps * st.r if m.outside else st.eps * st.r * st.r
-        own = row_sum(jnp.where(read, scaled, 0)) / m.read if m.layer else 0
-        inner = (scaled - own) * rest
-        if m.partial:
-            others = row_sum(jnp.where(read, 0, scaled * normalized))
-            inner = inner - zeta * others / m.read
-    else:
-        projection = row_sum(scaled * normalized)
-        inner = scaled - (layer_sum + zeta * projection) / m.read
-    inner = jnp.where(read, inner, scaled)
-    dv = ldexp(inner * st.r, st.t - t_d)
+    terms = _terms(d, normalized, valid, read, m) if rows is None else rows[1]
+    dv = _input_grad(d, c, normalized, st, terms, valid, read, m)
     if m.gate == "before":
         assert z is not None
         dgate = dv * v * z[1]
         dv = dv * z[0]
     return Grads(dv, dgate, dy * normalized, dy, None)
+
+
+def row_terms(
+    v: jax.Array,
+    dy: jax.Array,
+    valid: jax.Array,
+    read: jax.Array,
+    a: jax.Array | None,
+    g: jax.Array | None,
+    m: RowMath,
+) -> tuple[Stats, Terms]:
+    """The per-row values `backward` reads from ``rows``: the statistic and the sums, from
+    the whole rows (``a``: the activated gate, None without one)."""
+    gated = v * a if m.gate == "before" and a is not None else v
+    c, st = statistics(gated, valid, read, m)
+    normalized = y_hat(gated, c, st, m)
+    if m.gate == "after" and a is not None:
+        dy = dy * a
+    d = dy if g is None else dy * g
+    return st, _terms(d, normalized, valid, read, m)
+
+
+def _terms(d: jax.Array, normalized: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath
+           ) -> Terms:
+    largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
+    t_d = scale_exponent(largest, _HIGHEST)
+    scaled = jnp.where(valid, d * pow2(t_d), 0)
+    zero = jnp.zeros(largest.shape, F32)
+    layer_sum = row_sum(scaled) if m.layer else zero
+    projection = own = others = zero
+    if not m.degenerate:
+        projection = row_sum(scaled * normalized)
+    elif m.layer:
+        own = row_sum(jnp.where(read, scaled, 0)) / m.read
+    if m.degenerate and m.partial:
+        others = row_sum(jnp.where(read, 0, scaled * normalized))
+    return Terms(t_d, layer_sum, projection, own, others)
+
+
+def _input_grad(
+    d: jax.Array,
+    c: jax.Array,
+    normalized: jax.Array,
+    st: Stats,
+    terms: Terms,
+    valid: jax.Array,
+    read: jax.Array,
+    m: RowMath,
+) -> jax.Array:
+    """`backward`'s input gradient, elementwise from the per-row ``st`` and ``terms``."""
+    scaled = jnp.where(valid, d * pow2(terms.t_d), 0)
+    if m.outside:
+        positive = st.s > 0
+        zeta = c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, st.s, 1)), 0)
+    else:
+        zeta = normalized
+    if m.degenerate:
+        rest = st.eps * st.r if m.outside else st.eps * st.r * st.r
+        inner = (scaled - terms.own) * rest
+        if m.partial:
+            inner = inner - zeta * terms.others / m.read
+    else:
+        inner = scaled - (terms.layer_sum + zeta * terms.projection) / m.read
+    inner = jnp.where(read, inner, scaled)
+    return ldexp(inner * st.r, st.t - terms.t_d)
