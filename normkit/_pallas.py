@@ -50,9 +50,10 @@ _KERNEL_DTYPES = (*_HALF, jnp.dtype(jnp.float32))
 #: time); elements per warp, forward (Triton's 1024 of normkit.torch's kernels) and backward
 #: (which holds about twice as many values per element); the backward's programs at most (two
 #: per multiprocessor of an H200) and tiles per program at least, so that the partial sums
-#: stay small.
+#: stay small; the longest row (padded) the backward holds whole with its parameters' sums, and
+#: the slices it takes longer ones in (`_slices`).
 LAUNCH = {"tile": 2048, "forward_per_warp": 1024, "backward_per_warp": 512,
-          "programs": 264, "tiles_per_program": 2}
+          "programs": 264, "tiles_per_program": 2, "fused": 8192, "slice": 4096}
 
 
 #: The environment variable that selects the kernels (``"pallas"``) or the XLA program
@@ -190,54 +191,73 @@ def supports(
 # --- the kernels ------------------------------------------------------------------------------
 
 
-def _row_valid(k: _Kernel, first_row: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(valid, read)`` masks of a tile starting at ``first_row``: the elements inside the
-    arrays, and those the statistic reads (partial RMS's first k)."""
-    tile = k.layout.tile
-    row = lax.broadcasted_iota(jnp.int32, tile, 0) + first_row
-    valid = row < k.layout.rows
+@dataclass(frozen=True)
+class _Piece:
+    """What of each row a program's tile covers: ``shape`` (a row's padded block, or a slice of
+    it along its first axis), from ``start`` on that axis (0, or the slice's, traced)."""
+
+    shape: tuple[int, ...]
+    start: Any = 0
+
+
+def _whole(k: _Kernel) -> _Piece:
+    return _Piece(k.layout.block_inner)
+
+
+def _masks(k: _Kernel, first_row: jax.Array, piece: _Piece) -> tuple[jax.Array, jax.Array]:
+    """``(valid, read)`` of a tile starting at ``first_row``: the elements inside the arrays,
+    and those the statistic reads (partial RMS's first k)."""
+    tile = (k.layout.block_rows, *piece.shape)
+    valid = lax.broadcasted_iota(jnp.int32, tile, 0) + first_row < k.layout.rows
     for axis, size in enumerate(k.layout.inner, start=1):
-        valid &= lax.broadcasted_iota(jnp.int32, tile, axis) < size
+        index = lax.broadcasted_iota(jnp.int32, tile, axis)
+        valid &= (index + piece.start if axis == 1 else index) < size
     read = valid
     if k.math.partial:
-        read = valid & (lax.broadcasted_iota(jnp.int32, tile, 1) < k.math.read)
+        read = valid & (lax.broadcasted_iota(jnp.int32, tile, 1) + piece.start < k.math.read)
     return valid, read
 
 
-def _at(ref: Any, k: _Kernel, first_row: jax.Array | None) -> Any:
-    """The tile of ``ref`` (a row-major array of rows) starting at ``first_row``, or with None
-    the whole of a parameter (a row's shape)."""
-    inner = tuple(pl.ds(0, b) for b in k.layout.block_inner)
-    if first_row is None:
-        return ref.at[inner]
-    return ref.at[(pl.ds(first_row, k.layout.block_rows), *inner)]
+def _inner(piece: _Piece) -> tuple[Any, ...]:
+    return (pl.ds(piece.start, piece.shape[0]), *(pl.ds(0, b) for b in piece.shape[1:]))
 
 
-def _load(ref: Any, k: _Kernel, first_row: jax.Array, valid: jax.Array) -> jax.Array:
-    return plgpu.load(_at(ref, k, first_row), mask=valid, other=0).astype(F32)
+def _at(ref: Any, k: _Kernel, first_row: jax.Array, piece: _Piece) -> Any:
+    """The tile of ``ref`` (a row-major array of rows) at ``first_row`` and ``piece``."""
+    return ref.at[(pl.ds(first_row, k.layout.block_rows), *_inner(piece))]
 
 
-def _load_param(ref: Any | None, k: _Kernel) -> jax.Array | None:
-    """A parameter (of a row's shape) in float32, broadcast over the tile's rows."""
+def _load(ref: Any, k: _Kernel, first_row: jax.Array, piece: _Piece, valid: jax.Array
+          ) -> jax.Array:
+    return plgpu.load(_at(ref, k, first_row, piece), mask=valid, other=0).astype(F32)
+
+
+def _store(ref: Any, k: _Kernel, first_row: jax.Array, piece: _Piece, valid: jax.Array,
+           value: jax.Array) -> None:
+    plgpu.store(_at(ref, k, first_row, piece), value.astype(ref.dtype), mask=valid)
+
+
+def _columns(k: _Kernel, piece: _Piece) -> jax.Array:
+    """Which elements of ``piece`` lie inside a row (a parameter's mask)."""
+    masks = []
+    for axis, size in enumerate(k.layout.inner):
+        index = lax.broadcasted_iota(jnp.int32, piece.shape, axis)
+        masks.append((index + piece.start if axis == 0 else index) < size)
+    return functools.reduce(jnp.logical_and, masks)
+
+
+def _load_param(ref: Any | None, k: _Kernel, piece: _Piece) -> jax.Array | None:
+    """A parameter (of a row's shape) over ``piece``, in float32, broadcast over the rows."""
     if ref is None:
         return None
-    inner = k.layout.block_inner
-    valid = functools.reduce(
-        jnp.logical_and,
-        [lax.broadcasted_iota(jnp.int32, inner, a) < s for a, s in enumerate(k.layout.inner)],
-    )
-    return plgpu.load(_at(ref, k, None), mask=valid, other=0).astype(F32)[None]
+    value = plgpu.load(ref.at[_inner(piece)], mask=_columns(k, piece), other=0)
+    return value.astype(F32)[None]
 
 
 def _load_alpha(ref: Any | None) -> jax.Array | None:
     if ref is None:
         return None
     return jnp.sum(plgpu.load(ref.at[pl.ds(0, 1)]).astype(F32))
-
-
-def _store(ref: Any, k: _Kernel, first_row: jax.Array, valid: jax.Array, value: jax.Array
-           ) -> None:
-    plgpu.store(_at(ref, k, first_row), value.astype(ref.dtype), mask=valid)
 
 
 @dataclass(frozen=True)
@@ -256,78 +276,143 @@ def _forward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
     y_ref = next(outputs)
     h_ref = next(outputs, None)
     m = k.math
+    piece = _whole(k)
     first_row = pl.program_id(0) * k.layout.block_rows
-    valid, read = _row_valid(k, first_row)
-    v = _load(got["x"], k, first_row, valid)
+    valid, read = _masks(k, first_row, piece)
+    v = _load(got["x"], k, first_row, piece, valid)
     if "residual" in got:
-        v = rows_math.added(v, _load(got["residual"], k, first_row, valid), m)
+        v = rows_math.added(v, _load(got["residual"], k, first_row, piece, valid), m)
         assert h_ref is not None
-        _store(h_ref, k, first_row, valid, v)
+        _store(h_ref, k, first_row, piece, valid, v)
     a = None
     if "gate" in got:
-        a = rows_math.activation(_load(got["gate"], k, first_row, valid), m.activation)[0]
-    g = rows_math.gain(_load_param(got.get("scale"), k), m)
-    y = rows_math.forward(v, valid, read, a, g, _load_param(got.get("bias"), k),
+        a = rows_math.activation(_load(got["gate"], k, first_row, piece, valid), m.activation)[0]
+    g = rows_math.gain(_load_param(got.get("scale"), k, piece), m)
+    y = rows_math.forward(v, valid, read, a, g, _load_param(got.get("bias"), k, piece),
                           _load_alpha(got.get("alpha")), m)
-    _store(y_ref, k, first_row, valid, y)
+    _store(y_ref, k, first_row, piece, valid, y)
 
 
-def _backward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
-    """One program's tiles, every ``programs``-th from its own index: their input gradients,
-    and the parameters' terms summed over its tiles in registers, written once."""
+def _loaded(got: dict[str, Any], k: _Kernel, first_row: jax.Array, piece: _Piece,
+            valid: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """``(v, z, dy)`` of a backward tile: the values normalized (the residual added), the gate
+    (None without one) and the cotangent, in float32."""
+    v = _load(got["source"], k, first_row, piece, valid)
+    if "residual" in got:
+        v = rows_math.added(v, _load(got["residual"], k, first_row, piece, valid), k.math)
+    z = _load(got["gate"], k, first_row, piece, valid) if "gate" in got else None
+    return v, z, _load(got["dy"], k, first_row, piece, valid)
+
+
+def _row_values_kernel(*refs: Any, k: _Kernel, inputs: _Refs, names: tuple[str, ...]) -> None:
+    """The per-row values of the backward (`normkit._pallas_rows.row_terms`) from whole rows,
+    for `_backward_kernel` on slices of them: one value per row (per group) and name."""
     got, outputs = inputs.bind(refs)
     m = k.math
+    piece = _whole(k)
+    first_row = pl.program_id(0) * k.layout.block_rows
+    valid, read = _masks(k, first_row, piece)
+    v, z, dy = _loaded(got, k, first_row, piece, valid)
+    a = None if z is None else rows_math.activation(z, m.activation)[0]
+    g = rows_math.gain(_load_param(got.get("scale"), k, piece), m)
+    st, terms = rows_math.row_terms(v, dy, valid, read, a, g, m)
+    values = {**st._asdict(), **terms._asdict()}
+    row_piece = _Piece((*piece.shape[:-1], 1))
+    row_valid = _masks(k, first_row, row_piece)[0]
+    for name in names:
+        _store(next(outputs), k, first_row, row_piece, row_valid, values[name])
+
+
+def _row_values(m: RowMath) -> tuple[str, ...]:
+    """The per-row values (`Stats`, `Terms`) the spec's backward reads; ``eps`` and ``r``
+    follow from ``t`` and ``s``, and the others are zeros."""
+    names = ["t", "s", "t_d"]
+    if m.layer:
+        names += ["mean", "correction", "layer_sum"]
+    if not m.degenerate:
+        names.append("projection")
+    elif m.layer:
+        names.append("own")
+    if m.degenerate and m.partial:
+        names.append("others")
+    return tuple(names)
+
+
+def _backward_kernel(*refs: Any, k: _Kernel, inputs: _Refs, slice_shape: tuple[int, ...] | None
+                     ) -> None:
+    """One program's tiles, every ``programs``-th from its own index: their input gradients,
+    and the parameters' terms summed over its tiles in registers, written once. With a
+    ``slice_shape``, the program's slice of the rows (the grid's second axis), the statistic
+    and the sums read from `_row_values_kernel`'s output."""
+    got, outputs = inputs.bind(refs)
+    m = k.math
+    piece = _whole(k)
+    if slice_shape is not None:
+        piece = _Piece(slice_shape, pl.program_id(1) * slice_shape[0])
     dx_ref = next(outputs)
     dresidual_ref = next(outputs) if m.residual is not None else None
     dgate_ref = next(outputs) if "gate" in got else None
     summed = [name for name in ("scale", "bias", "alpha") if name in got]
     sum_refs = [next(outputs) for _ in summed]
-    g = rows_math.gain(_load_param(got.get("scale"), k), m)
-    b = _load_param(got.get("bias"), k)
+    g = rows_math.gain(_load_param(got.get("scale"), k, piece), m)
+    b = _load_param(got.get("bias"), k, piece)
     alpha = _load_alpha(got.get("alpha"))
     program = pl.program_id(0)
     programs = k.layout.programs
+    tile_shape = (k.layout.block_rows, *piece.shape)
+
+    def rows(first_row: jax.Array) -> tuple[rows_math.Stats, rows_math.Terms] | None:
+        """The tile's per-row values, where the rows were taken whole before (a slice)."""
+        if slice_shape is None or alpha is not None:
+            return None
+        grouped = k.layout.grouped
+        row_piece = _Piece((*piece.shape[:-1], 1), piece.start if grouped else 0)
+        if not grouped:
+            row_piece = _Piece((1,))
+        valid = _masks(k, first_row, row_piece)[0]
+        zero = jnp.zeros(valid.shape, F32)
+        found = {name: plgpu.load(_at(got[name], k, first_row, row_piece), mask=valid, other=0)
+                 for name in _row_values(m)}
+        t = found["t"]
+        scale = rows_math.pow2(t)
+        eps = m.eps * scale if m.outside else (m.eps * scale) * scale
+        r = rows_math.rsqrt_or_inverse(found["s"], eps, m.outside)
+        st = rows_math.Stats(t, found.get("mean", zero), found.get("correction", zero),
+                             found["s"], eps, r)
+        terms = rows_math.Terms(*(found.get(n, zero) for n in rows_math.Terms._fields))
+        return st, terms
 
     def tile(i: jax.Array, sums: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         first_row = (program + i * programs) * k.layout.block_rows
-        valid, read = _row_valid(k, first_row)
-        v = _load(got["source"], k, first_row, valid)
-        if "residual" in got:
-            v = rows_math.added(v, _load(got["residual"], k, first_row, valid), m)
-        z = None
-        if "gate" in got:
-            z = rows_math.activation(_load(got["gate"], k, first_row, valid), m.activation)
-        dy = _load(got["dy"], k, first_row, valid)
-        grads = rows_math.backward(v, dy, valid, read, z, g, b, alpha, m)
+        valid, read = _masks(k, first_row, piece)
+        v, z, dy = _loaded(got, k, first_row, piece, valid)
+        activated = None if z is None else rows_math.activation(z, m.activation)
+        grads = rows_math.backward(v, dy, valid, read, activated, g, b, alpha, m,
+                                   rows(first_row))
         dv = grads.dv
         if "dh" in got:
-            dv = dv + _load(got["dh"], k, first_row, valid)
-        _store(dx_ref, k, first_row, valid, dv)
+            dv = dv + _load(got["dh"], k, first_row, piece, valid)
+        _store(dx_ref, k, first_row, piece, valid, dv)
         if dresidual_ref is not None:
-            _store(dresidual_ref, k, first_row, valid, dv)
+            _store(dresidual_ref, k, first_row, piece, valid, dv)
         if dgate_ref is not None:
             assert grads.dgate is not None
-            _store(dgate_ref, k, first_row, valid, grads.dgate)
+            _store(dgate_ref, k, first_row, piece, valid, grads.dgate)
         terms = {"scale": grads.dscale, "bias": grads.dbias, "alpha": grads.dalpha}
         return tuple(total + jnp.where(valid, terms[name], 0)  # type: ignore[arg-type]
                      for name, total in zip(summed, sums, strict=True))
 
-    zeros = tuple(jnp.zeros(k.layout.tile, F32) for _ in summed)
+    zeros = tuple(jnp.zeros(tile_shape, F32) for _ in summed)
     sums = lax.fori_loop(0, pl.cdiv(k.layout.tiles, programs), tile, zeros)
-    inner = tuple(pl.ds(0, b) for b in k.layout.block_inner)
-    columns = functools.reduce(
-        jnp.logical_and,
-        [lax.broadcasted_iota(jnp.int32, k.layout.block_inner, a) < s
-         for a, s in enumerate(k.layout.inner)],
-    )
     for name, ref, total in zip(summed, sum_refs, sums, strict=True):
         if name == "alpha":
-            for _ in k.layout.tile:  # one axis at a time, as Triton reduces
+            for _ in tile_shape:  # one axis at a time, as Triton reduces
                 total = jnp.sum(total, axis=-1)
-            plgpu.store(ref.at[pl.ds(program, 1)], total.reshape(1))
+            plgpu.store(ref.at[pl.ds(program, 1), pl.ds(pl.program_id(1), 1)],
+                        total.reshape(1, 1))
         else:
-            plgpu.store(ref.at[(pl.ds(program, 1), *inner)],
-                        jnp.sum(total, axis=0, keepdims=True), mask=columns[None])
+            plgpu.store(ref.at[(pl.ds(program, 1), *_inner(piece))],
+                        jnp.sum(total, axis=0, keepdims=True), mask=_columns(k, piece)[None])
 
 
 # --- the calls --------------------------------------------------------------------------------
@@ -346,15 +431,26 @@ def _scoped(k: _Kernel) -> contextlib.AbstractContextManager[Any]:
     return jax.enable_x64(True) if k.math.fast else contextlib.nullcontext()
 
 
+def _kernel_inputs(k: _Kernel, arrays: dict[str, jax.Array | None]) -> dict[str, jax.Array]:
+    """The arrays given, as the kernels read them: rows, a row's shape, alpha of shape (1,)."""
+    found = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if name in ("scale", "bias"):
+            found[name] = a.reshape(k.layout.inner)
+        else:
+            found[name] = a.reshape(1) if name == "alpha" else a.reshape(
+                (k.layout.rows, *k.layout.inner))
+    return found
+
+
 def _call_forward(
     k: _Kernel, arrays: dict[str, jax.Array | None]
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(y, h)`` of the forward kernel (``h`` None without a residual), in x's shape."""
     shape = arrays["x"].shape  # type: ignore[union-attr]
-    present = {name: a for name, a in arrays.items() if a is not None}
-    inputs = {name: (_row_param(a, k) if name in ("scale", "bias") else
-                     a.reshape(1) if name == "alpha" else _rows(a, k))
-              for name, a in present.items()}
+    inputs = _kernel_inputs(k, arrays)
     array = (k.layout.rows, *k.layout.inner)
     outs = [jax.ShapeDtypeStruct(array, k.out_dtype)]
     if k.math.residual is not None:
@@ -370,36 +466,55 @@ def _call_forward(
     return y, (results[1].reshape(shape) if len(results) > 1 else None)
 
 
+def _slices(k: _Kernel) -> tuple[int, ...] | None:
+    """The shape of the slices the backward takes rows in, where a row's block is longer than
+    ``LAUNCH["fused"]`` elements (holding it whole with the parameters' sums would spill
+    registers): slices of about ``LAUNCH["slice"]`` elements along its first axis (columns, or
+    whole groups). None: rows whole."""
+    block = k.layout.block_inner
+    if math.prod(block) <= LAUNCH["fused"]:
+        return None
+    rest = math.prod(block[1:])
+    first = max(1, min(block[0], LAUNCH["slice"] // rest))
+    return None if first == block[0] else (first, *block[1:])
+
+
 def _call_backward(
     k: _Kernel, arrays: dict[str, jax.Array | None], dtypes: dict[str, jnp.dtype]
 ) -> dict[str, jax.Array]:
     """The gradients by name (``dx``, ``dresidual``, ``dgate``, ``dscale``, ``dbias``,
-    ``dalpha``, those the call has), each in its array's dtype (``dtypes``)."""
+    ``dalpha``, those the call has), each in its array's dtype (``dtypes``). Rows longer than
+    `_slices` allows are taken in slices, their per-row values computed first from the whole
+    rows (`_row_values_kernel`): one more read of the inputs, no spilled registers."""
     shape = arrays["dy"].shape  # type: ignore[union-attr]
-    present = {name: a for name, a in arrays.items() if a is not None}
-    inputs = {name: (_row_param(a, k) if name in ("scale", "bias") else
-                     a.reshape(1) if name == "alpha" else _rows(a, k))
-              for name, a in present.items()}
+    inputs = _kernel_inputs(k, arrays)
     array = (k.layout.rows, *k.layout.inner)
     programs = k.layout.programs
+    slice_shape = _slices(k)
+    slices = 1 if slice_shape is None else pl.cdiv(k.layout.block_inner[0], slice_shape[0])
+    if slice_shape is not None and "alpha" not in inputs:
+        value_names = _row_values(k.math)
+        values = _row_values_call(k, inputs, value_names)
+        inputs = {**inputs, **dict(zip(value_names, values, strict=True))}
     names = ["dx"]
     outs = [jax.ShapeDtypeStruct(array, dtypes["dx"])]
     if k.math.residual is not None:
         names.append("dresidual")
         outs.append(jax.ShapeDtypeStruct(array, dtypes["dresidual"]))
-    if "gate" in present:
+    if "gate" in inputs:
         names.append("dgate")
         outs.append(jax.ShapeDtypeStruct(array, dtypes["dgate"]))
     for name in ("scale", "bias"):
-        if name in present:
+        if name in inputs:
             names.append("d" + name)
             outs.append(jax.ShapeDtypeStruct((programs, *k.layout.inner), F32))
-    if "alpha" in present:
+    if "alpha" in inputs:
         names.append("dalpha")
-        outs.append(jax.ShapeDtypeStruct((programs,), F32))
-    kernel = functools.partial(_backward_kernel, k=k, inputs=_Refs(tuple(inputs)))
+        outs.append(jax.ShapeDtypeStruct((programs, slices), F32))
+    kernel = functools.partial(_backward_kernel, k=k, inputs=_Refs(tuple(inputs)),
+                               slice_shape=slice_shape)
     results = pl.pallas_call(
-        kernel, grid=(programs,), out_shape=outs, interpret=k.interpret,
+        kernel, grid=(programs, slices), out_shape=outs, interpret=k.interpret,
         compiler_params=k.compiler_params(backward=True), name="normkit_norm_backward",
     )(*inputs.values())
     found = dict(zip(names, results, strict=True))
@@ -407,12 +522,28 @@ def _call_backward(
     for name, value in found.items():
         if name in ("dx", "dresidual", "dgate"):
             grads[name] = value.reshape(shape)
-        else:  # partial sums, one per program, added in a fixed order
+        else:  # partial sums, one per program (and slice), added in a fixed order
             total = jnp.sum(value, axis=0)
+            if name == "dalpha":
+                total = jnp.sum(total, axis=0)
             target = arrays[name[1:]]
             assert target is not None
             grads[name] = total.reshape(target.shape).astype(dtypes[name])
     return grads
+
+
+def _row_values_call(k: _Kernel, inputs: dict[str, jax.Array], names: tuple[str, ...]
+                     ) -> list[jax.Array]:
+    """`_row_values_kernel`'s per-row values, one array (rows, [groups,] 1) per name."""
+    shape = (k.layout.rows, *k.layout.inner[:-1], 1)
+    outs = [jax.ShapeDtypeStruct(shape, jnp.int32 if name in ("t", "t_d") else F32)
+            for name in names]
+    read = {n: a for n, a in inputs.items() if n in ("source", "residual", "gate", "scale", "dy")}
+    kernel = functools.partial(_row_values_kernel, k=k, inputs=_Refs(tuple(read)), names=names)
+    return list(pl.pallas_call(
+        kernel, grid=(k.layout.tiles,), out_shape=outs, interpret=k.interpret,
+        compiler_params=k.compiler_params(backward=False), name="normkit_norm_backward_rows",
+    )(*read.values()))
 
 
 # --- the custom VJP ---------------------------------------------------------------------------

@@ -444,6 +444,11 @@ LAUNCHES = {
 }
 
 
+#: Tried where rows are longer than the backward holds whole (`normkit._pallas.LAUNCH`).
+LONG_ROWS = {"rows whole (no slices)": {"fused": 32768}, "slices of 2048": {"slice": 2048},
+             "slices of 8192": {"slice": 8192}}
+
+
 @contextlib.contextmanager
 def _launch(changes: Mapping[str, int]) -> Iterator[None]:
     from normkit import _pallas
@@ -457,6 +462,12 @@ def _launch(changes: Mapping[str, int]) -> Iterator[None]:
         _pallas.LAUNCH.update(before)
 
 
+def _pallas_launch() -> dict[str, int]:
+    from normkit import _pallas
+
+    return dict(_pallas.LAUNCH)
+
+
 def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
     """RMSNorm through the kernels at each launch configuration of `LAUNCHES`, side by side
     with the default one, throughput mode."""
@@ -465,7 +476,10 @@ def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...
         x, dy = _inputs(shape, dtype)
         form = "forward+backward" if backward else "forward"
         candidates = {}
-        for name, changes in {"default": {}, **LAUNCHES[form]}.items():
+        tried = {"default": {}, **LAUNCHES[form]}
+        if backward and shape[-1] > _pallas_launch()["fused"]:
+            tried.update(LONG_ROWS)
+        for name, changes in tried.items():
             with _launch(changes):
                 module = nkjax.RMSNorm(epsilon=EPS, output_dtype="input", implementation="pallas")
                 candidates[name] = _program(*_linen(module, x), x, dy, backward)

@@ -226,6 +226,21 @@ def test_cuda_program_is_the_kernels_alone(
     assert found == (2 if backward else 1, Program(conditionals=[], passes=[]))
 
 
+@pytest.mark.parametrize("spec", [NormSpec(), NormSpec("layer", eps_placement="outside")],
+                         ids=["rms", "layer-outside"])
+def test_long_rows_take_the_backward_in_slices(spec: NormSpec) -> None:
+    """Rows of 16384: the backward first reads the rows whole for their statistic and sums (a
+    third Triton call), then takes them in slices; still no conditional, no other pass."""
+    x = jnp.ones((16, 16384), jnp.bfloat16)
+
+    def apply(scale: jax.Array, x: jax.Array) -> Any:
+        return functional.normalize(x, spec, scale, implementation="pallas")
+
+    fn, args = _arguments(apply, jnp.ones(16384), x, backward=True)
+    text = exported(fn, args, "cuda")
+    assert (text.count(f"@{TRITON}"), read(text, x.size)) == (3, Program([], []))
+
+
 def test_the_xla_program_on_cuda_has_its_conditional(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the checks above read, on the XLA program: its guard is a conditional, and its
     reductions pass over x (so they can fail)."""

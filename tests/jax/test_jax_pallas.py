@@ -148,6 +148,25 @@ def test_layer_rows_of_two_and_one() -> None:
     check(NormSpec(eps_placement="outside"), _inputs(NormSpec(), F32, F32, (6, 1)))
 
 
+SLICED = {name: OPTIONS[name] for name in (
+    "rms-bf16", "rms-f16-bias-outside", "partial-k1-outside", "partial-bf16-bias", "layer",
+    "layer-fast", "dyt", "residual-float32-normalized-layer", "gate-before-mamba2",
+    "gate-after-sigmoid-bias", "groups-layer-gate-after-outside", "rms-offset-in-param-dtype",
+)}
+
+
+@pytest.mark.parametrize("name", SLICED)
+def test_the_backward_in_slices(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows longer than the backward holds whole (here: 16 elements) are taken in slices (of
+    8), their statistic and sums computed first from the whole rows."""
+    from normkit import _pallas
+
+    monkeypatch.setitem(_pallas.LAUNCH, "fused", 16)
+    monkeypatch.setitem(_pallas.LAUNCH, "slice", 8)
+    spec, dtype, param = SLICED[name]
+    check(spec, _inputs(spec, dtype, param))
+
+
 def test_leading_axes_and_many_tiles() -> None:
     """Rows over several leading axes, more tiles than the backward has programs."""
     spec = NormSpec(bias=True)

@@ -119,7 +119,8 @@ else:
             x = jnp.ones((64, 512), jnp.bfloat16)
             fn, args = apply, (weights, x)
             if backward:
-                def fn(weights: list[Any], x: jax.Array, dy: jax.Array) -> Any:
+                def fn(weights: list[Any], x: jax.Array, dy: jax.Array, apply: Any = apply
+                       ) -> Any:
                     y, vjp = jax.vjp(apply, weights, x)
                     return y, vjp(dy)
 
