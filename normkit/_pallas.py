@@ -204,17 +204,21 @@ def _whole(k: _Kernel) -> _Piece:
     return _Piece(k.layout.block_inner)
 
 
-def _masks(k: _Kernel, first_row: jax.Array, piece: _Piece) -> tuple[jax.Array, jax.Array]:
+def _masks(k: _Kernel, first_row: jax.Array, piece: _Piece, mask: Any = None
+           ) -> tuple[jax.Array, jax.Array]:
     """``(valid, read)`` of a tile starting at ``first_row``: the elements inside the arrays,
-    and those the statistic reads (partial RMS's first k)."""
+    and those the statistic reads (partial RMS's first k; where ``mask``, a call's mask
+    (int8 rows), is not 0)."""
     tile = (k.layout.block_rows, *piece.shape)
     valid = lax.broadcasted_iota(jnp.int32, tile, 0) + first_row < k.layout.rows
     for axis, size in enumerate(k.layout.inner, start=1):
         index = lax.broadcasted_iota(jnp.int32, tile, axis)
         valid &= (index + piece.start if axis == 1 else index) < size
     read = valid
-    if k.math.partial:
+    if k.math.read < k.math.size:
         read = valid & (lax.broadcasted_iota(jnp.int32, tile, 1) + piece.start < k.math.read)
+    if mask is not None:
+        read = read & (plgpu.load(_at(mask, k, first_row, piece), mask=valid, other=0) != 0)
     return valid, read
 
 
@@ -278,7 +282,7 @@ def _forward_kernel(*refs: Any, k: _Kernel, inputs: _Refs) -> None:
     m = k.math
     piece = _whole(k)
     first_row = pl.program_id(0) * k.layout.block_rows
-    valid, read = _masks(k, first_row, piece)
+    valid, read = _masks(k, first_row, piece, got.get("mask"))
     v = _load(got["x"], k, first_row, piece, valid)
     if "residual" in got:
         v = rows_math.added(v, _load(got["residual"], k, first_row, piece, valid), m)
@@ -311,7 +315,7 @@ def _row_values_kernel(*refs: Any, k: _Kernel, inputs: _Refs, names: tuple[str, 
     m = k.math
     piece = _whole(k)
     first_row = pl.program_id(0) * k.layout.block_rows
-    valid, read = _masks(k, first_row, piece)
+    valid, read = _masks(k, first_row, piece, got.get("mask"))
     v, z, dy = _loaded(got, k, first_row, piece, valid)
     a = None if z is None else rows_math.activation(z, m.activation)[0]
     g = rows_math.gain(_load_param(got.get("scale"), k, piece), m)
@@ -331,10 +335,13 @@ def _row_values(m: RowMath) -> tuple[str, ...]:
         names += ["mean", "correction", "layer_sum"]
     if not m.degenerate:
         names.append("projection")
-    elif m.layer:
+    closed = m.degenerate or m.masked
+    if closed and m.layer:
         names.append("own")
-    if m.degenerate and m.partial:
-        names.append("others")
+    if closed and m.unread:
+        names += ["others", "others_sum"] if m.layer else ["others"]
+    if m.masked:
+        names.append("reads")
     return tuple(names)
 
 
@@ -378,13 +385,13 @@ def _backward_kernel(*refs: Any, k: _Kernel, inputs: _Refs, slice_shape: tuple[i
         eps = m.eps * scale if m.outside else (m.eps * scale) * scale
         r = rows_math.rsqrt_or_inverse(found["s"], eps, m.outside)
         st = rows_math.Stats(t, found.get("mean", zero), found.get("correction", zero),
-                             found["s"], eps, r)
+                             found["s"], eps, r, found.get("reads", zero + m.read))
         terms = rows_math.Terms(*(found.get(n, zero) for n in rows_math.Terms._fields))
         return st, terms
 
     def tile(i: jax.Array, sums: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         first_row = (program + i * programs) * k.layout.block_rows
-        valid, read = _masks(k, first_row, piece)
+        valid, read = _masks(k, first_row, piece, got.get("mask"))
         v, z, dy = _loaded(got, k, first_row, piece, valid)
         activated = None if z is None else rows_math.activation(z, m.activation)
         grads = rows_math.backward(v, dy, valid, read, activated, g, b, alpha, m,
@@ -538,7 +545,8 @@ def _row_values_call(k: _Kernel, inputs: dict[str, jax.Array], names: tuple[str,
     shape = (k.layout.rows, *k.layout.inner[:-1], 1)
     outs = [jax.ShapeDtypeStruct(shape, jnp.int32 if name in ("t", "t_d") else F32)
             for name in names]
-    read = {n: a for n, a in inputs.items() if n in ("source", "residual", "gate", "scale", "dy")}
+    read = {n: a for n, a in inputs.items()
+            if n in ("source", "residual", "gate", "scale", "dy", "mask")}
     kernel = functools.partial(_row_values_kernel, k=k, inputs=_Refs(tuple(read)), names=names)
     return list(pl.pallas_call(
         kernel, grid=(k.layout.tiles,), out_shape=outs, interpret=k.interpret,
@@ -549,7 +557,7 @@ def _row_values_call(k: _Kernel, inputs: dict[str, jax.Array], names: tuple[str,
 # --- the custom VJP ---------------------------------------------------------------------------
 
 _Arrays = tuple[jax.Array | None, ...]
-_NAMES = ("x", "residual", "gate", "scale", "bias", "alpha")
+_NAMES = ("x", "residual", "gate", "scale", "bias", "alpha", "mask")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -571,17 +579,17 @@ def _norm_fwd(
 def _norm_bwd(
     k: _Kernel, saved: _Arrays, cotangent: jax.Array | tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array | None, ...]:
-    source, residual, gate, scale, bias, alpha = saved
+    source, residual, gate, scale, bias, alpha, mask = saved
     assert source is not None
     dy, dh = cotangent if k.math.residual is not None else (cotangent, None)
     arrays = {"source": source, "residual": residual, "gate": gate, "scale": scale,
-              "bias": bias, "alpha": alpha, "dy": dy, "dh": dh}
+              "bias": bias, "alpha": alpha, "dy": dy, "dh": dh, "mask": mask}
     dtypes = {"dx": k.x_dtype, "dresidual": k.residual_dtype}
     for name in ("gate", "scale", "bias", "alpha"):
         if arrays[name] is not None:
             dtypes["d" + name] = jnp.dtype(arrays[name].dtype)  # type: ignore[union-attr]
     grads = _call_backward(k, arrays, dtypes)  # type: ignore[arg-type]
-    return tuple(grads.get("d" + name) for name in _NAMES)
+    return tuple(grads.get("d" + name) for name in _NAMES)  # none for the mask
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
@@ -597,6 +605,7 @@ def _math(
     bias: jax.Array | None,
     n: int,
     groups: int,
+    masked: bool,
 ) -> RowMath:
     half = dtype if dtype in _HALF else None
     before_scale = half is not None and spec.cast == "before_scale"
@@ -622,7 +631,7 @@ def _math(
         offset=spec.scale_offset, has_scale=scale is not None, has_bias=bias is not None,
         half=half, before_scale=before_scale, offset_dtype=offset_dtype,
         affine_dtype=affine_dtype, gate=spec.gate,
-        activation=spec.gate_activation or "silu", residual=spec.residual,
+        activation=spec.gate_activation or "silu", residual=spec.residual, masked=masked,
     )
 
 
@@ -635,12 +644,15 @@ def run(
     gate: jax.Array | None,
     alpha: jax.Array | None,
     out: jnp.dtype,
+    mask: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``spec`` through the kernels, with its analytic VJP: ``y``, or ``(y, h)`` with a
-    residual, ``y`` in ``out``. The arguments are checked and cast by
-    `normkit.jax.functional`, which calls this (``x`` in its compute dtype); ``interpret``
-    runs the kernels in Pallas' interpreter. ValueError where `supports` is False."""
+    residual, ``y`` in ``out``; ``mask`` (booleans of x's shape) restricts the statistic as
+    `normkit.reference.normalize`'s does. The arguments are checked and cast by
+    `normkit.jax.functional` or `normkit.tf.layers`, which call this (``x`` in its compute
+    dtype); ``interpret`` runs the kernels in Pallas' interpreter. ValueError where `supports`
+    is False."""
     axes = spec.resolve_axes(x.ndim)
     if not supports(x, spec, axes, (residual, gate, scale, bias, alpha)):
         raise ValueError(
@@ -655,11 +667,13 @@ def run(
     if residual is not None:
         h_dtype = jnp.dtype(F32) if spec.residual == "float32" else dtype
     k = _Kernel(
-        math=_math(spec, dtype, scale, bias, n, groups),
+        math=_math(spec, dtype, scale, bias, n, groups, mask is not None),
         layout=_layout(x.size // n, n, groups), x_dtype=dtype, out_dtype=jnp.dtype(out),
         residual_dtype=None if residual is None else jnp.dtype(residual.dtype),
         h_dtype=h_dtype, interpret=interpret,
     )
     if alpha is not None:
         alpha = jnp.asarray(alpha)
-    return _norm(k, x, residual, gate, scale, bias, alpha)
+    if mask is not None:
+        mask = mask.astype(jnp.int8)  # what a kernel loads (booleans are not memory types)
+    return _norm(k, x, residual, gate, scale, bias, alpha, mask)

@@ -38,7 +38,8 @@ class RowMath:
     """What the kernels compute per row, from the spec and the dtypes (hashable, static).
 
     ``read``: the elements of a row (or group) the statistic reads (partial RMS's first k);
-    ``size``: the elements of a row (or group); ``half``: the input's half dtype, where its
+    ``size``: the elements of a row (or group); ``masked``: a call-time mask says which it
+    reads instead, their number per row; ``half``: the input's half dtype, where its
     roundings apply (None for float32); ``offset_dtype``: the half dtype ``scale_offset + w``
     is rounded to (``offset_dtype="param"``); ``affine_dtype``: the half dtype the affine
     result is rounded to before a gate after the norm (``cast="before_scale"``);
@@ -60,6 +61,7 @@ class RowMath:
     gate: str | None
     activation: str
     residual: str | None
+    masked: bool = False
 
     @property
     def statistic(self) -> bool:
@@ -70,14 +72,20 @@ class RowMath:
         return self.kind == "layer"
 
     @property
-    def partial(self) -> bool:
-        return self.read < self.size
+    def unread(self) -> bool:
+        """Whether a row may hold elements the statistic does not read (partial RMS, a mask)."""
+        return self.read < self.size or self.masked
 
     @property
     def degenerate(self) -> bool:
-        """Rows whose gradient takes the closed form: one element read (RMS kinds) or two
-        (LayerNorm), where the general formula cancels."""
-        return self.statistic and self.read == (2 if self.layer else 1)
+        """Whether every row's gradient takes the closed form: one element read (RMS kinds) or
+        two (LayerNorm), where the general formula cancels. With a mask it is decided per row
+        (`closed_rows`)."""
+        return self.statistic and not self.masked and self.read == self.closed_count
+
+    @property
+    def closed_count(self) -> int:
+        return 2 if self.layer else 1
 
     @property
     def highest(self) -> int:
@@ -92,7 +100,7 @@ class RowMath:
 class Stats(NamedTuple):
     """Per row, in scaled units: the exponent ``t`` (``u = x 2**t``, int32), LayerNorm's
     ``mean`` and ``correction`` (``c = (u - mean) - correction``; zeros for the RMS kinds),
-    ``s`` and ``eps`` scaled, and ``r = r(s, eps)``."""
+    ``s`` and ``eps`` scaled, ``r = r(s, eps)``, and the number of elements read, ``reads``."""
 
     t: jax.Array
     mean: jax.Array
@@ -100,19 +108,21 @@ class Stats(NamedTuple):
     s: jax.Array
     eps: jax.Array
     r: jax.Array
+    reads: jax.Array
 
 
 class Terms(NamedTuple):
     """Per row, the sums of the input gradient (`backward`): the exponent ``t_d`` of the
     scaled cotangent (int32), ``sum d'`` (LayerNorm), ``sum d' y_hat``, and for rows of one
-    element read (two: LayerNorm) the mean of ``d'`` read and ``sum d' y_hat`` over the others;
-    zeros where the spec has none."""
+    element read (two: LayerNorm) the mean of ``d'`` read and the sums of ``d' y_hat`` and
+    ``d'`` (LayerNorm) over the others; zeros where the spec has none."""
 
     t_d: jax.Array
     layer_sum: jax.Array
     projection: jax.Array
     own: jax.Array
     others: jax.Array
+    others_sum: jax.Array
 
 
 def row_sum(value: jax.Array) -> jax.Array:
@@ -155,13 +165,14 @@ def statistics(v: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath
     scale = pow2(t)
     u = v * scale
     zero = jnp.zeros(largest.shape, F32)
+    count = row_sum(read.astype(F32)) if m.masked else zero + m.read
     mean = correction = zero
     if m.layer:
-        mean = row_sum(u) / m.read
-        correction = row_sum(jnp.where(valid, u - mean, 0)) / m.read
-    st = Stats(t, mean, correction, zero, zero, zero)
+        mean = row_sum(jnp.where(read, u, 0)) / count
+        correction = row_sum(jnp.where(read, u - mean, 0)) / count
+    st = Stats(t, mean, correction, zero, zero, zero, count)
     c = centered(v, valid, st, m)
-    s = row_sum(jnp.where(read, c * c, 0)) / m.read
+    s = row_sum(jnp.where(read, c * c, 0)) / count
     eps = m.eps * scale if m.outside else (m.eps * scale) * scale
     return c, st._replace(s=s, eps=eps, r=rsqrt_or_inverse(s, eps, m.outside))
 
@@ -179,28 +190,32 @@ def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(jnp.isinf(plain), plain, _jax_exact.product(a, b))
 
 
-def fast_y_hat(v: jax.Array, valid: jax.Array, m: RowMath) -> jax.Array:
+def fast_y_hat(v: jax.Array, read: jax.Array, m: RowMath) -> jax.Array:
     """``variance="fast"``'s ``y_hat = (x - m1) r(v)`` with the reference's roundings,
     ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums of
     float32 values in float64 (exact but within about 2**-29 ulp of a halfway point), each
     product and difference a float32 operation rounded once (`rounded_product`). Needs 64-bit
     mode at trace time (`normkit._pallas` enables it for this kernel)."""
     f64 = jnp.float64
-    x = jnp.where(valid, v, 0)
-    m1 = (row_sum(x.astype(f64)) / m.size).astype(F32)
-    m2 = (row_sum(rounded_product(x, x).astype(f64)) / m.size).astype(F32)
+    x = jnp.where(read, v, 0)
+    count = row_sum(read.astype(f64)) if m.masked else m.size
+    m1 = (row_sum(x.astype(f64)) / count).astype(F32)
+    m2 = (row_sum(rounded_product(x, x).astype(f64)) / count).astype(F32)
     difference = m2 - rounded_product(m1, m1)
     variance = jnp.where(difference < 0, 0, difference)  # max(0, .), keeping a NaN
     return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
 
 
-def y_hat(v: jax.Array, c: jax.Array, st: Stats, m: RowMath) -> jax.Array:
-    """``c' r'``. Partial RMS's elements beyond the k read are not bounded by the scaled
-    maximum: where the row was scaled up they take ``x (2**t r')`` (``2**t r'``, the true r, is
-    at most ``1 / sqrt(eps)`` or ``1 / eps``), so that ``x 2**t`` cannot overflow."""
+def y_hat(v: jax.Array, read: jax.Array, c: jax.Array, st: Stats, m: RowMath) -> jax.Array:
+    """``c' r'``. Elements the statistic does not read (partial RMS's beyond the first k, a
+    mask's) are not bounded by the scaled maximum: where the row was scaled up they take
+    ``(x - mean) (2**t r')``, unscaled (``2**t r'``, the true r, is at most ``1 / sqrt(eps)``
+    or ``1 / eps``), so that ``x 2**t`` cannot overflow."""
     value = c * st.r
-    if m.partial:
-        value = jnp.where(st.t > 0, v * (pow2(st.t) * st.r), value)
+    if m.unread:
+        down = pow2(-st.t)
+        unscaled = (v - st.mean * down) - st.correction * down if m.layer else v
+        value = jnp.where(read | (st.t <= 0), value, unscaled * (pow2(st.t) * st.r))
     return value
 
 
@@ -268,9 +283,9 @@ def forward(
     if alpha is not None:
         normalized = jnp.tanh(alpha * v)
     elif m.fast:
-        normalized = fast_y_hat(v, valid, m)
+        normalized = fast_y_hat(v, read, m)
     else:
-        normalized = y_hat(v, *statistics(v, valid, read, m), m)
+        normalized = y_hat(v, read, *statistics(v, valid, read, m), m)
     y = affine(normalized, g, b, m, rounded=True)
     if m.gate == "after":
         assert a is not None
@@ -322,11 +337,11 @@ def backward(
         normalized = jnp.tanh(alpha * gated)
     elif rows is None:
         c, st = statistics(gated, valid, read, m)
-        normalized = y_hat(gated, c, st, m)
+        normalized = y_hat(gated, read, c, st, m)
     else:
         st = rows[0]
         c = centered(gated, valid, st, m)
-        normalized = y_hat(gated, c, st, m)
+        normalized = y_hat(gated, read, c, st, m)
     dgate = None
     if m.gate == "after":
         assert z is not None
@@ -337,7 +352,7 @@ def backward(
         slope = 1 - normalized * normalized
         dv = alpha * slope * d
         return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
-    terms = _terms(d, normalized, valid, read, m) if rows is None else rows[1]
+    terms = _terms(d, normalized, valid, read, st.reads, m) if rows is None else rows[1]
     dv = _input_grad(d, c, normalized, st, terms, valid, read, m)
     if m.gate == "before":
         assert z is not None
@@ -359,28 +374,31 @@ def row_terms(
     the whole rows (``a``: the activated gate, None without one)."""
     gated = v * a if m.gate == "before" and a is not None else v
     c, st = statistics(gated, valid, read, m)
-    normalized = y_hat(gated, c, st, m)
+    normalized = y_hat(gated, read, c, st, m)
     if m.gate == "after" and a is not None:
         dy = dy * a
     d = dy if g is None else dy * g
-    return st, _terms(d, normalized, valid, read, m)
+    return st, _terms(d, normalized, valid, read, st.reads, m)
 
 
-def _terms(d: jax.Array, normalized: jax.Array, valid: jax.Array, read: jax.Array, m: RowMath
-           ) -> Terms:
+def _terms(d: jax.Array, normalized: jax.Array, valid: jax.Array, read: jax.Array,
+           count: jax.Array, m: RowMath) -> Terms:
     largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
     t_d = scale_exponent(largest, _HIGHEST)
     scaled = jnp.where(valid, d * pow2(t_d), 0)
     zero = jnp.zeros(largest.shape, F32)
     layer_sum = row_sum(scaled) if m.layer else zero
-    projection = own = others = zero
+    projection = own = others = others_sum = zero
+    closed = m.degenerate or m.masked
     if not m.degenerate:
         projection = row_sum(scaled * normalized)
-    elif m.layer:
-        own = row_sum(jnp.where(read, scaled, 0)) / m.read
-    if m.degenerate and m.partial:
+    if closed and m.layer:
+        own = row_sum(jnp.where(read, scaled, 0)) / count
+    if closed and m.unread:
         others = row_sum(jnp.where(read, 0, scaled * normalized))
-    return Terms(t_d, layer_sum, projection, own, others)
+        if m.layer:
+            others_sum = row_sum(jnp.where(read, 0, scaled))
+    return Terms(t_d, layer_sum, projection, own, others, others_sum)
 
 
 def _input_grad(
@@ -400,12 +418,15 @@ def _input_grad(
         zeta = c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, st.s, 1)), 0)
     else:
         zeta = normalized
-    if m.degenerate:
+    general = scaled - (terms.layer_sum + zeta * terms.projection) / st.reads
+    if m.degenerate or m.masked:
         rest = st.eps * st.r if m.outside else st.eps * st.r * st.r
-        inner = (scaled - terms.own) * rest
-        if m.partial:
-            inner = inner - zeta * terms.others / m.read
+        closed = (scaled - terms.own) * rest
+        if m.unread:
+            closed = closed - (terms.others_sum + zeta * terms.others) / st.reads
+        inner = closed if m.degenerate else jnp.where(st.reads == m.closed_count, closed,
+                                                      general)
     else:
-        inner = scaled - (terms.layer_sum + zeta * terms.projection) / m.read
+        inner = general
     inner = jnp.where(read, inner, scaled)
     return ldexp(inner * st.r, st.t - terms.t_d)

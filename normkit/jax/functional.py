@@ -109,11 +109,11 @@ def normalize(
         ``rms`` and ``layer`` only, without ``axis_name``.
       implementation: ``"xla"`` (the XLA program on every platform) or ``"pallas"`` (the Pallas
         kernels of `normkit.jax.pallas` on NVIDIA GPUs, chosen when the program is lowered; the
-        XLA program elsewhere, and for what the kernels do not compute: ``mask``,
-        ``axis_name``, ``backward="autograd"``, float64, normalized axes that are not the
-        trailing ones, rows beyond `normkit.jax.pallas.MAX_BLOCK`). Experimental. None: the
-        environment variable ``NORMKIT_JAX_KERNELS`` (``"pallas"`` or ``"xla"``), else
-        ``"xla"``.
+        XLA program elsewhere, and for what the kernels do not compute: ``axis_name``,
+        ``backward="autograd"``, float64, normalized axes that are not the trailing ones, rows
+        beyond `normkit.jax.pallas.MAX_BLOCK`). A ``mask`` reaches the kernels as one byte per
+        element. Experimental. None: the environment variable ``NORMKIT_JAX_KERNELS``
+        (``"pallas"`` or ``"xla"``), else ``"xla"``.
 
     Returns:
       An array of ``x``'s shape, of dtype ``dtype`` (default ``x.dtype``), or with
@@ -145,7 +145,7 @@ def normalize(
         spec.group_count(math.prod(x.shape[a] for a in plan.axes))
 
         def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
-                  bias: jax.Array | None, alpha: None) -> jax.Array:
+                  bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
             rows = functools.partial(normalize, implementation="xla")
             return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, rows)
 
@@ -154,11 +154,12 @@ def normalize(
     checked = None if mask is None else _checked_mask(mask, x, plan)
 
     def xla(x: jax.Array, _: None, gate: None, scale: jax.Array | None, bias: jax.Array | None,
-            alpha: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return _run(plan, x, None, scale, bias, alpha, checked)
+            alpha: jax.Array | None, mask: jax.Array | None
+            ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return _run(plan, x, None, scale, bias, alpha, mask)
 
-    kernels = kernels and checked is None
-    y = _dispatched(kernels, xla, plan, x, None, None, scale, bias, _alpha(plan, alpha))
+    y = _dispatched(kernels, xla, plan, x, None, None, scale, bias, _alpha(plan, alpha),
+                    checked)
     return cast(jax.Array, y)
 
 
@@ -218,7 +219,7 @@ def add_norm(
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
 
     def xla(x: jax.Array, residual: jax.Array | None, gate: None, scale: jax.Array | None,
-            bias: jax.Array | None, alpha: jax.Array | None
+            bias: jax.Array | None, alpha: jax.Array | None, mask: None
             ) -> jax.Array | tuple[jax.Array, jax.Array]:
         return _run(plan, x, residual, scale, bias, alpha)
 
@@ -241,21 +242,22 @@ def _dispatched(
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
+    mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """``xla(x, residual, gate, scale, bias, alpha)``, or where the ``kernels`` are asked for
-    and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every other
-    platform): the choice is made when the program is lowered, and XLA compiles only the
+    """``xla(x, residual, gate, scale, bias, alpha, mask)``, or where the ``kernels`` are asked
+    for and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every
+    other platform): the choice is made when the program is lowered, and XLA compiles only the
     platform's own (inside `normkit._pallas.interpreted`: the kernels, interpreted)."""
-    args = (x, residual, gate, scale, bias, alpha)
+    args = (x, residual, gate, scale, bias, alpha, mask)
     if not kernels or plan.axis_name is not None or not pallas.supports(
-        x, plan.spec, plan.axes, args[1:]
+        x, plan.spec, plan.axes, args[1:6]
     ):
         return xla(*args)
 
     def on_gpu(x: jax.Array, residual: jax.Array | None, gate: jax.Array | None,
-               scale: jax.Array | None, bias: jax.Array | None, alpha: jax.Array | None
-               ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return pallas.run(x, residual, plan.spec, scale, bias, gate, alpha, plan.out,
+               scale: jax.Array | None, bias: jax.Array | None, alpha: jax.Array | None,
+               mask: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return pallas.run(x, residual, plan.spec, scale, bias, gate, alpha, plan.out, mask,
                           interpret=pallas.interpreting())
 
     if pallas.interpreting():

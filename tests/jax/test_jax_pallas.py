@@ -262,3 +262,56 @@ def test_nan_and_infinity_stay_in_their_rows(kind: str) -> None:
     for name in ("y", "dx"):
         value = np.asarray(got[name], np.float64)
         assert np.isfinite(value[4]).all(), name
+
+
+# ---- the call-time mask ----------------------------------------------------------------------
+
+def _masked_rows(layer: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with a random mask, with one element masked in (two for LayerNorm: the gradient's
+    closed form), with none (NaN), with NaN and a huge value masked out, with a large mean."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 24)).astype(F32)
+    mask = rng.random(x.shape) < 0.6
+    mask[1] = False
+    mask[1, 3:3 + (2 if layer else 1)] = True
+    mask[2] = False
+    x[3, mask[3] == 0] = np.nan
+    x[4, 5], mask[4, 5] = 1e20, False
+    x[5] += 1e4
+    return x, mask
+
+
+@pytest.mark.parametrize("spec", [
+    NormSpec(), NormSpec(eps_placement="outside", bias=True), NormSpec("layer"),
+    NormSpec("layer", variance="fast", eps_placement="outside"),
+], ids=["rms", "rms-outside-bias", "layer", "layer-fast-outside"])
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_the_mask(spec: NormSpec, sliced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mask=`` through the kernels: the statistic over the elements masked in, every element
+    normalized with it, the closed form per row, a row with none masked in NaN; rows whole and
+    in slices."""
+    from normkit import _pallas, reference, tolerances
+
+    if sliced:
+        monkeypatch.setitem(_pallas.LAUNCH, "fused", 16)
+        monkeypatch.setitem(_pallas.LAUNCH, "slice", 8)
+    x, mask = _masked_rows(spec.kind == "layer")
+    dy = _normal(1, x.shape, F32)
+    w = (1 + _normal(2, (24,), F32, 0.1)).astype(F32)
+    b = _normal(3, (24,), F32, 0.1) if spec.bias else None
+
+    def run(x: Any, w: Any, b: Any) -> Any:
+        return functional.normalize(x, spec, w, b, mask=mask, implementation="pallas")
+
+    with pallas.interpreted():
+        assert "pallas_call" in str(jax.make_jaxpr(run)(x, w, b))
+        y, vjp = jax.vjp(jax.jit(run), x, w, b)
+        dx, dw, _ = vjp(dy)
+    want = reference.normalize(x, spec, w, b, mask=mask)
+    grads = reference.normalize_vjp(x, dy, spec, w, b, mask=mask)
+    ordinary = [0, 1, 4, 5]  # the rows the reference gives finite values
+    tolerances.assert_close(np.asarray(y)[ordinary], want[ordinary], F32)
+    tolerances.assert_close(np.asarray(dx)[ordinary], grads.dx[ordinary], F32, "grad")
+    assert np.isnan(np.asarray(y)[2]).all() and np.isnan(np.asarray(y)[3][mask[3] == 0]).all()
+    assert np.isfinite(np.asarray(y)[3][mask[3]]).all()
+    del dw
