@@ -54,8 +54,8 @@ from normkit import NormSpec  # noqa: E402
 from normkit.bench.timing import interleaved  # noqa: E402
 from normkit.bridges import JaxBridge  # noqa: E402
 from normkit.conformance import compare as conformance  # noqa: E402
+from normkit.conformance import targets_jax  # noqa: E402
 from normkit.conformance.compare import Inputs  # noqa: E402
-from normkit.conformance.harness import Harness  # noqa: E402
 from normkit.jax import functional, pallas  # noqa: E402
 
 EPS = 1e-6
@@ -206,27 +206,15 @@ CHECKED = {
 }
 
 
-def _build(spec: NormSpec, shape: tuple[int, ...], param_dtype: Any, **_: Any) -> Any:
-    def apply(x: Any, second: Any = None, **p: Any) -> Any:
-        args = (spec, p.get("scale"), p.get("bias"))
-        if spec.residual is not None:
-            return functional.add_norm(x, second, *args, alpha=p.get("alpha"),
-                                       implementation="pallas")
-        return functional.normalize(x, *args, gate=second, alpha=p.get("alpha"),
-                                    implementation="pallas")
-
-    return apply
-
-
 def check(log: Log, device: str) -> None:
     """The kernels compiled on ``device`` against the reference on the edge rows."""
-    harness = Harness(JaxBridge(), _build, {}, jit=True)
     for name, spec in CHECKED.items():
         _spend(log)
         inputs = _edge_inputs(spec)
         x, dy, scale, bias, residual, dh, alpha, gate = inputs
-        outputs = harness.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
-                                   alpha=alpha, gate=gate, device=device)
+        outputs = targets_jax.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
+                                       alpha=alpha, gate=gate, device=device,
+                                       api="functional", implementation="pallas")
         problems, _ = conformance.compare(spec, inputs, outputs)
         log(check=name, spec=str(spec), problems=problems)
 

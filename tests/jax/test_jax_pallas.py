@@ -5,7 +5,7 @@ eps outside, large cotangents, NaN and infinity confined to their row).
 
 Each case runs `normkit.jax.functional` with ``implementation="pallas"`` inside
 `normkit.jax.pallas.interpreted` (the kernels on the CPU), forward and backward as one jitted
-program, through a conformance harness (`normkit.conformance.harness.Harness`), checked by
+program, through normkit.jax's conformance hook (`normkit.conformance.targets_jax`), checked by
 `normkit.conformance.compare` (the tolerance policy) and ``h`` bit for bit. The shapes are small
 (the interpreter runs each program of the grid in turn); the rows are not powers of two, so
 the kernels' masks are exercised, and there are more rows than one tile holds.
@@ -25,26 +25,10 @@ from normkit.conformance.compare import Inputs
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from normkit.bridges import JaxBridge  # noqa: E402
-from normkit.conformance.harness import Harness  # noqa: E402
+from normkit.conformance import targets_jax  # noqa: E402
 from normkit.jax import functional, pallas  # noqa: E402
 
 F32, F16, BF16 = dtypes.float32, dtypes.float16, dtypes.bfloat16
-
-
-def _build(spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, **_: Any) -> Any:
-    def apply(x: Any, second: Any = None, **p: Any) -> Any:
-        args = (spec, p.get("scale"), p.get("bias"))
-        if spec.residual is not None:
-            return functional.add_norm(x, second, *args, alpha=p.get("alpha"),
-                                       implementation="pallas")
-        return functional.normalize(x, *args, gate=second, alpha=p.get("alpha"),
-                                    implementation="pallas")
-
-    return apply
-
-
-HARNESS = Harness(JaxBridge(), _build, {}, jit=True)
 
 
 def check(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
@@ -52,8 +36,9 @@ def check(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
     for bit; returned by name."""
     x, dy, scale, bias, residual, dh, alpha, gate = inputs
     with pallas.interpreted():
-        outputs = HARNESS.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
-                                   alpha=alpha, gate=gate)
+        outputs = targets_jax.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
+                                       alpha=alpha, gate=gate, api="functional",
+                                       implementation="pallas")
     problems, _ = conformance.compare(spec, inputs, outputs)
     assert not problems, f"{spec}: " + "; ".join(problems)
     got = dict(zip(conformance.quantities(spec), outputs, strict=True))
