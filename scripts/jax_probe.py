@@ -432,8 +432,9 @@ LAUNCHES = {
 }
 
 
-#: Tried where rows are longer than the backward holds whole (`normkit._pallas.LAUNCH`).
-LONG_ROWS = {"rows whole (no slices)": {"fused": 32768}, "slices of 2048": {"slice": 2048},
+#: Tried in the backward where rows have 4096 elements or more (`normkit._pallas.LAUNCH`):
+#: rows whole however long, slices of 2048 from 4096 on, slices of 8192 past 8192.
+LONG_ROWS = {"rows whole": {"fused": 32768}, "slices of 2048": {"fused": 2048, "slice": 2048},
              "slices of 8192": {"slice": 8192}}
 
 
@@ -450,12 +451,6 @@ def _launch(changes: Mapping[str, int]) -> Iterator[None]:
         _pallas.LAUNCH.update(before)
 
 
-def _pallas_launch() -> dict[str, int]:
-    from normkit import _pallas
-
-    return dict(_pallas.LAUNCH)
-
-
 def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
     """RMSNorm through the kernels at each launch configuration of `LAUNCHES`, side by side
     with the default one, throughput mode."""
@@ -465,7 +460,7 @@ def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...
         form = "forward+backward" if backward else "forward"
         candidates = {}
         tried = {"default": {}, **LAUNCHES[form]}
-        if backward and shape[-1] > _pallas_launch()["fused"]:
+        if backward and shape[-1] >= 4096:
             tried.update(LONG_ROWS)
         for name, changes in tried.items():
             with _launch(changes):
