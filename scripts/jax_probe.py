@@ -7,7 +7,8 @@ python3 scripts/jax_probe.py [--out FILE] [--budget SECONDS] [--shapes 32768x102
                              [--interpret]
 
 One JSON line per record, written as it is measured; the sections run in this order, each
-stopping where the budget (default 85 s, compiles included) runs out:
+stopping where the budget (default 90 s, compiles included; the programs of a group compile in
+parallel) runs out:
 
 - ``check``: the kernels (`implementation="pallas"`) on edge rows (squares that overflow or
   underflow float32, a large mean, tiny statistics with eps outside, large cotangents, NaN and
@@ -21,7 +22,8 @@ stopping where the budget (default 85 s, compiles included) runs out:
   target: at most 1.1), at the first shape in bfloat16, throughput mode.
 - ``keras``: Keras' RMSNormalization and LayerNormalization on its JAX backend against
   normkit.tf's layers, with the kernels and without, stateless calls under ``jax.jit``.
-- ``apis``: normkit.jax's nnx modules and functions with the kernels, beside the linen module.
+- ``apis``: normkit.jax's nnx modules and functions with the kernels, beside the linen module
+  (the same kernels: at the first shape).
 - ``launch``: RMSNorm through the kernels at other launch configurations
   (`normkit._pallas.LAUNCH`: elements per warp forward and backward, the backward's programs),
   each against the default one: what tunes it.
@@ -38,8 +40,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ["KERAS_BACKEND"] = "jax"  # Keras' layers and normkit.tf below run on JAX
 
@@ -62,9 +65,11 @@ EPS = 1e-6
 SHAPES = ((8192, 4096), (32768, 1024), (2048, 16384))
 DTYPES = ("float32", "bfloat16")
 SECTIONS = ("check", "layers", "options", "keras", "apis", "launch")
-#: Calls between two syncs in throughput mode; rounds of each mode (after one warm-up round).
+#: Calls between two syncs in throughput mode; rounds of each mode (after one warm-up round);
+#: programs compiled at once.
 CALLS = 10
 ROUNDS = 7
+COMPILERS = 8
 
 
 class Log:
@@ -108,9 +113,25 @@ def _modes(fn: Callable[[], Any]) -> dict[str, Callable[[], Any]]:
     return {"throughput": throughput, "latency": lambda: jax.block_until_ready(fn())}
 
 
-def timed(candidates: Mapping[str, Callable[[], Any]]) -> dict[str, dict[str, float]]:
-    """Each candidate's median ms per call in each mode, timed side by side
+class Pending(NamedTuple):
+    """A jitted program lowered for its arguments, to compile (`compiled`) and call."""
+
+    lowered: Any
+    args: tuple[Any, ...]
+
+
+def compiled(pending: Mapping[str, Pending]) -> dict[str, Callable[[], Any]]:
+    """Each program compiled, `COMPILERS` at a time (XLA and Triton compile outside Python's
+    lock), ready to call."""
+    with ThreadPoolExecutor(COMPILERS) as pool:
+        futures = {name: pool.submit(p.lowered.compile) for name, p in pending.items()}
+        return {name: partial(f.result(), *pending[name].args) for name, f in futures.items()}
+
+
+def timed(pending: Mapping[str, Pending]) -> dict[str, dict[str, float]]:
+    """Each program's median ms per call in each mode, timed side by side
     (`normkit.bench.timing.interleaved`)."""
+    candidates = compiled(pending)
     found: dict[str, dict[str, float]] = {}
     for mode in ("throughput", "latency"):
         runs = {name: _modes(fn)[mode] for name, fn in candidates.items()}
@@ -121,24 +142,21 @@ def timed(candidates: Mapping[str, Callable[[], Any]]) -> dict[str, dict[str, fl
 
 
 def _program(apply: Callable[..., Any], params: Any, x: jax.Array, dy: Any, backward: bool
-             ) -> Callable[[], Any]:
-    """The jitted forward, or forward+backward given ``dy``, compiled now, ready to call."""
+             ) -> Pending:
+    """The jitted forward, or forward+backward given ``dy``, lowered (traced) now."""
     if backward:
         def run(params: Any, x: jax.Array, dy: Any) -> Any:
             y, vjp = jax.vjp(apply, params, x)
             return y, vjp(dy)
 
-        compiled = jax.jit(run).lower(params, x, dy).compile()
-        return partial(compiled, params, x, dy)
-    compiled = jax.jit(apply).lower(params, x).compile()
-    return partial(compiled, params, x)
+        return Pending(jax.jit(run).lower(params, x, dy), (params, x, dy))
+    return Pending(jax.jit(apply).lower(params, x), (params, x))
 
 
-def _copy(elements: int, dtype: str) -> Callable[[], Any]:
-    """A jitted copy of ``elements`` (the bytes a pass moves), compiled now."""
+def _copy(elements: int, dtype: str) -> Pending:
+    """A jitted copy of ``elements`` (the bytes a pass moves)."""
     buffer = jnp.ones((elements,), dtype)
-    compiled = jax.jit(jnp.copy).lower(buffer).compile()
-    return partial(compiled, buffer)
+    return Pending(jax.jit(jnp.copy).lower(buffer), (buffer,))
 
 
 def _moved(shape: tuple[int, int], backward: bool) -> int:
@@ -348,8 +366,7 @@ def _switch(value: str) -> Iterator[None]:
             os.environ[functional.KERNELS_VARIABLE] = before
 
 
-def _keras_program(layer: Any, x: jax.Array, dy: jax.Array, backward: bool
-                   ) -> Callable[[], Any]:
+def _keras_program(layer: Any, x: jax.Array, dy: jax.Array, backward: bool) -> Pending:
     weights = [v.value for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
 
@@ -482,8 +499,8 @@ def _shape(text: str) -> tuple[int, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="jax-probe.jsonl")
-    parser.add_argument("--budget", type=float, default=85.0,
-                        help="seconds for the whole probe, compiles included (default 85)")
+    parser.add_argument("--budget", type=float, default=90.0,
+                        help="seconds for the whole probe, compiles included (default 90)")
     parser.add_argument("--shapes", type=lambda s: tuple(map(_shape, s.split(","))),
                         default=SHAPES, help="rows x n, comma-separated")
     parser.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=DTYPES)
@@ -503,7 +520,7 @@ def main() -> int:
         "layers": lambda: layers(log, args.shapes, args.dtypes),
         "options": lambda: options(log, args.shapes[0], args.dtypes[-1]),
         "keras": lambda: keras_layers(log, args.shapes, args.dtypes),
-        "apis": lambda: apis(log, args.shapes, args.dtypes),
+        "apis": lambda: apis(log, args.shapes[:1], args.dtypes),
         "launch": lambda: launch(log, args.shapes, args.dtypes),
     }
     scope = pallas.interpreted() if args.interpret else contextlib.nullcontext()
