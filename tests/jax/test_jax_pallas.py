@@ -13,6 +13,7 @@ the kernels' masks are exercised, and there are more rows than one tile holds.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -31,14 +32,14 @@ from normkit.jax import functional, pallas  # noqa: E402
 F32, F16, BF16 = dtypes.float32, dtypes.float16, dtypes.bfloat16
 
 
-def check(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
+def check(spec: NormSpec, inputs: Inputs, device: str = "cpu") -> dict[str, np.ndarray | None]:
     """The kernels' outputs for ``inputs`` within the tolerance of every quantity, ``h`` bit
-    for bit; returned by name."""
+    for bit; returned by name. On the CPU in Pallas' interpreter, on a GPU compiled."""
     x, dy, scale, bias, residual, dh, alpha, gate = inputs
-    with pallas.interpreted():
+    with pallas.interpreted() if device == "cpu" else contextlib.nullcontext():
         outputs = targets_jax.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
                                        alpha=alpha, gate=gate, api="functional",
-                                       implementation="pallas")
+                                       implementation="pallas", device=device)
     problems, _ = conformance.compare(spec, inputs, outputs)
     assert not problems, f"{spec}: " + "; ".join(problems)
     got = dict(zip(conformance.quantities(spec), outputs, strict=True))
@@ -247,6 +248,43 @@ def test_nan_and_infinity_stay_in_their_rows(kind: str) -> None:
     for name in ("y", "dx"):
         value = np.asarray(got[name], np.float64)
         assert np.isfinite(value[4]).all(), name
+
+
+# ---- compiled on a GPU ----------------------------------------------------------------------
+
+
+def _gpu() -> str:
+    gpus = [d for d in targets_jax.devices() if d.startswith("cuda")]
+    if not gpus:
+        pytest.skip("JAX sees no GPU")
+    return gpus[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*(f"option-{n}" for n in OPTIONS), *(f"edge-{n}" for n in EDGES)])
+def test_compiled_on_a_gpu(name: str) -> None:
+    """Every option and every edge row through the kernels compiled for the GPU (Triton)."""
+    device = _gpu()
+    group, _, key = name.partition("-")
+    if group == "option":
+        spec, dtype, param = OPTIONS[key]
+        check(spec, _inputs(spec, dtype, param), device)
+        return
+    spec, make = EDGES[key]
+    inputs = make(spec)
+    if spec.gate is not None:
+        inputs = inputs._replace(gate=_normal(6, inputs.x.shape, F32))
+    check(spec, inputs, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_compiled_on_a_gpu_long_rows(kind: str) -> None:
+    """Rows of 16384 and of 20000 (padded to 32768): the backward in slices, compiled."""
+    device = _gpu()
+    spec = NormSpec(kind, bias=True)
+    for n in (16384, 20000):
+        check(spec, _inputs(spec, BF16, F32, (4, n)), device)
 
 
 # ---- the call-time mask ----------------------------------------------------------------------
