@@ -16,10 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-__all__ = ["round_to", "offset_in_dtype"]
+__all__ = ["round_to", "offset_in_dtype", "round_bits"]
 
 
 def round_to(value: jax.Array, dtype: DTypeLike) -> jax.Array:
@@ -60,3 +61,38 @@ def _rounded_bwd(dtype: jnp.dtype, _: None, cotangent: jax.Array) -> tuple[jax.A
 
 
 _rounded.defvjp(_rounded_fwd, _rounded_bwd)
+
+
+def round_bits(value: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """float32 ``value`` rounded to the half dtype ``dtype`` (nearest even, overflowing to
+    infinity, float16's subnormals as multiples of ``2**-24``), kept in float32, by integer
+    arithmetic on its bits: for Pallas kernels, where ``reduce_precision`` has no Triton
+    lowering and a pair of casts is what XLA's interpreter of the kernel may drop."""
+    info = jnp.finfo(dtype)
+    drop = 23 - int(info.nmant)  # the fraction bits float32 has beyond dtype's
+    bits = lax.bitcast_convert_type(value, jnp.int32)
+    odd = lax.shift_right_arithmetic(bits, np.int32(drop)) & np.int32(1)
+    kept = (bits + np.int32((1 << (drop - 1)) - 1) + odd) & np.int32(-(1 << drop))
+    rounded = lax.bitcast_convert_type(kept, jnp.float32)
+    if info.nexp != 8:  # float16: its range, and its subnormals as multiples of 2**-24
+        magnitude = jnp.abs(value)
+        rounded = jnp.where(magnitude < float(info.smallest_normal),
+                            _subnormal(bits, value), rounded)
+        rounded = jnp.where(jnp.abs(rounded) > float(info.max),
+                            jnp.where(value < 0, -jnp.inf, jnp.inf), rounded)
+    return jnp.where(value == value, rounded, value)  # NaN as it is
+
+
+def _subnormal(bits: jax.Array, value: jax.Array) -> jax.Array:
+    """A float32 ``value`` below float16's smallest normal number (``bits``, its bits) rounded
+    to a multiple of ``2**-24`` (nearest even): its 24-bit significand shifted right, with the
+    bits shifted out deciding the rounding (no float arithmetic, which XLA may simplify)."""
+    biased = lax.shift_right_logical(bits, np.int32(23)) & np.int32(255)
+    significand = (bits & np.int32((1 << 23) - 1)) | np.int32(1 << 23)
+    shift = jnp.clip(np.int32(126) - biased, 14, 25)  # |value| = significand 2**(biased-150)
+    kept = lax.shift_right_logical(significand, shift)
+    rest = significand - lax.shift_left(kept, shift)
+    half = lax.shift_left(np.int32(1), shift - 1)
+    up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    magnitude = (kept + up.astype(jnp.int32)).astype(jnp.float32) * 2.0**-24
+    return jnp.where(value < 0, -magnitude, magnitude)

@@ -1,285 +1,539 @@
-"""Where normkit.jax's time goes against Flax's on a device: per layer, dtype and pass, the
-jitted median and what XLA compiled for it there (fusions, conditionals, the entry
-computation), the cost of one ``lax.cond`` on its own, what each piece of normkit's guard
-costs (`variants`), and candidate RMSNorm forwards that guard without a conditional
-(`without_cond`).
+"""normkit.jax's Pallas kernels on a device: whether they compute the reference compiled there,
+and their time against normkit.jax's XLA program, Flax's layers, Keras' layers on JAX and
+normkit.tf on Keras' JAX backend, each jitted, against the copy floor.
 
-python3 scripts/jax_probe.py [--out FILE] [--rows R --hidden N]   (JAX's default device; one
-JSON line per figure)
+python3 scripts/jax_probe.py [--out FILE] [--budget SECONDS] [--shapes 32768x1024,...]
+                             [--dtypes float32,bfloat16] [--sections check,layers,...]
+                             [--interpret]
 
-The passes are the bench's (forward; forward+backward as a ``vjp`` given dy) and the training
-form, the gradient of a loss inside the same program, where dy never reaches memory unless
-something makes XLA write it.
+One JSON line per record, written as it is measured; the sections run in this order, each
+stopping where the budget (default 90 s, compiles included; the programs of a group compile in
+parallel) runs out:
+
+- ``check``: the kernels (`implementation="pallas"`) on edge rows (squares that overflow or
+  underflow float32, a large mean, tiny statistics with eps outside, large cotangents, NaN and
+  infinity), forward and backward, against `normkit.reference` under `normkit.tolerances`:
+  the problems found (none: the compiled kernels are correct there).
+- ``layers``: RMSNorm and LayerNorm at each shape, dtype and pass (forward; forward+backward as
+  a ``vjp`` given dy): normkit.jax's linen module with the kernels and with the XLA program,
+  ``flax.linen``'s layer, and a copy of the bytes the pass moves (the floor), each in
+  throughput mode (`CALLS` calls between two syncs) and latency mode (a sync after each call).
+- ``options``: every option of the spec through the kernels, its time over the default's (the
+  target: at most 1.1), at the first shape in bfloat16, throughput mode.
+- ``keras``: Keras' RMSNormalization and LayerNormalization on its JAX backend against
+  normkit.tf's layers, with the kernels and without, stateless calls under ``jax.jit``.
+- ``apis``: normkit.jax's nnx modules and functions with the kernels, beside the linen module
+  (the same kernels: at the first shape).
+- ``launch``: RMSNorm through the kernels at other launch configurations
+  (`normkit._pallas.LAUNCH`: elements per warp forward and backward, the backward's programs),
+  each against the default one: what tunes it.
+
+``--interpret`` runs the kernels in Pallas' interpreter (without a GPU: slow, for small shapes).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import json
-import re
+import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
+os.environ["KERAS_BACKEND"] = "jax"  # Keras' layers and normkit.tf below run on JAX
 
-import normkit.jax as nkjax
-from normkit import NormSpec, reference
-from normkit.bench.timing import interleaved
-from normkit.jax import functional
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-WARMUP = 2
-ROUNDS = 20
+import normkit.jax as nkjax  # noqa: E402
+from normkit import NormSpec  # noqa: E402
+from normkit.bench.timing import interleaved  # noqa: E402
+from normkit.bridges import JaxBridge  # noqa: E402
+from normkit.conformance import compare as conformance  # noqa: E402
+from normkit.conformance import targets_jax  # noqa: E402
+from normkit.conformance.compare import Inputs  # noqa: E402
+from normkit.jax import functional, pallas  # noqa: E402
+
 EPS = 1e-6
-ENTRY_LINES = 60
+SHAPES = ((8192, 4096), (32768, 1024), (2048, 16384))
+DTYPES = ("float32", "bfloat16")
+SECTIONS = ("check", "layers", "options", "keras", "apis", "launch")
+#: Calls between two syncs in throughput mode; rounds of each mode (after one warm-up round);
+#: programs compiled at once.
+CALLS = 10
+ROUNDS = 7
+COMPILERS = 8
 
 
 class Log:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, budget: float) -> None:
         self.file = open(path, "w")
+        self.started = time.perf_counter()
+        self.budget = budget
 
     def __call__(self, **record: Any) -> None:
         line = json.dumps(record)
-        print(line if len(line) < 400 else line[:400] + " ...", flush=True)
+        print(line if len(line) < 600 else line[:600] + " ...", flush=True)
         self.file.write(line + "\n")
         self.file.flush()
 
-
-def medians_ms(candidates: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
-    """Each candidate's median in ms, timed side by side (`normkit.bench.timing`)."""
-    blocking = {name: partial(_finished, fn) for name, fn in candidates.items()}
-    timings = interleaved(blocking, warmup=WARMUP, repeats=ROUNDS)
-    return {name: t.median_s * 1e3 for name, t in timings.items()}
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.started)
 
 
-def _finished(fn: Callable[[], Any]) -> Any:
-    return jax.block_until_ready(fn())
+class OutOfTime(Exception):
+    """The budget ran out: the section stops where it is."""
 
 
-def entry(text: str) -> list[str]:
-    """The entry computation's instructions, without metadata."""
-    lines = text[text.index("\nENTRY ") :].splitlines()[1:]
-    body = [re.sub(r", metadata=\{[^}]*\}|, backend_config=.*$", "", line.strip())
-            for line in lines[: lines.index("}")]]
-    return body
+def _spend(log: Log) -> None:
+    if log.left() <= 0:
+        raise OutOfTime
 
 
-def programs(module: nn.Module, x: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple]]:
-    params = module.init(jax.random.key(0), x[:1])
-    dy = jnp.ones_like(x)
-
-    def vjp(p: Any, v: jax.Array, dy: jax.Array) -> Any:
-        y, pullback = jax.vjp(module.apply, p, v)
-        return y, pullback(dy)
-
-    def loss(p: Any, v: jax.Array) -> jax.Array:
-        y: jax.Array = module.apply(p, v)  # type: ignore[assignment]
-        return jnp.sum(y.astype(jnp.float32) ** 2)
-
-    return {
-        "forward": (module.apply, (params, x)),
-        "forward+backward": (vjp, (params, x, dy)),
-        "training (grad of a loss)": (jax.grad(loss, argnums=(0, 1)), (params, x)),
-    }
+# --- timing ----------------------------------------------------------------------------------
 
 
-def layers(log: Log, rows: int, hidden: int) -> None:
-    """The bench's pairs: y in x's dtype, eps 1e-6, normkit's LayerNorm with its two-pass
-    variance."""
-    for dtype in ("float32", "bfloat16"):
-        pairs = {
-            "RMSNorm": (nkjax.RMSNorm(epsilon=EPS, output_dtype="input"),
-                        nn.RMSNorm(epsilon=EPS, dtype=dtype)),
-            "LayerNorm": (nkjax.LayerNorm(epsilon=EPS, output_dtype="input", variance="two_pass"),
-                          nn.LayerNorm(epsilon=EPS, dtype=dtype)),
-        }
-        x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32).astype(dtype)
-        for layer, (ours, theirs) in pairs.items():
-            mine, flax_own = programs(ours, x), programs(theirs, x)
-            for form in mine:
-                record: dict[str, Any] = {"dtype": dtype, "layer": layer, "pass": form}
-                runs = {}
-                for who, (fn, args) in (("normkit", mine[form]), ("flax", flax_own[form])):
-                    runs[who], record[who] = compiled_record(fn, args)
-                for who, ms in medians_ms(runs).items():
-                    record[who]["ms"] = ms
-                record["ratio"] = record["flax"]["ms"] / record["normkit"]["ms"]
-                log(**record)
+def _modes(fn: Callable[[], Any]) -> dict[str, Callable[[], Any]]:
+    """``fn`` (one call) in both modes: throughput (`CALLS` calls, then one sync) and latency
+    (a sync after the call)."""
+
+    def throughput() -> Any:
+        out = None
+        for _ in range(CALLS):
+            out = fn()
+        return jax.block_until_ready(out)
+
+    return {"throughput": throughput, "latency": lambda: jax.block_until_ready(fn())}
 
 
-def compiled_record(fn: Callable[..., Any], args: tuple) -> tuple[Callable[[], Any], dict]:
-    """``fn`` compiled for ``args``, ready to time, and its fusions, conditionals and entry."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    text = compiled.as_text()
-    assert text is not None
-    body = entry(text)
-    return partial(compiled, *args), {
-        "fusions": sum(" fusion(" in line for line in body),
-        "conditionals": sum(" conditional(" in line for line in body),
-        "entry": body[:ENTRY_LINES],
-    }
+class Pending(NamedTuple):
+    """A jitted program lowered for its arguments, to compile (`compiled`) and call."""
+
+    lowered: Any
+    args: tuple[Any, ...]
 
 
-def variants(log: Log, rows: int, hidden: int) -> None:
-    """normkit's float32 forward and forward+backward as shipped, with the flags reading
-    statistics of their own (`functional._fused_apart`, on the CPU only as shipped), and with
-    the guard's branch removed (`functional._patched` passing the plain result through: wrong
-    for rows that need the careful program, none here), against Flax: what the conditional and
-    the statistics' second reader each cost on this device."""
-    x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32)
-    shipped = (functional._fused_apart, functional._patched)
-    pieces = {
-        "as shipped": shipped,
-        "flags apart": (lambda v, plan: True, shipped[1]),
-        "no branch": (shipped[0], lambda bad, value, fix: value),
-        "flags apart, no branch": (lambda v, plan: True, lambda bad, value, fix: value),
-    }
-    for layer, ours, theirs in (
-        ("RMSNorm", nkjax.RMSNorm(epsilon=EPS, output_dtype="input"), nn.RMSNorm(epsilon=EPS)),
-        ("LayerNorm", nkjax.LayerNorm(epsilon=EPS, output_dtype="input", variance="two_pass"),
-         nn.LayerNorm(epsilon=EPS)),
-    ):
-        for form in ("forward", "forward+backward"):
-            runs, record = {}, {}
-            for name, (fused_apart, patched) in pieces.items():
-                functional._fused_apart, functional._patched = fused_apart, patched
-                try:
-                    runs[name], record[name] = compiled_record(*programs(ours, x)[form])
-                finally:
-                    functional._fused_apart, functional._patched = shipped
-            runs["flax"], record["flax"] = compiled_record(*programs(theirs, x)[form])
-            for name, ms in medians_ms(runs).items():
-                record[name]["ms"] = ms
-                del record[name]["entry"]
-            log(dtype="float32", layer=layer, variants=form, **record)
+def compiled(pending: Mapping[str, Pending]) -> dict[str, Callable[[], Any]]:
+    """Each program compiled, `COMPILERS` at a time (XLA and Triton compile outside Python's
+    lock), ready to call."""
+    with ThreadPoolExecutor(COMPILERS) as pool:
+        futures = {name: pool.submit(p.lowered.compile) for name, p in pending.items()}
+        return {name: partial(f.result(), *pending[name].args) for name, f in futures.items()}
 
 
-def rms_without_cond(x: jax.Array, g: jax.Array, eps: float) -> jax.Array:
-    """A candidate RMSNorm forward (eps inside) that serves rows whose squares overflow or
-    underflow float32 without a conditional: each row scaled by the power of two ``2^-e`` that
-    brings its largest magnitude into [1/2, 1) (exact), its mean square taken there, and
-    ``y = x 2^-e / sqrt(mean((x 2^-e)^2) + eps 4^-e)``, the same value; where ``eps 4^-e``
-    overflows (tiny rows), eps dwarfs the mean square, taken back unscaled. Two dependent row
-    reductions and the output, nothing read back to the host: a softmax's pattern, which XLA
-    on a GPU may compile into one fusion."""
-    v = x.astype(jnp.float32)
-    largest = jnp.max(jnp.abs(v), axis=-1, keepdims=True)
-    e = jnp.where(jnp.isfinite(largest) & (largest > 0), jnp.frexp(largest)[1], 0)
-    scaled = v * jnp.ldexp(jnp.float32(1), -e)
-    square = jnp.mean(scaled * scaled, axis=-1, keepdims=True)
-    eps_scaled = jnp.ldexp(jnp.float32(eps), -2 * e)
-    y_hat = jnp.where(jnp.isinf(eps_scaled), v * lax.rsqrt(jnp.ldexp(square, 2 * e) + eps),
-                      scaled * lax.rsqrt(square + eps_scaled))
-    return (y_hat * g).astype(x.dtype)
+def timed(pending: Mapping[str, Pending]) -> dict[str, dict[str, float]]:
+    """Each program's median ms per call in each mode, timed side by side
+    (`normkit.bench.timing.interleaved`)."""
+    candidates = compiled(pending)
+    found: dict[str, dict[str, float]] = {}
+    for mode in ("throughput", "latency"):
+        runs = {name: _modes(fn)[mode] for name, fn in candidates.items()}
+        per_call = CALLS if mode == "throughput" else 1
+        timings = interleaved(runs, warmup=1, repeats=ROUNDS)
+        found[mode] = {name: round(t.median_s * 1e3 / per_call, 4) for name, t in timings.items()}
+    return found
 
 
-#: The powers of two of `rms_sibling_sums`: x 2^-80 squares below float32's maximum for any
-#: finite x (the mean square of 2^-80 FLT_MAX is 8e28), and x 2^80 squares to normal float32
-#: numbers down to |x| near 1e-30.
-DOWN, UP = 2.0**-80, 2.0**80
-FLT_MAX = float(np.finfo(np.float32).max)
+def _program(apply: Callable[..., Any], params: Any, x: jax.Array, dy: Any, backward: bool
+             ) -> Pending:
+    """The jitted forward, or forward+backward given ``dy``, lowered (traced) now."""
+    if backward:
+        def run(params: Any, x: jax.Array, dy: Any) -> Any:
+            y, vjp = jax.vjp(apply, params, x)
+            return y, vjp(dy)
+
+        return Pending(jax.jit(run).lower(params, x, dy), (params, x, dy))
+    return Pending(jax.jit(apply).lower(params, x), (params, x))
 
 
-def rms_sibling_sums(x: jax.Array, g: jax.Array, eps: float) -> jax.Array:
-    """A candidate RMSNorm forward (eps inside) with neither a conditional nor a second,
-    dependent reduction: the mean square of each row taken at scales 1, 2^-80 and 2^80 in one
-    pass over x (sibling reductions, which XLA on a GPU can fuse into one), and each row
-    normalized as ``y = x c / sqrt(mean((x c)^2) + eps c^2)`` (the same value for every c) with
-    the one in float32's range: 2^-80 where the squares overflow, 2^80 where they underflow (a
-    mean square below 2^-100) and ``eps 2^160`` is finite, else 1. Where ``eps 2^160``
-    overflows, eps dwarfs such a row's mean square, and scale 1 serves it."""
-    v = x.astype(jnp.float32)
-
-    def normalized(c: float) -> tuple[jax.Array, jax.Array]:
-        scaled = v * jnp.float32(c)
-        square = jnp.mean(scaled * scaled, axis=-1, keepdims=True)
-        return square, scaled * lax.rsqrt(square + jnp.float32(eps * c * c))
-
-    square, y_hat = normalized(1.0)
-    square_down, y_down = normalized(DOWN)
-    y_hat = jnp.where(jnp.isinf(square) & jnp.isfinite(square_down), y_down, y_hat)
-    if eps * UP * UP <= FLT_MAX:
-        _, y_up = normalized(UP)
-        y_hat = jnp.where(square < 2.0**-100, y_up, y_hat)
-    return (y_hat * g).astype(x.dtype)
+def _copy(elements: int, dtype: str) -> Pending:
+    """A jitted copy of ``elements`` (the bytes a pass moves)."""
+    buffer = jnp.ones((elements,), dtype)
+    return Pending(jax.jit(jnp.copy).lower(buffer), (buffer,))
 
 
-#: Rows of the candidates' accuracy check: ordinary, squares overflowing, squares underflowing.
-FAR_SCALES = (1.0, 1e30, 1e-30, 1e-20, 1e37)
-#: float32's smallest normal eps: with it tiny rows are not eps's (`rms_sibling_sums`' 2^80).
-TINY_EPS = 2.0**-126
-#: The conditional-free candidates, as the records name them.
-CANDIDATES = {"without cond": rms_without_cond, "sibling sums": rms_sibling_sums}
+def _moved(shape: tuple[int, int], backward: bool) -> int:
+    """Elements a copy moves to match the pass: the forward reads x and writes y (a copy of x);
+    the forward+backward adds reading x and dy and writing dx (2.5 copies of x)."""
+    n = shape[0] * shape[1]
+    return n * 5 // 2 if backward else n
 
 
-def without_cond(log: Log, rows: int, hidden: int) -> None:
-    """The `CANDIDATES` against normkit's RMSNorm as shipped and Flax's (forward, float32 and
-    bfloat16): their times and what XLA compiled, and each one's worst error against the
-    reference on rows at `FAR_SCALES` (a fraction of the row's largest reference value)."""
+def _linen(module: nn.Module, x: jax.Array) -> tuple[Callable[..., Any], Any]:
+    return module.apply, module.init(jax.random.key(0), x[:1])
+
+
+def _nnx(module: nnx.Module) -> tuple[Callable[..., Any], Any]:
+    graph, state = nnx.split(module)
+    return lambda state, x: nnx.merge(graph, state)(x), state
+
+
+def _inputs(shape: tuple[int, int], dtype: str) -> tuple[jax.Array, jax.Array]:
     rng = np.random.default_rng(0)
-    far = (rng.standard_normal((len(FAR_SCALES), 64))
-           * np.array(FAR_SCALES)[:, None]).astype(np.float32)
-    g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
-    wants = {eps: reference.normalize(far.astype(np.float64), NormSpec(eps=eps),
-                                      g.astype(np.float64)) for eps in (EPS, TINY_EPS)}
-    for candidate, (eps, want) in itertools.product(CANDIDATES.values(), wants.items()):
-        got = np.asarray(jax.jit(candidate, static_argnums=2)(far, g, eps), np.float64)
-        errors = np.max(np.abs(got - want), axis=1) / np.max(np.abs(want), axis=1)
-        log(what=f"{candidate.__name__} error", eps=eps, scales=list(FAR_SCALES),
-            errors=errors.tolist())
-    for dtype in ("float32", "bfloat16"):
-        x = jax.random.normal(jax.random.key(1), (rows, hidden), jnp.float32).astype(dtype)
-        scale = jnp.ones((hidden,), jnp.float32)
-        runs, record = {}, {}
-        for name, module in (("normkit", nkjax.RMSNorm(epsilon=EPS, output_dtype="input")),
-                             ("flax", nn.RMSNorm(epsilon=EPS, dtype=dtype))):
-            runs[name], record[name] = compiled_record(*programs(module, x)["forward"])
-        for name, candidate in CANDIDATES.items():
-            runs[name], record[name] = compiled_record(partial(candidate, eps=EPS), (x, scale))
-        for name, ms in medians_ms(runs).items():
-            record[name]["ms"] = ms
-            del record[name]["entry"]
-        log(dtype=dtype, layer="RMSNorm", candidate="forward", **record)
+    x = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    dy = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    return x, dy
 
 
-def cond_cost(log: Log, rows: int, hidden: int) -> None:
-    """One ``lax.cond`` on a flag computed on the device, against the same work without it."""
-    x = jnp.ones((rows, hidden), jnp.float32)
+# --- check -----------------------------------------------------------------------------------
 
-    def plain(v: jax.Array) -> jax.Array:
-        return v * 2
 
-    def branched(v: jax.Array) -> jax.Array:
-        y = v * 2
-        return lax.cond(jnp.any(v[:, 0] > 1e30), lambda y: y + 1, lambda y: y, y)
+def _edge_inputs(spec: NormSpec) -> Inputs:
+    """Rows of scale 1 .. 3e38 and 1e-38, a large mean, a tiny statistic read beside ones,
+    large cotangents, NaN and infinity; dy scaled so that the gradients stay normal numbers."""
+    scales = np.array([1.0, 1e20, 3e38, 1e-30, 1e-38, 1.0, 1.0, 1.0, 1.0, 1.0])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((len(scales), 48)) * scales[:, None]
+    x[2] = np.sign(x[2]) * 3e38
+    x[5] += 1e6  # a large mean
+    x[6, :4] = [1e-25, 0.0, -3e-26, 1e-26]  # a tiny statistic where partial RMS reads, ones after
+    x[6, 4:] = 1.0
+    x[8, 3], x[9, 5] = np.nan, np.inf
+    dy = rng.standard_normal(x.shape) * np.minimum(scales, 1e30)[:, None]
+    dy[7] *= 1e29  # large cotangents on an ordinary row
+    inputs = Inputs(x.astype(np.float32), dy.astype(np.float32),
+                    np.linspace(0.5, 1.5, 48).astype(np.float32))
+    if spec.gate is not None:
+        inputs = inputs._replace(gate=rng.standard_normal(x.shape).astype(np.float32))
+    if spec.residual is not None:
+        inputs = inputs._replace(residual=(x * 0.5).astype(np.float32),
+                                 dh=rng.standard_normal(x.shape).astype(np.float32))
+    if spec.bias:
+        inputs = inputs._replace(bias=np.zeros(48, np.float32))
+    return inputs
 
-    runs = {name: partial(jax.jit(fn), x) for name, fn in (("without cond", plain),
-                                                          ("with cond", branched))}
-    for name, ms in medians_ms(runs).items():
-        log(what=f"x * 2 {name}", ms=ms)
+
+CHECKED = {
+    "rms": NormSpec(),
+    "rms-outside": NormSpec(eps_placement="outside", eps=1e-5),
+    "partial-k1-outside": NormSpec("partial_rms", p=1 / 48, eps_placement="outside", eps=1e-5),
+    "partial-k12": NormSpec("partial_rms", p=0.25),
+    "layer": NormSpec("layer"),
+    "layer-outside": NormSpec("layer", eps_placement="outside"),
+    "layer-fast": NormSpec("layer", variance="fast"),
+    "gate-after-groups": NormSpec(gate="after", group_size=12),
+    "residual": NormSpec(residual="float32"),
+    "dyt": NormSpec("dyt"),
+}
+
+
+def check(log: Log, device: str) -> None:
+    """The kernels compiled on ``device`` against the reference on the edge rows."""
+    for name, spec in CHECKED.items():
+        _spend(log)
+        inputs = _edge_inputs(spec)
+        x, dy, scale, bias, residual, dh, alpha, gate = inputs
+        outputs = targets_jax.evaluate(spec, x, dy, scale, bias, residual=residual, dh=dh,
+                                       alpha=alpha, gate=gate, device=device,
+                                       api="functional", implementation="pallas")
+        problems, _ = conformance.compare(spec, inputs, outputs)
+        log(check=name, spec=str(spec), problems=problems)
+
+
+# --- layers ----------------------------------------------------------------------------------
+
+
+def _pairs(dtype: str) -> dict[str, dict[str, nn.Module]]:
+    """The bench's layers (y in x's dtype; normkit's LayerNorm with its two-pass variance)."""
+    rms = dict(epsilon=EPS, output_dtype="input")
+    layer = dict(epsilon=EPS, output_dtype="input", variance="two_pass")
+    return {
+        "RMSNorm": {"normkit[pallas]": nkjax.RMSNorm(**rms, implementation="pallas"),
+                    "normkit[xla]": nkjax.RMSNorm(**rms, implementation="xla"),
+                    "flax": nn.RMSNorm(epsilon=EPS, dtype=dtype)},
+        "LayerNorm": {"normkit[pallas]": nkjax.LayerNorm(**layer, implementation="pallas"),
+                      "normkit[xla]": nkjax.LayerNorm(**layer, implementation="xla"),
+                      "flax": nn.LayerNorm(epsilon=EPS, dtype=dtype)},
+    }
+
+
+def _groups(shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]
+            ) -> Iterator[tuple[tuple[int, int], str, bool]]:
+    for shape in shapes:
+        for dtype in dtypes:
+            for backward in (False, True):
+                yield shape, dtype, backward
+
+
+def _record(log: Log, times: dict[str, dict[str, float]], ours: str, theirs: str | None,
+            **fields: Any) -> None:
+    """One group's times, with the kernels' speed over ``theirs`` (above 1: faster) and each
+    one's fraction of the copy floor."""
+    record: dict[str, Any] = dict(fields, ms=times)
+    if theirs is not None:
+        record["speedup"] = {mode: round(t[theirs] / t[ours], 3) for mode, t in times.items()}
+    if all("copy" in t for t in times.values()):
+        record["copy_fraction"] = {
+            mode: {name: round(t["copy"] / ms, 3) for name, ms in t.items() if name != "copy"}
+            for mode, t in times.items()
+        }
+    log(**record)
+
+
+def layers(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
+    for shape, dtype, backward in _groups(shapes, dtypes):
+        x, dy = _inputs(shape, dtype)
+        for kind, modules in _pairs(dtype).items():
+            _spend(log)
+            candidates = {name: _program(*_linen(module, x), x, dy, backward)
+                          for name, module in modules.items()}
+            candidates["copy"] = _copy(_moved(shape, backward), dtype)
+            _record(log, timed(candidates), "normkit[pallas]", "flax", section="layers",
+                    layer=kind, shape=shape, dtype=dtype,
+                    **{"pass": "forward+backward" if backward else "forward"})
+
+
+# --- options ---------------------------------------------------------------------------------
+
+def _options(n: int) -> dict[str, NormSpec]:
+    """Every option of the spec, by name; groups of n / 32 (128 at 4096)."""
+    group = max(1, n // 32)
+    return {
+        "default": NormSpec(),
+        "partial p=0.0625": NormSpec("partial_rms", p=0.0625),
+        "eps outside": NormSpec(eps_placement="outside"),
+        "gemma offset": NormSpec(scale_offset=1.0),
+        "offset in bfloat16 weights": NormSpec(scale_offset=1.0, offset_dtype="param"),
+        "llama cast": NormSpec(cast="before_scale"),
+        "bias": NormSpec(bias=True),
+        "promoted output": NormSpec(output_dtype="promote"),
+        "layer two-pass": NormSpec("layer"),
+        "layer fast": NormSpec("layer", variance="fast"),
+        "dyt": NormSpec("dyt"),
+        "groups of n/32": NormSpec(group_size=group),
+        "gate after (reads z)": NormSpec(gate="after"),
+        "gate before, groups of n/32 (reads z)": NormSpec(gate="before", group_size=group),
+        "residual rounded (reads r, writes h)": NormSpec(residual="rounded"),
+        "residual float32 (reads r, writes h)": NormSpec(residual="float32"),
+        "residual float32_normalized (reads r, writes h)": NormSpec(residual="float32_normalized"),
+    }
+
+
+def _function(spec: NormSpec, x: jax.Array) -> tuple[Callable[..., Any], Any]:
+    n = x.shape[-1]
+    param = jnp.bfloat16 if spec.offset_dtype == "param" else jnp.float32
+    scale = jnp.full((n,), spec.scale_init, param)
+    bias = jnp.zeros((n,), jnp.float32) if spec.bias else None
+    second = None if spec.gate is None and spec.residual is None else x
+
+    def apply(params: Any, x: jax.Array) -> Any:
+        scale, bias, second = params
+        if spec.residual is not None:
+            return functional.add_norm(x, second, spec, scale, bias, implementation="pallas")
+        return functional.normalize(x, spec, scale, bias, gate=second, implementation="pallas")
+
+    return apply, (scale, bias, second)
+
+
+def options(log: Log, shape: tuple[int, int], dtype: str) -> None:
+    """Each option's time through the kernels over the default's, timed side by side."""
+    x, dy = _inputs(shape, dtype)
+    for backward in (False, True):
+        candidates = {}
+        for name, spec in _options(shape[-1]).items():
+            _spend(log)
+            apply, params = _function(spec, x)
+            outputs = jax.eval_shape(apply, params, x)
+            cotangent = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outputs)
+            candidates[name] = _program(apply, params, x, cotangent, backward)
+        times = timed({n: c for n, c in candidates.items()})["throughput"]
+        log(section="options", shape=shape, dtype=dtype,
+            **{"pass": "forward+backward" if backward else "forward"}, ms=times,
+            over_default={n: round(t / times["default"], 3) for n, t in times.items()})
+
+
+# --- keras -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _switch(value: str) -> Iterator[None]:
+    """The kernels' switch (`functional.KERNELS_VARIABLE`), read where a call is traced."""
+    before = os.environ.get(functional.KERNELS_VARIABLE)
+    os.environ[functional.KERNELS_VARIABLE] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[functional.KERNELS_VARIABLE]
+        else:
+            os.environ[functional.KERNELS_VARIABLE] = before
+
+
+def _keras_program(layer: Any, x: jax.Array, dy: jax.Array, backward: bool) -> Pending:
+    weights = [v.value for v in layer.trainable_variables]
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def apply(weights: Any, x: jax.Array) -> Any:
+        return layer.stateless_call(weights, frozen, x)[0]
+
+    return _program(apply, weights, x, dy, backward)
+
+
+def keras_layers(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]
+                 ) -> None:
+    try:
+        import keras
+
+        from normkit.tf.layers import LayerNorm, RMSNorm
+    except ImportError as error:  # Keras comes with gpu-check's carried wheels
+        log(section="keras", skipped=f"Keras is not importable: {error}")
+        return
+
+    policy = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+    for shape, dtype, backward in _groups(shapes, dtypes):
+        x, dy = _inputs(shape, dtype)
+        pairs = {
+            "RMSNorm": (RMSNorm, keras.layers.RMSNormalization, {}),
+            "LayerNorm": (LayerNorm, keras.layers.LayerNormalization, {}),
+        }
+        for kind, (ours, theirs, kwargs) in pairs.items():
+            _spend(log)
+            candidates = {}
+            for name, switch in (("normkit.tf[pallas]", "pallas"), ("normkit.tf[xla]", "xla")):
+                layer = ours(epsilon=EPS, dtype=policy[dtype], **kwargs)
+                layer.build(shape)
+                with _switch(switch):
+                    candidates[name] = _keras_program(layer, x, dy, backward)
+            layer = theirs(epsilon=EPS, dtype=policy[dtype], **kwargs)
+            layer.build(shape)
+            candidates["keras"] = _keras_program(layer, x, dy, backward)
+            candidates["copy"] = _copy(_moved(shape, backward), dtype)
+            _record(log, timed(candidates), "normkit.tf[pallas]", "keras", section="keras",
+                    layer=kind, shape=shape, dtype=dtype,
+                    **{"pass": "forward+backward" if backward else "forward"})
+
+
+# --- apis ------------------------------------------------------------------------------------
+
+
+def apis(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
+    """normkit.jax's three APIs through the kernels, side by side."""
+    for shape, dtype, backward in _groups(shapes, dtypes):
+        x, dy = _inputs(shape, dtype)
+        n = shape[-1]
+        for kind, spec in (("RMSNorm", NormSpec()), ("LayerNorm", NormSpec("layer"))):
+            _spend(log)
+            linen = nkjax.from_spec(spec, implementation="pallas")
+            nnx_module = nkjax.nnx.from_spec(spec, n, implementation="pallas")
+            params = (jnp.ones(n), jnp.zeros(n) if spec.bias else None)
+
+            def function(params: Any, x: jax.Array, spec: NormSpec = spec) -> Any:
+                return functional.normalize(x, spec, *params, implementation="pallas")
+
+            candidates = {
+                "linen": _program(*_linen(linen, x), x, dy, backward),
+                "nnx": _program(*_nnx(nnx_module), x, dy, backward),
+                "functional": _program(function, params, x, dy, backward),
+            }
+            log(section="apis", layer=kind, shape=shape, dtype=dtype,
+                **{"pass": "forward+backward" if backward else "forward"}, ms=timed(candidates))
+
+
+# --- launch ----------------------------------------------------------------------------------
+
+#: Launch configurations tried beside the default, by what they change (`normkit._pallas.LAUNCH`).
+LAUNCHES = {
+    "forward": {"forward 512/warp": {"forward_per_warp": 512},
+                "forward 2048/warp": {"forward_per_warp": 2048}},
+    "forward+backward": {"backward 256/warp": {"backward_per_warp": 256},
+                         "backward 1024/warp": {"backward_per_warp": 1024},
+                         "132 programs": {"programs": 132},
+                         "528 programs": {"programs": 528}},
+}
+
+
+#: Tried in the backward where rows have 4096 elements or more (`normkit._pallas.LAUNCH`):
+#: rows whole however long, slices of 2048 from 4096 on, slices of 8192 past 8192.
+LONG_ROWS = {"rows whole": {"fused": 32768}, "slices of 2048": {"fused": 2048, "slice": 2048},
+             "slices of 8192": {"slice": 8192}}
+
+
+@contextlib.contextmanager
+def _launch(changes: Mapping[str, int]) -> Iterator[None]:
+    from normkit import _pallas
+
+    before = dict(_pallas.LAUNCH)
+    _pallas.LAUNCH.update(changes)
+    try:
+        yield
+    finally:
+        _pallas.LAUNCH.clear()
+        _pallas.LAUNCH.update(before)
+
+
+def launch(log: Log, shapes: tuple[tuple[int, int], ...], dtypes: tuple[str, ...]) -> None:
+    """RMSNorm through the kernels at each launch configuration of `LAUNCHES`, side by side
+    with the default one, throughput mode."""
+    for shape, dtype, backward in _groups(shapes, dtypes):
+        _spend(log)
+        x, dy = _inputs(shape, dtype)
+        form = "forward+backward" if backward else "forward"
+        candidates = {}
+        tried = {"default": {}, **LAUNCHES[form]}
+        if backward and shape[-1] >= 4096:
+            tried.update(LONG_ROWS)
+        for name, changes in tried.items():
+            with _launch(changes):
+                module = nkjax.RMSNorm(epsilon=EPS, output_dtype="input", implementation="pallas")
+                candidates[name] = _program(*_linen(module, x), x, dy, backward)
+        times = timed(candidates)["throughput"]
+        log(section="launch", shape=shape, dtype=dtype, ms=times, **{"pass": form},
+            over_default={n: round(t / times["default"], 3) for n, t in times.items()})
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def _shape(text: str) -> tuple[int, int]:
+    rows, n = text.lower().split("x")
+    return int(rows), int(n)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="jax-probe.jsonl")
-    parser.add_argument("--rows", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--budget", type=float, default=90.0,
+                        help="seconds for the whole probe, compiles included (default 90)")
+    parser.add_argument("--shapes", type=lambda s: tuple(map(_shape, s.split(","))),
+                        default=SHAPES, help="rows x n, comma-separated")
+    parser.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=DTYPES)
+    parser.add_argument("--sections", type=lambda s: tuple(s.split(",")), default=SECTIONS)
+    parser.add_argument("--interpret", action="store_true",
+                        help="the kernels in Pallas' interpreter (no GPU; small shapes)")
     args = parser.parse_args()
-    log = Log(args.out)
-    log(device=str(jax.devices()[0]), jax=jax.__version__)
-    started = time.perf_counter()
-    cond_cost(log, args.rows, args.hidden)
-    without_cond(log, args.rows, args.hidden)  # before the variants: the newest question
-    variants(log, args.rows, args.hidden)
-    layers(log, args.rows, args.hidden)
-    log(seconds=round(time.perf_counter() - started, 1))
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    log = Log(args.out, args.budget)
+    device = JaxBridge().devices()[-1]
+    log(device=str(jax.devices()[0]), jax=jax.__version__, shapes=args.shapes,
+        dtypes=args.dtypes, budget_s=args.budget, interpret=args.interpret)
+    run: dict[str, Callable[[], None]] = {
+        "check": lambda: check(log, device),
+        "layers": lambda: layers(log, args.shapes, args.dtypes),
+        "options": lambda: options(log, args.shapes[0], args.dtypes[-1]),
+        "keras": lambda: keras_layers(log, args.shapes, args.dtypes),
+        "apis": lambda: apis(log, args.shapes[:1], args.dtypes),
+        "launch": lambda: launch(log, args.shapes, args.dtypes),
+    }
+    scope = pallas.interpreted() if args.interpret else contextlib.nullcontext()
+    with scope:
+        for section in SECTIONS:
+            if section not in args.sections:
+                continue
+            try:
+                run[section]()
+            except OutOfTime:
+                log(stopped=section, reason=f"the budget of {args.budget} s ran out")
+                break
+    log(seconds=round(time.perf_counter() - log.started, 1))
     return 0
 
 

@@ -117,48 +117,53 @@ def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [f"{step}.json", f"{step}.log", "summary.json"]
 
 
-def test_the_jax_probe_times_and_reads_each_pair_on_the_default_device(tmp_path):
-    """scripts/jax_probe.py (the kernels step's first command) on a small shape here: each
-    layer, dtype and pass timed for normkit and Flax, with what XLA compiled; and normkit's
-    float32 programs with its guard's branch removed and its flags apart; and the RMSNorm
-    candidates without a conditional, accurate on rows whose squares leave float32's range."""
-    pytest.importorskip("flax")
+def _probe(tmp_path, *args):
     out = tmp_path / "probe.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "jax_probe.py"), "--out", str(out),
-                           "--rows", "8", "--hidden", "64"], capture_output=True, text=True, env=env, timeout=300)
+                           "--shapes", "8x64", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["what"] for r in records if "what" in r] == [
-        "x * 2 without cond", "x * 2 with cond", *(
-            f"{name} error" for name in ("rms_without_cond", "rms_sibling_sums")
-            for _ in range(2))]
-    layers = [r for r in records if "pass" in r]
-    assert {(r["dtype"], r["layer"], r["pass"]) for r in layers} == {
-        (d, layer, p) for d in ("float32", "bfloat16") for layer in ("RMSNorm", "LayerNorm")
-        for p in ("forward", "forward+backward", "training (grad of a loss)")
-    }
-    for r in layers:
-        assert r["ratio"] == pytest.approx(r["flax"]["ms"] / r["normkit"]["ms"])
-        assert r["normkit"]["conditionals"] >= 1 and r["flax"]["conditionals"] == 0  # normkit's guards
-        assert r["normkit"]["entry"][0].startswith("ENTRY ") and r["flax"]["fusions"] >= 1
-    variants = [r for r in records if "variants" in r]
-    assert {(r["layer"], r["variants"]) for r in variants} == {
-        (layer, p) for layer in ("RMSNorm", "LayerNorm") for p in ("forward", "forward+backward")
-    }
-    checked = [r for r in records if r.get("what", "").endswith(" error")]
-    assert [r["eps"] for r in checked] == [1e-6, 2.0**-126] * 2  # eps 2^-126: 2^80 for tiny rows
-    for errors in checked:
-        assert len(errors["errors"]) == len(errors["scales"]) and max(errors["errors"]) < 1e-6
-    candidates = [r for r in records if "candidate" in r]
-    assert [r["dtype"] for r in candidates] == ["float32", "bfloat16"]
-    for r in candidates:
-        for name in ("without cond", "sibling sums"):
-            assert r[name]["conditionals"] == 0 and r[name]["ms"] > 0
-    for r in variants:
-        assert r["as shipped"]["conditionals"] >= 1 and r["flags apart"]["conditionals"] >= 1
-        assert r["no branch"]["conditionals"] == 0 and r["flags apart, no branch"]["conditionals"] == 0
-        assert all(r[name]["ms"] > 0 for name in ("as shipped", "no branch", "flax"))
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_the_jax_probe_checks_the_kernels_on_the_edge_rows(tmp_path):
+    """scripts/jax_probe.py's check (the kernels step's first command), here with the kernels in
+    Pallas' interpreter: every checked spec on the edge rows within the reference's tolerance."""
+    pytest.importorskip("flax")
+    records = _probe(tmp_path, "--sections", "check", "--interpret")
+    checked = [r for r in records if "check" in r]
+    assert len(checked) >= 8 and all(r["problems"] == [] for r in checked), checked
+
+
+def test_the_jax_probe_times_each_implementation_in_both_modes(tmp_path):
+    """The probe's timings on a small shape here: each layer and pass, normkit.jax with the
+    kernels and with XLA against Flax, Keras' layers against normkit.tf's, the APIs, and every
+    option over the default, each in throughput and latency mode beside the copy floor."""
+    pytest.importorskip("flax")
+    pytest.importorskip("keras")
+    records = _probe(tmp_path, "--dtypes", "float32", "--sections",
+                     "layers,options,keras,apis,launch", "--budget", "500")
+    assert records[-1]["seconds"] > 0 and not any("stopped" in r for r in records)
+    sections = {"layers": ("normkit[pallas]", "normkit[xla]", "flax", "copy"),
+                "keras": ("normkit.tf[pallas]", "normkit.tf[xla]", "keras", "copy"),
+                "apis": ("linen", "nnx", "functional")}
+    for section, names in sections.items():
+        found = [r for r in records if r.get("section") == section]
+        assert {(r["layer"], r["pass"]) for r in found} == {
+            (layer, p) for layer in ("RMSNorm", "LayerNorm") for p in ("forward", "forward+backward")
+        }
+        for r in found:
+            assert set(r["ms"]) == {"throughput", "latency"}
+            assert all(set(times) == set(names) for times in r["ms"].values())
+            assert all(ms > 0 for times in r["ms"].values() for ms in times.values())
+    options = [r for r in records if r.get("section") == "options"]
+    assert [r["pass"] for r in options] == ["forward", "forward+backward"]
+    for r in options:
+        assert r["over_default"]["default"] == 1 and len(r["over_default"]) >= 15
+    launches = [r for r in records if r.get("section") == "launch"]
+    assert [r["pass"] for r in launches] == ["forward", "forward+backward"]
+    assert all(r["over_default"]["default"] == 1 and len(r["ms"]) >= 3 for r in launches)
 
 
 def test_a_failure_is_printed_before_the_run_ends(tmp_path):

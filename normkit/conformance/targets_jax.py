@@ -23,7 +23,9 @@ __all__ = ["APIS", "VARIANTS", "build", "devices", "evaluate"]
 
 Api = Literal["linen", "nnx", "functional"]
 APIS: tuple[Api, ...] = ("linen", "nnx", "functional")
-VARIANTS: dict[str, tuple[object, ...] | None] = {"api": APIS, "jit": (True, False)}
+VARIANTS: dict[str, tuple[object, ...] | None] = {
+    "api": APIS, "jit": (True, False), "implementation": functional.IMPLEMENTATIONS,
+}
 _BRIDGE = JaxBridge()
 
 
@@ -34,20 +36,25 @@ def build(
     """``fn(x[, residual or gate], **params)`` for ``api=`` ``"linen"``
     (`normkit.jax.from_spec`, the default), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or
     ``"functional"`` (`normkit.jax.functional.normalize` and ``add_norm``); ``jit=False`` takes
-    the VJP eagerly (default: one jitted program)."""
+    the VJP eagerly (default: one jitted program); ``implementation=`` the modules' and
+    functions' (default: theirs)."""
     del dtype, device  # the layers take the input's, where the bridge puts it
     api: Api = variant.get("api", "linen")
+    chosen: dict[str, Any] = {"implementation": variant.get("implementation")}
     if api == "functional":
 
         def apply_functional(x: Any, second: Any = None, **p: Any) -> Any:
             args = (spec, p.get("scale"), p.get("bias"))
+            implementation = chosen["implementation"]
             if spec.residual is None:
-                return functional.normalize(x, *args, gate=second, alpha=p.get("alpha"))
-            return functional.add_norm(x, second, *args, alpha=p.get("alpha"))
+                return functional.normalize(x, *args, gate=second, alpha=p.get("alpha"),
+                                            implementation=implementation)
+            return functional.add_norm(x, second, *args, alpha=p.get("alpha"),
+                                       implementation=implementation)
 
         return apply_functional
     if api == "linen":
-        module = nkjax.from_spec(spec, param_dtype=param_dtype)
+        module = nkjax.from_spec(spec, param_dtype=param_dtype, **chosen)
 
         def apply_linen(x: Any, second: Any = None, **p: Any) -> Any:
             if spec.gate is not None:
@@ -57,7 +64,7 @@ def build(
         return apply_linen
     with _BRIDGE.float64_scope(param_dtype):
         graphdef = nnx.graphdef(
-            nkjax.nnx.from_spec(spec, spec.param_shape(shape), param_dtype=param_dtype)
+            nkjax.nnx.from_spec(spec, spec.param_shape(shape), param_dtype=param_dtype, **chosen)
         )
 
     def apply_nnx(x: Any, second: Any = None, **p: Any) -> Any:

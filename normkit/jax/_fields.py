@@ -77,13 +77,15 @@ def normalize_or_add(
     mask: jax.Array | None,
     dtype: DTypeLike | None,
     axis_name: str | None,
+    implementation: functional.Implementation | None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """A module's output: `functional.normalize` of ``x`` (with ``gate`` and ``mask``), or for a
-    ``residual``, ``(y, h)`` of `functional.add_norm`, which takes neither (ValueError)."""
+    ``residual``, ``(y, h)`` of `functional.add_norm`, which takes neither (ValueError); by the
+    program ``implementation`` selects (`functional.normalize`)."""
     if residual is None:
         return functional.normalize(
             x, spec, scale, bias, gate=gate, alpha=alpha, dtype=dtype, axis_name=axis_name,
-            mask=mask,
+            mask=mask, implementation=implementation,
         )
     if mask is not None:
         raise ValueError(
@@ -92,7 +94,8 @@ def normalize_or_add(
     if gate is not None:
         raise ValueError(f"{layer} has residual={spec.residual!r}: a gated norm has no residual")
     return functional.add_norm(
-        x, residual, spec, scale, bias, alpha=alpha, dtype=dtype, axis_name=axis_name
+        x, residual, spec, scale, bias, alpha=alpha, dtype=dtype, axis_name=axis_name,
+        implementation=implementation,
     )
 
 

@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar, cast
+from typing import Literal, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +24,23 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit import _jax_exact as _exact
+from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
-from normkit.jax import _exact, _gated
+from normkit.jax import _gated
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 
-__all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm"]
+__all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm",
+           "Implementation", "IMPLEMENTATIONS"]
 
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _T = TypeVar("_T")
+
+Implementation = Literal["xla", "pallas"]
+"""Which program computes a call: XLA's, or the Pallas kernels on NVIDIA GPUs (`normalize`)."""
+IMPLEMENTATIONS: tuple[Implementation, ...] = ("xla", "pallas")
+#: The environment variable that selects the implementation where a call gives none.
+KERNELS_VARIABLE = pallas.KERNELS_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ def normalize(
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
     mask: jax.Array | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     r"""``spec`` applied to ``x`` (see `NormSpec` for the math and the dtype policy).
 
@@ -97,6 +107,13 @@ def normalize(
         every element is normalized with them and gets the affine step. Masked-out values never
         reach the statistic; a row with K = 0 is NaN. The same analytic VJP as without a mask.
         ``rms`` and ``layer`` only, without ``axis_name``.
+      implementation: ``"xla"`` (the XLA program on every platform) or ``"pallas"`` (the Pallas
+        kernels of `normkit.jax.pallas` on NVIDIA GPUs, chosen when the program is lowered; the
+        XLA program elsewhere, and for what the kernels do not compute: ``axis_name``,
+        ``backward="autograd"``, float64, normalized axes that are not the trailing ones, rows
+        beyond `normkit.jax.pallas.MAX_BLOCK`). A ``mask`` reaches the kernels as one byte per
+        element. Experimental. None: the environment variable ``NORMKIT_JAX_KERNELS``
+        (``"pallas"`` or ``"xla"``), else ``"xla"``.
 
     Returns:
       An array of ``x``'s shape, of dtype ``dtype`` (default ``x.dtype``), or with
@@ -109,13 +126,14 @@ def normalize(
         the spec lacks it, partial RMS is sharded over several normalized axes, ``spec.eps``
         is out of the range of the compute dtype (`NormSpec.check_eps`), the spec has a
         residual, or a ``mask`` is given for partial RMS, DyT or with ``axis_name``, or does
-        not broadcast to ``x``.
+        not broadcast to ``x``, or ``implementation`` is none of the above.
     """
     if spec.residual is not None:
         raise ValueError(
             f"normalize: the spec has residual={spec.residual!r}, which adds a residual before "
             "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
         )
+    kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     gate = _checked_gate(gate, x, spec)
     if spec.gate is not None or spec.group_size is not None:
@@ -125,9 +143,24 @@ def normalize(
                 "nor mask"
             )
         spec.group_count(math.prod(x.shape[a] for a in plan.axes))
-        return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, normalize)
+
+        def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
+                  bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
+            rows = functools.partial(normalize, implementation="xla")
+            return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, rows)
+
+        y = _dispatched(kernels, gated, plan, x, None, gate, scale, bias, None)
+        return cast(jax.Array, y)
     checked = None if mask is None else _checked_mask(mask, x, plan)
-    return _run(plan, x, None, scale, bias, _alpha(plan, alpha), checked)  # type: ignore[return-value]
+
+    def xla(x: jax.Array, _: None, gate: None, scale: jax.Array | None, bias: jax.Array | None,
+            alpha: jax.Array | None, mask: jax.Array | None
+            ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return _run(plan, x, None, scale, bias, alpha, mask)
+
+    y = _dispatched(kernels, xla, plan, x, None, None, scale, bias, _alpha(plan, alpha),
+                    checked)
+    return cast(jax.Array, y)
 
 
 def add_norm(
@@ -140,6 +173,7 @@ def add_norm(
     alpha: jax.Array | None = None,
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
+    implementation: Implementation | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""``h = x + residual`` rounded as ``spec.residual`` says, and ``(normalize(h), h)``.
 
@@ -157,8 +191,9 @@ def add_norm(
       residual: ``x``'s shape and dtype, or with ``residual="float32"`` a ``c`` array (a
         residual stream kept in float32).
       spec: the norm, with a residual.
-      scale, bias, alpha, dtype, axis_name: as in `normalize`; with ``dtype`` the residual is
-        cast to it too, unless ``residual="float32"`` and it is already in ``c``.
+      scale, bias, alpha, dtype, axis_name, implementation: as in `normalize`; with ``dtype``
+        the residual is cast to it too, unless ``residual="float32"`` and it is already in
+        ``c``. The kernels add the residual in the same program as the norm.
 
     Returns:
       ``(y, h)``.
@@ -178,10 +213,56 @@ def add_norm(
             f"add_norm: normkit.jax does not compute a residual with group_size={spec.group_size}"
             " (normkit.torch does); add the residual and use normalize"
         )
+    kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
-    return _run(plan, x, residual, scale, bias, _alpha(plan, alpha))  # type: ignore[return-value]
+
+    def xla(x: jax.Array, residual: jax.Array | None, gate: None, scale: jax.Array | None,
+            bias: jax.Array | None, alpha: jax.Array | None, mask: None
+            ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return _run(plan, x, residual, scale, bias, alpha)
+
+    pair = _dispatched(kernels, xla, plan, x, residual, None, scale, bias, _alpha(plan, alpha))
+    return cast(tuple[jax.Array, jax.Array], pair)
+
+
+# --- the choice of program ---------------------------------------------------------------------
+
+_Program = Callable[..., "jax.Array | tuple[jax.Array, jax.Array]"]
+
+
+def _dispatched(
+    kernels: bool,
+    xla: _Program,
+    plan: _Plan,
+    x: jax.Array,
+    residual: jax.Array | None,
+    gate: jax.Array | None,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    alpha: jax.Array | None,
+    mask: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``xla(x, residual, gate, scale, bias, alpha, mask)``, or where the ``kernels`` are asked
+    for and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every
+    other platform): the choice is made when the program is lowered, and XLA compiles only the
+    platform's own (inside `normkit._pallas.interpreted`: the kernels, interpreted)."""
+    args = (x, residual, gate, scale, bias, alpha, mask)
+    if not kernels or plan.axis_name is not None or not pallas.supports(
+        x, plan.spec, plan.axes, args[1:6]
+    ):
+        return xla(*args)
+
+    def on_gpu(x: jax.Array, residual: jax.Array | None, gate: jax.Array | None,
+               scale: jax.Array | None, bias: jax.Array | None, alpha: jax.Array | None,
+               mask: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return pallas.run(x, residual, plan.spec, scale, bias, gate, alpha, plan.out, mask,
+                          interpret=pallas.interpreting())
+
+    if pallas.interpreting():
+        return on_gpu(*args)
+    return lax.platform_dependent(*args, cuda=on_gpu, default=xla)
 
 
 def _prepare(
@@ -343,17 +424,20 @@ def rms_norm(
     cast: Cast = "after_scale",
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from these arguments.
 
     The `NormSpec` fields have their NormSpec meaning and defaults (the spec has a bias when
-    ``bias`` is given); ``scale``, ``bias``, ``dtype`` and ``axis_name`` are `normalize`'s.
+    ``bias`` is given); ``scale``, ``bias``, ``dtype``, ``axis_name`` and ``implementation``
+    are `normalize`'s.
     """
     spec = NormSpec(
         kind="rms", eps=eps, eps_placement=eps_placement, axis=axis,
         scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
+                     implementation=implementation)
 
 
 def partial_rms_norm(
@@ -369,6 +453,7 @@ def partial_rms_norm(
     cast: Cast = "after_scale",
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """Partial RMSNorm (statistic over the first ``spec.stat_size(n)`` elements of a row).
 
@@ -378,7 +463,8 @@ def partial_rms_norm(
         kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement, axis=axis,
         scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
+                     implementation=implementation)
 
 
 def layer_norm(
@@ -393,13 +479,15 @@ def layer_norm(
     cast: Cast = "after_scale",
     dtype: DTypeLike | None = None,
     axis_name: str | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """LayerNorm: `normalize` with ``NormSpec(kind="layer", ...)``; arguments as in `rms_norm`."""
     spec = NormSpec(
         kind="layer", eps=eps, eps_placement=eps_placement, axis=axis,
         scale_offset=scale_offset, bias=bias is not None, cast=cast,
     )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name)
+    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
+                     implementation=implementation)
 
 
 
@@ -813,7 +901,7 @@ def _added(
 def _fast_moments(plan: _Plan, v: jax.Array, reads: _Reads) -> tuple[jax.Array, jax.Array]:
     """``variance="fast"``: ``(m1, v)`` with ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))`` and
     ``v = max(0, c(m2 - c(m1^2)))``, the means over the elements read, each step rounded once
-    (`normkit.jax._exact`; float64 inputs in plain float64). Differentiated as the two-pass
+    (`normkit._jax_exact`; float64 inputs in plain float64). Differentiated as the two-pass
     variance: ``dv = 2 mean(c dx)``."""
     if v.dtype == jnp.float32:
 

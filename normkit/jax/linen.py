@@ -30,6 +30,7 @@ from normkit.jax._fields import (
     normalize_or_add,
     spread,
 )
+from normkit.jax.functional import Implementation
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -69,6 +70,7 @@ class _Layer(nn.Module):
     param_dtype: DTypeLike = jnp.float32
     scale_init: Initializer | None = None
     bias_init: Initializer | None = None
+    implementation: Implementation | None = None
 
     @property
     def spec(self) -> NormSpec:
@@ -167,6 +169,7 @@ class _Layer(nn.Module):
         return normalize_or_add(
             type(self).__name__, spec, x, residual, scale, bias, alpha, gate=gate, mask=mask,
             dtype=self.dtype, axis_name=getattr(self, "axis_name", None),
+            implementation=self.implementation,
         )
 
 
@@ -244,6 +247,10 @@ class RMSNorm(_Norm):
       gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
         (default None: no gate, the whole row); a gated module is called as
         ``module(x, gate=z)``.
+      implementation: ``"xla"`` or ``"pallas"`` (experimental: normkit's Pallas kernels on
+        NVIDIA GPUs, `normkit.jax.functional.normalize`); None (default): the environment
+        variable ``NORMKIT_JAX_KERNELS``, else ``"xla"``. Not a field of the spec: the result
+        is the same.
 
     Examples:
       >>> import jax
@@ -338,6 +345,6 @@ def from_spec(spec: NormSpec, **kwargs: Any) -> RMSNorm | PartialRMSNorm | Layer
     defaults do not apply).
 
     ``kwargs`` go to the module: ``dtype``, ``param_dtype``, ``axis_name`` (not for DyT),
-    ``scale_init``, ``bias_init``, ``name``, ``parent``.
+    ``scale_init``, ``bias_init``, ``implementation``, ``name``, ``parent``.
     """
     return _CLASSES[spec.kind](**module_kwargs(spec), **kwargs)

@@ -34,6 +34,7 @@ from normkit.jax._fields import (
     normalize_or_add,
     spread,
 )
+from normkit.jax.functional import Implementation
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -71,8 +72,10 @@ class _Norm(nnx.Module):
         bias_init: Initializer | None,
         axis_name: str | None,
         rngs: nnx.Rngs | None,
+        implementation: Implementation | None,
     ) -> None:
         self.spec = spec
+        self.implementation = implementation
         self.shape = (num_features,) if isinstance(num_features, int) else tuple(num_features)
         sizes_valid = all(
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in self.shape
@@ -152,6 +155,7 @@ class _Norm(nnx.Module):
         return normalize_or_add(
             type(self).__name__, self.spec, x, residual, scale, bias, alpha, gate=gate,
             mask=mask, dtype=self.dtype, axis_name=self.axis_name,
+            implementation=self.implementation,
         )
 
 
@@ -189,6 +193,7 @@ class _Statistic(_Norm):
         gate: Gate | None,
         gate_activation: GateActivation | None,
         group_size: int | None,
+        implementation: Implementation | None,
     ) -> None:
         check_axis_index_groups(axis_index_groups)
         spec_axis = flax_axis(axis, reduction_axes, feature_axes)[0]
@@ -204,7 +209,7 @@ class _Statistic(_Norm):
         super().__init__(
             spec, num_features, feature_axes=feature_axes, dtype=dtype, param_dtype=param_dtype,
             flax_dtype=output_dtype is None, scale_init=scale_init, bias_init=bias_init,
-            axis_name=axis_name, rngs=rngs,
+            axis_name=axis_name, rngs=rngs, implementation=implementation,
         )
         self.epsilon = epsilon
         self.reduction_axes = reduction_axes
@@ -255,6 +260,9 @@ class RMSNorm(_Statistic):
       gate, gate_activation, group_size: the `NormSpec` fields of the gated and grouped norms
         (default None: no gate, the whole row); a gated module is called as
         ``module(x, gate=z)``.
+      implementation: ``"xla"`` or ``"pallas"`` (experimental: normkit's Pallas kernels on
+        NVIDIA GPUs, `normkit.jax.functional.normalize`); None (default): the environment
+        variable ``NORMKIT_JAX_KERNELS``, else ``"xla"``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -292,6 +300,7 @@ class RMSNorm(_Statistic):
         gate: Gate | None = None,
         gate_activation: GateActivation | None = None,
         group_size: int | None = None,
+        implementation: Implementation | None = None,
     ) -> None:
         super().__init__(
             "rms", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
@@ -302,6 +311,7 @@ class RMSNorm(_Statistic):
             variance=None, residual=residual, offset_dtype=offset_dtype,
             output_dtype=output_dtype, backward=backward, gate=gate,
             gate_activation=gate_activation, group_size=group_size,
+            implementation=implementation,
         )
 
 
@@ -344,6 +354,7 @@ class PartialRMSNorm(_Statistic):
         gate: Gate | None = None,
         gate_activation: GateActivation | None = None,
         group_size: int | None = None,
+        implementation: Implementation | None = None,
     ) -> None:
         super().__init__(
             "partial_rms", num_features, p=p, epsilon=epsilon, dtype=dtype,
@@ -354,6 +365,7 @@ class PartialRMSNorm(_Statistic):
             eps_placement=eps_placement, scale_offset=scale_offset, cast=cast, variance=None,
             residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
             backward=backward, gate=gate, gate_activation=gate_activation, group_size=group_size,
+            implementation=implementation,
         )
 
 
@@ -401,6 +413,7 @@ class LayerNorm(_Statistic):
         gate: Gate | None = None,
         gate_activation: GateActivation | None = None,
         group_size: int | None = None,
+        implementation: Implementation | None = None,
     ) -> None:
         super().__init__(
             "layer", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
@@ -411,6 +424,7 @@ class LayerNorm(_Statistic):
             variance=variance, residual=residual, offset_dtype=offset_dtype,
             output_dtype=output_dtype, backward=backward, gate=gate,
             gate_activation=gate_activation, group_size=group_size,
+            implementation=implementation,
         )
 
 
@@ -456,6 +470,7 @@ class DyT(_Norm):
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs | None = None,
+        implementation: Implementation | None = None,
     ) -> None:
         spec = NormSpec(
             kind="dyt", alpha_init=alpha_init, axis=axis, scale=use_scale,
@@ -466,7 +481,7 @@ class DyT(_Norm):
         super().__init__(
             spec, num_features, feature_axes=spec.axis, dtype=dtype, param_dtype=param_dtype,
             flax_dtype=output_dtype is None, scale_init=scale_init, bias_init=bias_init,
-            axis_name=None, rngs=rngs,
+            axis_name=None, rngs=rngs, implementation=implementation,
         )
 
 
@@ -478,6 +493,7 @@ def from_spec(
     param_dtype: DTypeLike = jnp.float32,
     axis_name: str | None = None,
     rngs: nnx.Rngs | None = None,
+    implementation: Implementation | None = None,
 ) -> RMSNorm | PartialRMSNorm | LayerNorm | DyT:
     """The NNX module (`RMSNorm`, `PartialRMSNorm`, `LayerNorm` or `DyT`) that computes
     ``spec`` (every field given explicitly, so Flax's defaults do not apply).
@@ -492,10 +508,12 @@ def from_spec(
                 f"axis_name={axis_name!r} is invalid for kind='dyt': DyT has no statistic to "
                 "reduce across shards"
             )
-        return DyT(shape, **kwargs, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        return DyT(shape, **kwargs, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                   implementation=implementation)
     cls = _CLASSES[spec.kind]
     return cls(  # type: ignore[no-any-return]
         shape, **kwargs, dtype=dtype, param_dtype=param_dtype, axis_name=axis_name, rngs=rngs,
+        implementation=implementation,
     )
 
 

@@ -814,6 +814,46 @@ class _Norm(keras.layers.Layer):
         """The spec applied to ``inputs`` (a floating tensor), in the output dtype above; with a
         residual spec, ``(y, h)`` for ``h = inputs + residual``; with a gated spec, the gated
         norm of ``inputs`` and ``gate`` (``layer(x, gate=z)``)."""
+        kernels = self._pallas_kernels(inputs, residual, gate)
+        return self._call_ops(inputs, residual, gate) if kernels is None else kernels
+
+    def _pallas_kernels(self, inputs: Any, residual: Any, gate: Any) -> Any:
+        """On Keras' JAX backend under ``jax.jit``, with normkit's Pallas kernels selected
+        (``NORMKIT_JAX_KERNELS=pallas``, docs/jax.md) and computing the call: the kernels on
+        NVIDIA GPUs, `_call_ops`' program on every other platform, chosen when the program is
+        lowered (`jax.lax.platform_dependent`). None otherwise."""
+        if keras.backend.backend() != "jax" or not _traced_for_xla(inputs):
+            return None
+        from jax import lax
+
+        from normkit import _pallas
+
+        if not _pallas.selected(None):
+            return None
+        dtype = self._input_dtype(inputs.dtype)
+        self._spec.check_eps(dtype)
+        added = self._residual_dtype(tuple(inputs.shape), residual, dtype)
+        self._check_gate(tuple(inputs.shape), gate)
+        x = ops.cast(inputs, dtype)
+        second = None if added is None else ops.cast(residual, added)
+        weights = [None if w is None else ops.convert_to_tensor(w)
+                   for w in (self.gamma, self.beta, self.alpha)]
+        axes = self._axes(tuple(x.shape))
+        arrays = [second, gate, *weights]
+        if not _pallas.supports(x, self._spec, axes, arrays):
+            return None
+
+        def on_gpu(x: Any, second: Any, gate: Any, scale: Any, bias: Any, alpha: Any) -> Any:
+            return _pallas.run(x, second, self._spec, scale, bias, gate, alpha,
+                               self._output_dtype(dtype), interpret=_pallas.interpreting())
+
+        if _pallas.interpreting():
+            return on_gpu(x, *arrays)
+        return lax.platform_dependent(x, *arrays, cuda=on_gpu,
+                                      default=lambda *_: self._call_ops(inputs, residual, gate))
+
+    def _call_ops(self, inputs: Any, residual: Any, gate: Any) -> Any:
+        """`call` by the backend's operations (see the module docstring)."""
         spec = self._spec
         dtype = self._input_dtype(inputs.dtype)
         spec.check_eps(dtype)
