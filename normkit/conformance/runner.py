@@ -342,6 +342,7 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
         case = group[0].case
         inputs = case.arrays()
         dtypes = compare.expected_dtypes(case.spec, inputs)
+        factor = compare.bound_factor(case.rows, case.spec, inputs)
         measured_in = {
             q: compare.tolerance(q, case.spec, inputs, dtypes[q])
             for q in compare.quantities(case.spec)
@@ -361,6 +362,7 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
                     cast=case.spec.cast if q == "y" else "after_scale",
                     magnitude=magnitude,
                 )
+                m = compare.widened(m, factor)
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
             if worst > 1:
                 pair.disagreements += 1

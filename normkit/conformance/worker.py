@@ -103,7 +103,7 @@ def _run_case(
         return Result(
             name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0]
         )
-    problems, measured = compare(case.spec, inputs, outputs)
+    problems, measured = compare(case.spec, inputs, outputs, rows=case.rows)
     figures = {q: m.to_dict() for q, m in measured.items()}
     names = quantities(case.spec)
     if outdir and len(outputs) == len(names):
