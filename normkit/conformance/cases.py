@@ -472,3 +472,45 @@ def matrix(
                 spec = probe.spec.replace(cast=cast, axis=axis)
                 cases.append(Case(spec, shape, dtype, param_dtype, probe.rows, probe.initial))
     return cases
+
+
+def _covers(case: Case) -> set[tuple[object, ...]]:
+    """What a case shows of the matrix: its kind and dtype alone and together, each option of
+    its spec off its kind's default (the cast order on half inputs only), its shape, its rows,
+    its parameter dtype, initial parameters."""
+    spec = case.spec
+    defaults = NormSpec(spec.kind, p=spec.p, gate=spec.gate)
+    found: set[tuple[object, ...]] = {
+        ("kind", spec.kind), ("dtype", case.dtype), ("kind, dtype", spec.kind, case.dtype),
+        ("shape", case.shape), ("rows", case.rows, spec.kind == "layer"),
+        ("param_dtype", case.param_dtype), ("initial", case.initial),
+    }
+    for name, value in spec.to_dict().items():
+        if name == "cast" and not dtypes.is_half(dtypes.DTYPE_NAMES[case.dtype]):
+            continue
+        if name not in ("kind", "p", "axis") and value != getattr(defaults, name):
+            found.add((name, str(value)))
+    return found
+
+
+def lean(cases: list[Case]) -> list[Case]:
+    """A subset of ``cases`` for the targets that compile every program (XLA, Triton's
+    interpreter): greedily, the case that shows the most of what the chosen ones do not yet
+    (`_covers`: every kind and dtype alone and together, every option, shape and kind of
+    rows), until nothing is left; then every case that runs a program already chosen (the same
+    spec, shape and dtypes on other rows), which costs no compilation."""
+    left = {c: _covers(c) for c in cases}
+    wanted = set().union(*left.values()) if left else set()
+    chosen: list[Case] = []
+    while wanted:
+        best = max(left, key=lambda c: len(left[c] & wanted))
+        chosen.append(best)
+        wanted -= left.pop(best)
+    programs = {_program(c) for c in chosen}
+    chosen += [c for c in left if _program(c) in programs]
+    return [c for c in cases if c in chosen]
+
+
+def _program(case: Case) -> tuple[object, ...]:
+    """What a compiled program is specific to: the spec, shape and dtypes (not the rows)."""
+    return (case.spec, case.shape, case.dtype, case.param_dtype)

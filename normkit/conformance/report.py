@@ -197,6 +197,14 @@ INVARIANCE_LEGEND = (
 )
 
 
+def _lean_line(report: Report) -> str:
+    return (
+        f"{', '.join(report.lean)} compile each program, so they ran the lean default matrix: "
+        "every kind, dtype, option and kind of rows, on fewer shapes and combinations "
+        "(normkit.conformance.cases.lean); --full runs every case on every target."
+    )
+
+
 def _stopped(report: Report) -> str:
     """What a summary line adds for a run stopped before the end, else ""."""
     return ", interrupted before the end of the matrix" if report.interrupted else ""
@@ -206,6 +214,8 @@ def text(report: Report, failures: int = 10) -> str:
     """The terminal summary: the table, failures (up to ``failures``), skips, pairwise worst."""
     header, rows = _summary(report)
     out = [_table(header, rows), "", *_wrapped(LEGEND, "")]
+    if report.lean:
+        out += _wrapped(_lean_line(report), "")
     out += _invariance_lines(report)
     failed = report.failed
     if failed:
@@ -389,6 +399,8 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
         "",
         LEGEND,
     ]
+    if report.lean:
+        out += ["", _lean_line(report)]
     out += _invariance_section(report)
     skips = [f"`{name}`: not run: {why}" for name, why in sorted(report.skipped_targets.items())]
     skips += sorted(
@@ -445,6 +457,7 @@ def to_json(report: Report) -> str:
             "devices": report.devices,
             "target_seconds": report.target_seconds,
             "skipped_targets": report.skipped_targets,
+            "lean": report.lean,
             "summary": {
                 s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")
             },

@@ -67,6 +67,8 @@ class Report:
     interrupted: bool = False
     """Stopped before every case ran (Ctrl-C, or SIGTERM under `normkit.interrupts`): the
     results are those of the cases that finished, and nothing is compared pairwise."""
+    lean: list[str] = field(default_factory=list)
+    """The targets that ran the lean default matrix (`normkit.conformance.cases.lean`)."""
 
     @property
     def failed(self) -> list[Result]:

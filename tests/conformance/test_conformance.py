@@ -13,8 +13,8 @@ import pytest
 
 from normkit import cli, conformance
 from normkit.conformance import report, runner
-from normkit.conformance.cases import FULL_SHAPES, MATRIX_DTYPES, Case, matrix
-from normkit.conformance.targets import TARGETS, Target, select
+from normkit.conformance.cases import FULL_SHAPES, MATRIX_DTYPES, Case, lean, matrix
+from normkit.conformance.targets import LEAN_COST, TARGETS, Target, select
 from normkit.progress import Progress
 from normkit.spec import ALL_KINDS
 
@@ -78,6 +78,24 @@ def test_every_base_spec_has_rows_near_eps_and_layer_norm_rows_of_a_large_mean(q
 def test_every_kind_and_dtype_a_filter_names_has_a_case(quick):
     for kind, dtype in itertools.product(ALL_KINDS, MATRIX_DTYPES):
         assert matrix(quick=quick, kinds=(kind,), case_dtypes=(dtype,)), (kind, dtype)
+
+
+def test_the_targets_that_compile_run_the_lean_default_matrix(monkeypatch):
+    planned = {}
+
+    def run(targets, cases_for, **kwargs):
+        planned.update({t.name: cases_for(t) for t in targets})
+        return runner.Report([], {}, {})
+
+    monkeypatch.setattr(runner, "run", run)
+    report = conformance.run(quick=True)
+    default = matrix(quick=True)
+    assert planned["torch"] == default and planned["tf[tensorflow]"] == default
+    for name in ("jax.linen", "tf[tensorflow,jit]", "tf[jax,jit]", "torch[triton]"):
+        assert planned[name] == lean(default) and name in report.lean
+    assert len(lean(default)) < len(default) / 3
+    conformance.run(quick=False)
+    assert all(cases == matrix() for cases in planned.values())
 
 
 def test_case_inputs_are_deterministic_and_serializable():
@@ -314,7 +332,10 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
     data = json.loads(out.read_text())
     ran = {c["target"] for c in data["cases"]}
     assert ran == {t.name for t in TARGETS}, data["skipped_targets"]
-    assert len(data["cases"]) == len(matrix(quick=True)) * len(TARGETS)
+    default, trimmed = len(matrix(quick=True)), len(lean(matrix(quick=True)))
+    assert set(data["lean"]) == {t.name for t in TARGETS if t.cost >= LEAN_COST}
+    assert len(data["cases"]) == sum(trimmed if t.name in data["lean"] else default
+                                     for t in TARGETS)
     for case in data["cases"]:
         if case["status"] == "SKIP":  # only a named kernel, on a field it does not compute
             assert case["target"] in ("torch[cpu-kernel]", "torch[triton]"), case
