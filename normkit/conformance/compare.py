@@ -208,11 +208,15 @@ def rounding_problems(spec: NormSpec, inputs: Inputs, y: np.ndarray) -> list[str
 
 
 def _differ(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Where two predictions in ``dtype`` differ as evidence: for a half dtype wherever they
-    differ, for a wider one by more than 4 of its ulps (its own arithmetic's reach)."""
+    """Where two finite predictions in ``dtype`` differ as evidence: for a half dtype wherever
+    they differ, for a wider one by more than 4 of its ulps (its own arithmetic's reach)."""
+    finite = np.isfinite(a) & np.isfinite(b)
     if dtypes.is_half(dtype):
-        return a != b
-    return np.abs(a - b) > 4 * dtypes.ulp(np.maximum(np.abs(a), np.abs(b)), dtype)
+        return finite & (a != b)
+    with np.errstate(invalid="ignore"):
+        far = np.abs(a - b) > 4 * dtypes.ulp(np.where(finite, np.maximum(np.abs(a), np.abs(b)),
+                                                      1.0), dtype)
+    return finite & far
 
 
 def _normalized(spec: NormSpec, inputs: Inputs) -> np.ndarray:
