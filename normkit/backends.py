@@ -130,10 +130,33 @@ def get(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}; known: {[b.name for b in BACKENDS]}")
 
 
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "torch": ("torch", "numba"),
+    "tf": ("tensorflow", "keras"),
+    "jax": ("jax", "flax"),
+    "keras": ("keras", "jax"),
+    "triton": ("torch", "triton"),
+    "port": ("safetensors",),
+    "bench": ("matplotlib",),
+}
+"""The packages each of normkit's pip extras installs (pyproject.toml's optional dependencies;
+tests/test_install_hints.py holds them equal)."""
+
+
 def install_hint(extras: Iterable[str], packages: Iterable[str] = ()) -> str:
-    """``pip install 'normkit[extra,...]' package ...``: the command that installs them."""
-    names = ",".join(dict.fromkeys(extras))
-    return " ".join([f"pip install 'normkit[{names}]'", *packages])
+    """``pip install 'normkit[extra,...]' package ...``: the command that installs ``extras``
+    and ``packages``. A package an extra installs is not named again, and packages that make up
+    a whole extra are installed by it (``keras`` with ``jax``: the ``keras`` extra)."""
+    chosen = list(dict.fromkeys(extras))
+    wanted = list(dict.fromkeys(packages))
+    needed = {p for e in chosen for p in EXTRAS.get(e, ())} | set(wanted)
+    for extra, installs in EXTRAS.items():
+        if extra not in chosen and set(installs) <= needed and set(installs) & set(wanted):
+            chosen.append(extra)
+    covered = {p for e in chosen for p in EXTRAS.get(e, ())}
+    rest = [p for p in wanted if p not in covered]
+    head = f"pip install 'normkit[{','.join(chosen)}]'" if chosen else "pip install"
+    return " ".join([head, *rest])
 
 
 @functools.cache

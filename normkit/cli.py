@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -26,7 +27,14 @@ from normkit.bench import cli as bench_cli
 from normkit.doctor import cli as doctor_cli
 from normkit.interrupts import INTERRUPTED, interruptible
 from normkit.port import cli as port_cli
-from normkit.spec import ALL_KINDS, CASTS, EPS_PLACEMENTS, KINDS, NormSpec
+from normkit.spec import (
+    ALL_KINDS,
+    CASTS,
+    DEFAULT_ALPHA_INIT,
+    DEFAULT_EPS,
+    EPS_PLACEMENTS,
+    NormSpec,
+)
 
 
 def _add_info(parser: argparse.ArgumentParser) -> None:
@@ -88,51 +96,86 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _add_reference(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("values", nargs="+", type=float, help="one row of input values")
-    parser.add_argument("--kind", choices=KINDS, default="rms")
-    parser.add_argument("--eps", type=float, default=NormSpec.eps)
-    parser.add_argument("--eps-placement", choices=EPS_PLACEMENTS, default="inside")
-    parser.add_argument("--p", type=float, default=None, help="partial fraction (partial_rms)")
-    parser.add_argument("--scale-offset", type=float, default=0.0)
-    parser.add_argument("--cast", choices=CASTS, default="after_scale")
-    parser.add_argument("--dtype", choices=list(dtypes.DTYPE_NAMES), default="float64")
-    parser.add_argument("--scale", type=float, nargs="+", help="w, one value per input value")
-    parser.add_argument("--bias", type=float, nargs="+", help="b, one value per input value")
+    add = parser.add_argument
+    add("values", nargs="+", type=float, metavar="VALUE", help="one row of input values")
+    add("--kind", choices=ALL_KINDS, default="rms",
+        help="rms, partial_rms (needs --p), layer or dyt (default rms)")
+    add("--eps", type=float, default=None,
+        help=f"the constant that keeps 1/rms finite (default {DEFAULT_EPS:g}; DyT has none)")
+    add("--eps-placement", choices=EPS_PLACEMENTS, default="inside",
+        help="inside the square root, 1/sqrt(s + eps), or outside it, 1/(sqrt(s) + eps) "
+             "(default inside)")
+    add("--p", type=float, default=None,
+        help="partial_rms: the statistic reads the first floor(n p) values, 0 < p <= 1")
+    add("--alpha-init", type=float, default=None,
+        help=f"dyt: y = w tanh(alpha x) + b with this alpha (default {DEFAULT_ALPHA_INIT:g})")
+    add("--scale-offset", type=float, default=0.0,
+        help="the scale is scale_offset + w: 1 for Gemma's convention (default 0)")
+    add("--cast", choices=CASTS, default="after_scale",
+        help="for float16 and bfloat16 inputs: round y_hat to the input dtype before the scale "
+             "(before_scale, Llama) or round once after it (default after_scale)")
+    add("--dtype", choices=list(dtypes.DTYPE_NAMES), default="float64",
+        help="the dtype the values are rounded to first (default float64)")
+    add("--scale", type=float, nargs="+", metavar="W",
+        help="w, one value per input value (default: its initial value, 1 - scale_offset)")
+    add("--bias", type=float, nargs="+", metavar="B",
+        help="b, one value per input value (default: no bias)")
 
 
 def _run_reference(args: argparse.Namespace) -> int:
     from normkit import reference
 
+    dyt = args.kind == "dyt"
+    if dyt and (args.eps is not None or args.p is not None):
+        raise ValueError("--kind dyt has no statistic: leave out --eps and --p")
+    if not dyt and args.alpha_init is not None:
+        raise ValueError(f"--alpha-init applies to --kind dyt, not {args.kind}")
     spec = NormSpec(
         args.kind,
-        eps=args.eps,
-        eps_placement=args.eps_placement,
+        eps=None if dyt else args.eps,
+        eps_placement=None if dyt else args.eps_placement,
         p=args.p,
         scale_offset=args.scale_offset,
-        bias=True if args.bias else None,
+        bias=True if args.bias else (None if dyt else False),
         cast=args.cast,
+        alpha_init=args.alpha_init,
     )
+    if dyt and not args.bias:
+        spec = spec.replace(bias=False)
     x = np.asarray(args.values, dtype=np.float64).astype(dtypes.DTYPE_NAMES[args.dtype])
     y = reference.normalize(x, spec, args.scale, args.bias)
-    dx = reference.normalize_vjp(x, np.ones_like(x), spec, args.scale, args.bias).dx
-    print(spec)
-    print(f"x       = {x.astype(np.float64).tolist()}  ({args.dtype})")
-    print(f"y       = {y.astype(np.float64).tolist()}  ({y.dtype.name})")
-    print(f"d sum(y)/dx = {dx.tolist()}")
+    grads = reference.normalize_vjp(x, np.ones_like(x), spec, args.scale, args.bias)
+    print(repr(spec))
+    print(f"x        = {_row(x)}  ({x.dtype.name})")
+    print(f"y        = {_row(y)}  ({y.dtype.name})")
+    print(f"d sum(y) / dx = {_row(grads.dx)}  ({grads.dx.dtype.name})")
+    for name, value in (("w", grads.dscale), ("b", grads.dbias)):
+        if value is not None and (args.scale if name == "w" else args.bias):
+            print(f"d sum(y) / d{name} = {_row(value)}  ({value.dtype.name})")
     return 0
+
+
+def _row(values: np.ndarray) -> str:
+    """The values as the shortest decimals that read back to them in their own dtype, float64
+    to 6 significant digits (``%g``)."""
+    if values.dtype == np.float64:
+        return "[" + ", ".join(f"{v:g}" for v in values.tolist()) + "]"
+    return "[" + ", ".join(str(v) for v in values) + "]"
 
 
 def _add_conformance(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--full", action="store_true",
-        help="the whole matrix (994 cases per target and device: about 25 minutes on 2 CPU "
-             "cores); by default a matrix that still touches every kind, option and dtype, "
-             "forward and backward (a few minutes)")
+        help="the whole matrix (1131 cases per target and device, on more shapes: about 30 "
+             "minutes on 2 CPU cores); by default a matrix that still touches every kind, "
+             "option and dtype, forward and backward")
     add("--backend", type=arguments.names,
-        help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ...")
-    add("--kind", type=arguments.names, help=f"comma-separated kinds of {list(ALL_KINDS)}")
+        help="comma-separated targets or prefixes: torch, tf, tf[jax,jit], jax.nnx, ... "
+             "(default: every installed one)")
+    add("--kind", type=arguments.names,
+        help=f"comma-separated kinds: {', '.join(ALL_KINDS)} (default: all)")
     add("--dtype", type=arguments.names,
-        help="comma-separated dtypes: float32, float16, bfloat16, float64")
+        help="comma-separated dtypes: float32, float16, bfloat16, float64 (default: all)")
     add("--device", type=arguments.devices,
         help="comma-separated devices: cpu, cuda:N (alias gpu:N), tpu:N, mps (default: all seen)")
     add("--peers", action="store_true",
@@ -188,11 +231,21 @@ def _add_identify(parser: argparse.ArgumentParser) -> None:
     from normkit.conformance.peers import PEERS
 
     names = [p.name for p in PEERS]
-    parser.add_argument("layer", choices=names, metavar="LAYER", help=f"one of: {', '.join(names)}")
+    parser.add_argument(
+        "layer", metavar="LAYER",
+        help=f"a built-in layer ({', '.join(names)}), or your own: package.module:function "
+             "for a function fn(x) -> y (fn(x, scale, bias) with --params), or "
+             "package.module:Class for a layer Class(n) called as layer(x)",
+    )
     parser.add_argument("--n", type=arguments.row_size, default=64,
                         help="the normalized size to probe, at least 2 (default 64)")
     parser.add_argument("--device", type=arguments.device, default="cpu",
                         help="cpu (default), cuda:N (alias gpu:N), tpu:N or mps")
+    parser.add_argument("--backend", choices=[b.name for b in backends.BACKENDS],
+                        help="your function's framework (default: from its module's package)")
+    parser.add_argument("--params", action="store_true",
+                        help="your function takes (x, scale, bias), so the scale, offset, bias "
+                             "and cast order can be determined too")
 
 
 def _run_identify(args: argparse.Namespace) -> int:
@@ -201,7 +254,11 @@ def _run_identify(args: argparse.Namespace) -> int:
 
     from normkit.conformance.peers import PEERS
 
-    peer = next(p for p in PEERS if p.name == args.layer)
+    peer = next((p for p in PEERS if p.name == args.layer), None)
+    if peer is None:
+        return _identify_own(args)
+    if args.backend or args.params:
+        raise ValueError("--backend and --params apply to your own function, not to a built-in")
     missing = peer.missing()
     if missing:
         raise ImportError(f"{args.layer}: {missing}")
@@ -218,7 +275,62 @@ def _run_identify(args: argparse.Namespace) -> int:
     print(f"{args.layer} (size {args.n}) behaves as:")
     print(found.describe())
     if peer.claims is not None and found.spec != peer.claims:
-        print(f"it appears to implement {peer.claims}")
+        print(f"it appears to implement {peer.claims!r}")
+    return 0
+
+
+# the framework of a function, from the top-level package of the module it is defined in
+_FRAMEWORKS = {"torch": "torch", "transformers": "torch", "jax": "jax", "flax": "jax",
+               "tensorflow": "tf", "keras": "tf", "tf_keras": "tf"}
+
+
+def _framework(target: object, module: object) -> str | None:
+    """The backend of ``target``: from the package it is defined in, else from the one
+    framework its module imports (``import torch``)."""
+    defined = str(getattr(target, "__module__", "") or "").split(".")[0]
+    if defined in _FRAMEWORKS:
+        return _FRAMEWORKS[defined]
+    imported = {
+        _FRAMEWORKS[top] for value in vars(module).values()
+        if (top := str(getattr(value, "__name__", "") if isinstance(value, types.ModuleType)
+                       else getattr(value, "__module__", "") or "").split(".")[0]) in _FRAMEWORKS
+    }
+    return imported.pop() if len(imported) == 1 else None
+
+
+def _identify_own(args: argparse.Namespace) -> int:
+    """``normkit identify package.module:function`` (or ``:Class``, built with ``n``)."""
+    import importlib
+
+    from normkit.identify import identify
+
+    module_name, colon, attribute = args.layer.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(
+            f"{args.layer!r} is neither a built-in layer (normkit identify --help lists them) "
+            "nor package.module:function"
+        )
+    module = importlib.import_module(module_name)
+    target: Any = module
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ValueError(f"{module_name} has no attribute {attribute!r}")
+    if not callable(target):
+        raise ValueError(f"{args.layer} is not callable")
+    backend = args.backend or _framework(target, module)
+    if backend is None:
+        raise ValueError(f"cannot tell the framework of {args.layer}: pass --backend")
+    fn = target(args.n) if isinstance(target, type) else target
+    if isinstance(target, type) and args.params:
+        raise ValueError("--params applies to a function: a layer Class(n) has its own")
+    try:
+        found = identify(fn, (args.n,), backend=backend, params=args.params, device=args.device)
+    except ValueError as exc:  # it behaves like no norm: a finding, not a usage error
+        _error("identify", f"{args.layer}: {exc}")
+        return 1
+    print(f"{args.layer} (size {args.n}, {backend}) behaves as:")
+    print(found.describe())
     return 0
 
 
@@ -239,7 +351,10 @@ HELP = {
         "check every installed implementation against the reference, forward and backward"
     ),
     "doctor": doctor_cli.HELP,
-    "identify": "probe a framework's built-in norm layer and print the NormSpec it follows",
+    "identify": (
+        "probe a norm (a framework's built-in layer, or your own function) and print the "
+        "NormSpec it follows"
+    ),
     "info": "normkit's version and, per backend, whether it is installed, its version and devices",
     "port": port_cli.HELP,
     "reference": (
@@ -249,21 +364,26 @@ HELP = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``normkit COMMAND: error: ...``."""
+    """An ArgumentParser whose errors are one line: ``normkit COMMAND: error: ...``; the
+    top-level one keeps its subcommands' parsers in ``commands``."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     description = (normkit.__doc__ or "normkit").splitlines()[0]
     parser = _Parser(prog="normkit", description=description)
     parser.add_argument("--version", action="version", version=f"normkit {normkit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = {}
     for name, add_arguments, run in COMMANDS:
         command = sub.add_parser(name, help=HELP[name], description=HELP[name])
         add_arguments(command)
         command.set_defaults(run=run)
+        parser.commands[name] = command
     return parser
 
 
@@ -277,7 +397,10 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the exit status (see the module doc)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's error, "normkit COMMAND: error: ..."
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.run(args))
     except (ValueError, TypeError, ImportError, OSError) as exc:

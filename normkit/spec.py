@@ -448,6 +448,19 @@ class NormSpec:
         assert self.p is not None
         return max(1, math.floor(n * self.p))
 
+    def __repr__(self) -> str:
+        """The kind and the fields that differ from that kind's defaults, evaluable:
+        ``NormSpec('rms', eps=1e-05, cast='before_scale')``."""
+        defaults = NormSpec(self.kind, p=self.p, gate=self.gate)  # the gate's own activation
+        shown = [
+            f.name for f in dataclasses.fields(self)
+            if f.name == "gate" and self.gate is not None
+            or f.name not in ("kind", "p") and getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+        changed = [f", {name}={getattr(self, name)!r}" for name in shown]
+        p = "" if self.p is None else f", p={self.p!r}"
+        return f"NormSpec({self.kind!r}{p}{''.join(changed)})"
+
     def replace(self, **changes: object) -> NormSpec:
         """A copy with ``changes`` applied and validated (``bias=None`` re-resolves the default)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -66,10 +66,10 @@ def test_a_bracketed_target_with_a_comma_is_one_name():
     assert [t.name for t in select(["tf"])] == [t.name for t in TARGETS if t.name.startswith("tf[")]
 
 
-@pytest.mark.parametrize(("flags", "cases"), [([], 83), (["--full"], 994)])
+@pytest.mark.parametrize(("flags", "cases"), [([], 124), (["--full"], 1131)])
 def test_conformance_runs_the_default_matrix_unless_full(monkeypatch, capsys, flags, cases):
     """The main job answers in minutes: the default matrix touches every kind, option and dtype
-    (83 cases a target); --full runs all 994."""
+    (124 cases a target); --full runs all 1131 (the number its help gives)."""
     counts = []
 
     def run(targets, cases_for, **kwargs):
@@ -80,6 +80,9 @@ def test_conformance_runs_the_default_matrix_unless_full(monkeypatch, capsys, fl
     assert cli.main(["conformance", "--backend", "torch[composite]", *flags]) == 1
     assert counts == [cases]
     assert len(matrix(quick=not flags)) == cases
+    assert f"{len(matrix())} cases per target" in " ".join(
+        cli.build_parser().commands["conformance"].format_help().split()
+    )
 
 
 def test_conformance_accepts_every_target_the_help_lists(monkeypatch, capsys):
@@ -341,3 +344,65 @@ def test_a_terminated_conformance_run_writes_the_cases_that_finished(monkeypatch
     assert len(found["cases"]) == 2 < planned  # the third was being read when SIGTERM came
     assert all(case["status"] in ("PASS", "SKIP") for case in found["cases"])
     assert not workers._running
+
+
+# ---- every subcommand's own errors and help ------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [name for name, _, _ in cli.COMMANDS])
+def test_an_unknown_option_is_the_subcommands_error(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, "--bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"normkit {command}: error: ")
+    assert "--bogus" in err[-1] or "required" in err[-1]
+
+
+def test_every_option_of_reference_says_what_it_is_and_its_default():
+    parser = cli.build_parser().commands["reference"]
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.dest
+            assert "default" in action.help or action.dest == "p", action.dest
+
+
+def test_reference_prints_dyt_and_readable_gradients(capsys):
+    assert cli.main(["reference", "1", "7", "--dtype", "bfloat16", "--cast", "before_scale"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "NormSpec('rms', cast='before_scale')"
+    assert out[3] == "d sum(y) / dx = [0.168, -0.024]  (float64)"  # the exact gradient, %g
+    assert cli.main(["reference", "0.5", "-2", "--kind", "dyt", "--alpha-init", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "NormSpec('dyt', bias=False, alpha_init=1.0)"
+    assert out[2] == f"y        = [{np.tanh(0.5):g}, {np.tanh(-2.0):g}]  (float64)"
+    assert cli.main(["reference", "1", "2", "--kind", "dyt", "--eps", "1e-5"]) == 2
+    assert "--kind dyt has no statistic" in capsys.readouterr().err
+
+
+def test_identify_takes_your_own_function(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    (tmp_path / "my_norms.py").write_text(
+        "import torch\n\n"
+        "def t5(x):  # eps outside the square root\n"
+        "    h = x.float()\n"
+        "    return (h / (h.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)).to(x.dtype)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["identify", "my_norms:t5", "--n", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["my_norms:t5 (size 16, torch) behaves as:",
+                       "NormSpec('rms', eps_placement='outside')"]
+    assert cli.main(["identify", "my_norms:nothing"]) == 2
+    assert "my_norms has no attribute 'nothing'" in capsys.readouterr().err
+    assert cli.main(["identify", "torch.nn:RMSNorm", "--n", "16"]) == 0  # a layer class
+    assert capsys.readouterr().out.splitlines()[1] == "NormSpec('rms', eps=1.19209e-07)"
+
+
+def test_port_keeps_the_files_convention_without_to(norms_file, tmp_path, capsys):
+    out = tmp_path / "out.npz"
+    assert cli.main(["port", str(norms_file), str(out)]) == 0
+    assert "1 norm layer(s), torch convention" in capsys.readouterr().out
+    assert port.files.stored_convention(out) == "torch"
+    params, _ = port.load_norms(out, to="torch")["a"]
+    assert list(params) == ["weight"]

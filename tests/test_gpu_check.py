@@ -194,3 +194,14 @@ def test_a_failure_is_printed_before_the_run_ends(tmp_path):
     assert "=== FAILED test_probe.py::test_fails (call)" in printed
     assert "one and one are not three" in printed
     assert "short test summary" not in printed  # pytest itself had not reported it yet
+
+
+@pytest.mark.parametrize("only, message", [
+    (",", "argument --only: ',' names nothing: give at least one step"),
+    ("", "argument --only: '' names nothing: give at least one step"),
+    ("conformance,", "argument --only: 'conformance,' has an empty name between its commas"),
+])
+def test_an_empty_selection_is_a_usage_error(tmp_path, only, message):
+    done = gpu_check("--only", only, path=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == f"gpu-check: error: {message}"

@@ -11,9 +11,16 @@ from collections.abc import Sequence
 
 from normkit.arguments import refuse_empty
 from normkit.backends import device_name
-from normkit.conformance.cases import CASE_DTYPES, MATRIX_DTYPES, Case, matrix
+from normkit.conformance.cases import (
+    CASE_DTYPES,
+    MATRIX_DTYPES,
+    Case,
+    check_filters,
+    lean,
+    matrix,
+)
 from normkit.conformance.runner import Report
-from normkit.conformance.targets import TARGETS, Hook, Target, select
+from normkit.conformance.targets import LEAN_COST, TARGETS, Hook, Target, select
 from normkit.identify import Identification, identify
 from normkit.spec import ALL_KINDS
 
@@ -48,7 +55,9 @@ def run(
         all but float64).
       devices: device names (``"cpu"``, ``"cuda:0"`` or its alias ``"gpu:0"``, ...); every
         device each backend sees when None.
-      quick: a small matrix that still touches every option.
+      quick: the default matrix, which still touches every kind, option and dtype; the targets
+        that compile each program (`normkit.conformance.targets.LEAN_COST`) run its `lean`
+        subset, which does too.
       peers: check the frameworks' built-in layers against the NormSpec each appears to implement.
       jobs: worker processes at once, at least 1.
       pairwise: compare every two targets' outputs on the cases both ran.
@@ -61,22 +70,43 @@ def run(
 
     refuse_empty(kinds=kinds, dtypes=dtypes, devices=devices)
     wanted = [device_name(d) for d in devices] if devices else None
+    which = "default" if quick else "full"
     if peers:
         from normkit.conformance import peers as peer_targets
 
         chosen = select(None if backends is None else list(backends), peer_targets.PEERS)
+        check_filters(tuple(kinds), tuple(dtypes or ()))
+
+        def peer_cases(t: Target) -> list[Case]:
+            if t.claims is None or t.claims.kind not in kinds:
+                return []
+            return peer_targets.cases(t, quick=quick, case_dtypes=dtypes or CASE_DTYPES)
+
+        if not any(peer_cases(t) for t in chosen):
+            raise ValueError(
+                _selects_nothing(kinds, dtypes, f"the {which} matrix of the built-in layers "
+                                 f"(dtypes {', '.join(CASE_DTYPES)})")
+            )
         return runner.run(
-            chosen,
-            lambda t: peer_targets.cases(t, quick=quick, case_dtypes=dtypes or CASE_DTYPES),
-            devices=wanted,
-            jobs=jobs,
-            pairwise=False,
-            invariance=invariance,
-            progress=progress,
+            chosen, peer_cases, devices=wanted, jobs=jobs, pairwise=False,
+            invariance=invariance, progress=progress,
         )
     cases = matrix(quick=quick, kinds=tuple(kinds), case_dtypes=tuple(dtypes or MATRIX_DTYPES))
+    if not cases:
+        raise ValueError(_selects_nothing(kinds, dtypes, f"the {which} matrix"))
     chosen = select(None if backends is None else list(backends))
-    return runner.run(
-        chosen, lambda t: cases, devices=wanted, jobs=jobs, pairwise=pairwise,
-        invariance=invariance, progress=progress,
+    trimmed = lean(cases)
+    compiling = [t.name for t in chosen if quick and t.cost >= LEAN_COST]
+    report = runner.run(
+        chosen, lambda t: trimmed if t.name in compiling else cases, devices=wanted, jobs=jobs,
+        pairwise=pairwise, invariance=invariance, progress=progress,
     )
+    report.lean = [name for name in compiling if name not in report.skipped_targets]
+    return report
+
+
+def _selects_nothing(kinds: Sequence[str], dtypes: Sequence[str] | None, where: str) -> str:
+    """The error of filters that select no case of ``where``, naming them."""
+    named = [f"kinds {list(kinds)}"] if tuple(kinds) != ALL_KINDS else []
+    named += [f"dtypes {list(dtypes)}"] if dtypes else []
+    return f"{' and '.join(named) or 'the filters'} select no case of {where}"

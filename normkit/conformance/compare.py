@@ -6,12 +6,14 @@ and ``dresidual`` with a residual, then ``dalpha`` for DyT. A hook returns them 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
 
 from normkit import dtypes, reference, tolerances
+from normkit.conformance import rows as row_kinds
 from normkit.spec import NormSpec
 
 BASE_QUANTITIES = ("y", "dx", "dscale", "dbias")
@@ -23,9 +25,12 @@ QUANTITIES = (*BASE_QUANTITIES, *GATE_QUANTITIES, *RESIDUAL_QUANTITIES, *DYT_QUA
 
 FORWARD_QUANTITIES = ("y", "h")
 
+MIN_VOTES = 16
+"""The fewest elements where two roundings predict different outputs that make a verdict."""
+
 __all__ = [
-    "QUANTITIES", "Inputs", "compare", "expected", "expected_dtypes", "param_dtype", "quantities",
-    "tolerance",
+    "MIN_VOTES", "QUANTITIES", "Inputs", "bound_factor", "compare", "expected", "expected_dtypes",
+    "forward", "param_dtype", "quantities", "rounding_problems", "tolerance", "widened",
 ]
 
 
@@ -92,6 +97,19 @@ def expected_dtypes(spec: NormSpec, inputs: Inputs) -> dict[str, np.dtype]:
     return found
 
 
+def forward(spec: NormSpec, inputs: Inputs) -> np.ndarray:
+    """The reference's ``y`` alone (`normkit.reference.normalize`, ``add_normalize`` or
+    ``gated_normalize``)."""
+    x, _, scale, bias, residual, _, alpha, gate = inputs
+    if spec.gate is not None:
+        assert gate is not None, f"the spec has gate={spec.gate!r}: the inputs need one"
+        return reference.gated_normalize(x, gate, spec, scale, bias)
+    if spec.residual is not None:
+        assert residual is not None, f"the spec has residual={spec.residual!r}: the inputs need one"
+        return reference.add_normalize(x, residual, spec, scale, bias, alpha)[0]
+    return reference.normalize(x, spec, scale, bias, alpha)
+
+
 def expected(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
     """The reference's value of each of ``quantities(spec)`` (None for an absent parameter):
     `reference.normalize` and `reference.normalize_vjp`, or `reference.add_normalize` and
@@ -115,6 +133,91 @@ def expected(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray | None]:
     if spec.kind == "dyt":
         found["dalpha"] = np.asarray(found["dalpha"]).reshape(1)
     return found
+
+
+def bound_factor(rows: str, spec: NormSpec, inputs: Inputs) -> float:
+    """How much the relative bounds grow for a case's ``rows``: on large-mean rows by
+    `normkit.conformance.rows.bound_factor` of the values the norm reads; 1 otherwise."""
+    if rows != "large_mean":
+        return 1.0
+    return row_kinds.bound_factor(_normalized(spec, inputs), spec, inputs.x.dtype.name)
+
+
+def widened(m: tolerances.Measurement, factor: float) -> tolerances.Measurement:
+    """``m`` with a relative bound ``factor`` times as large (ulp bounds as they are)."""
+    if factor == 1.0 or m.bound.unit == "ulp":
+        return m
+    return dataclasses.replace(m, bound=tolerances.Bound(m.bound.value * factor, m.bound.unit))
+
+
+_ROUNDINGS = {"cast": "cast order", "offset_dtype": "offset dtype", "residual": "residual sum"}
+
+
+def _rounding_variants(spec: NormSpec, inputs: Inputs) -> dict[str, NormSpec]:
+    """The specs that differ from ``spec`` in one rounding alone, where the inputs can show it:
+    the other cast order (half x), the other offset dtype (an offset and a half scale), the other
+    half rounding of a residual sum that keeps ``h``'s dtype (half x)."""
+    half_x = dtypes.is_half(inputs.x.dtype)
+    changes: dict[str, object] = {}
+    if half_x:
+        changes["cast"] = "after_scale" if spec.cast == "before_scale" else "before_scale"
+    scale = inputs.scale
+    if spec.scale_offset and scale is not None and dtypes.is_half(np.asarray(scale).dtype):
+        changes["offset_dtype"] = "float32" if spec.offset_dtype == "param" else "param"
+    if half_x and spec.residual in ("rounded", "float32_normalized"):
+        changes["residual"] = (
+            "float32_normalized" if spec.residual == "rounded" else "rounded"
+        )
+    found = {}
+    for name, value in changes.items():
+        try:
+            found[name] = spec.replace(**{name: value})
+        except ValueError:
+            continue
+    return found
+
+
+def rounding_problems(spec: NormSpec, inputs: Inputs, y: np.ndarray) -> list[str]:
+    """Which of the spec's roundings ``y`` does not follow, found by counting: for each spec
+    that differs in one rounding alone (`_rounding_variants`), the elements where the two
+    predict different outputs (at least `MIN_VOTES`) each count for the prediction ``y`` is
+    closer to; a rounding the other spec gets more of is a problem, named with both shares.
+    Those roundings move an output by about an ulp, within its bound: only the count tells them
+    apart."""
+    want = forward(spec, inputs)
+    if np.asarray(y).dtype != want.dtype or y.shape != want.shape:
+        return []
+    got, mine = np.asarray(y).astype(np.float64), want.astype(np.float64)
+    problems = []
+    for name, other_spec in _rounding_variants(spec, inputs).items():
+        with np.errstate(all="ignore"):  # rows beyond float32's range: the predictions' own
+            theirs = forward(other_spec, inputs).astype(np.float64)
+        differ = _differ(mine, theirs, want.dtype)
+        count = int(np.count_nonzero(differ))
+        if count < MIN_VOTES:
+            continue
+        for_mine = int(np.count_nonzero((np.abs(got - mine) < np.abs(got - theirs))[differ]))
+        for_theirs = int(np.count_nonzero((np.abs(got - theirs) < np.abs(got - mine))[differ]))
+        if for_theirs > for_mine:
+            ours, other = getattr(spec, name), getattr(other_spec, name)
+            problems.append(
+                f"{_ROUNDINGS[name]}: the spec says {name}={ours!r}, but y is closer to "
+                f"{name}={other!r} on {for_theirs / count:.0%} and to {ours!r} on "
+                f"{for_mine / count:.0%} of the {count} elements where the two round differently"
+            )
+    return problems
+
+
+def _differ(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Where two finite predictions in ``dtype`` differ as evidence: for a half dtype wherever
+    they differ, for a wider one by more than 4 of its ulps (its own arithmetic's reach)."""
+    finite = np.isfinite(a) & np.isfinite(b)
+    if dtypes.is_half(dtype):
+        return finite & (a != b)
+    with np.errstate(invalid="ignore"):
+        far = np.abs(a - b) > 4 * dtypes.ulp(np.where(finite, np.maximum(np.abs(a), np.abs(b)),
+                                                      1.0), dtype)
+    return finite & far
 
 
 def _normalized(spec: NormSpec, inputs: Inputs) -> np.ndarray:
@@ -165,12 +268,15 @@ def compare(
     inputs: Inputs,
     outputs: Sequence[np.ndarray | None],
     checked: Sequence[str] | None = None,
+    rows: str = "standard",
 ) -> tuple[list[str], dict[str, tolerances.Measurement]]:
     """Compare an implementation's outputs, named by ``quantities(spec)``, with the reference's.
 
     Only the quantities in ``checked`` (all when None) are compared. Returns the problems found
     (empty when it conforms: the right number of outputs, every quantity within
-    `normkit.tolerances` and in its `expected_dtypes`) and the measurements.
+    `normkit.tolerances` (the relative bounds widened on large-mean ``rows``, `bound_factor`)
+    and in its `expected_dtypes`, and ``y``, where it is within its bound, following the
+    spec's roundings, `rounding_problems`) and the measurements.
     """
     names = quantities(spec)
     if len(outputs) != len(names):
@@ -179,6 +285,7 @@ def compare(
         ], {}
     wanted = expected(spec, inputs)
     want_dtypes = expected_dtypes(spec, inputs)
+    factor = bound_factor(rows, spec, inputs)
     problems = []
     measurements = {}
     for name, got in zip(names, outputs, strict=True):
@@ -199,8 +306,12 @@ def compare(
         quantity: Literal["forward", "grad"] = "forward" if name in FORWARD_QUANTITIES else "grad"
         dtype, magnitude = tolerance(name, spec, inputs, want_dtype)
         cast = spec.cast if name == "y" else "after_scale"
-        m = tolerances.measure(got.astype(np.float64), want, dtype, quantity, cast, magnitude)
+        with np.errstate(over="ignore"):  # an output far off: its ulps overflow to infinity
+            m = tolerances.measure(got.astype(np.float64), want, dtype, quantity, cast, magnitude)
+        m = widened(m, factor)
         measurements[name] = m
         if not m.passed:
             problems.append(f"{name}: {m.describe()}")
+        elif name == "y" and got.dtype == want_dtype:
+            problems += rounding_problems(spec, inputs, got)
     return problems, measurements

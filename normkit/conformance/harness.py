@@ -30,8 +30,10 @@ Build = Callable[..., VjpFn]
 """``build(spec, shape, param_dtype, *, dtype, device, **variant) -> fn``: the function of
 ``spec``'s layer for inputs of ``shape`` and ``dtype`` on ``device``, parameters of
 ``param_dtype``; ``fn(x[, residual or gate], **params)`` with params named ``scale``, ``bias``,
-``alpha`` (those the spec has). It raises NotImplementedError for a case the layer cannot run
-(a SKIP), ValueError for a variant that does not apply."""
+``alpha`` (those the spec has). A layer's ``fn`` carries the parameters a fresh layer holds as
+``fn.initial_params`` (numpy, by those names): a case that leaves a parameter out
+(`normkit.conformance.cases.Case.initial`) is run with them. It raises NotImplementedError for
+a case the layer cannot run (a SKIP), ValueError for a variant that does not apply."""
 
 
 def check_inputs(spec: NormSpec, inputs: Inputs) -> None:
@@ -66,9 +68,13 @@ def check_inputs(spec: NormSpec, inputs: Inputs) -> None:
     reference.check_params(np.shape(x), spec, scale, bias)
 
 
-def initial_params(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray]:
-    """Every parameter the spec has, by name (``scale``, ``bias``, ``alpha``): as given, or its
-    initial value (``scale_init``, 0, ``alpha_init``) in `param_dtype`."""
+def initial_params(
+    spec: NormSpec, inputs: Inputs, own: Mapping[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """Every parameter the spec has, by name (``scale``, ``bias``, ``alpha``): as given, or the
+    layer's ``own`` initial value where it has one (the values a fresh layer holds, so that
+    its initialization is checked), else the spec's (``scale_init``, 0, ``alpha_init``) in
+    `param_dtype`."""
     dtype = param_dtype(inputs)
     param_shape = spec.param_shape(np.shape(inputs.x))
     params: dict[str, np.ndarray] = {}
@@ -77,8 +83,14 @@ def initial_params(spec: NormSpec, inputs: Inputs) -> dict[str, np.ndarray]:
         ("bias", inputs.bias, bool(spec.bias), 0.0, param_shape),
         ("alpha", inputs.alpha, spec.kind == "dyt", spec.alpha_init, (1,)),
     ):
-        if present:
-            params[name] = np.full(size, init, dtype) if value is None else np.asarray(value)
+        if not present:
+            continue
+        if value is not None:
+            params[name] = np.asarray(value)
+        elif own is not None and name in own:
+            params[name] = np.asarray(own[name]).astype(dtype).reshape(size)
+        else:
+            params[name] = np.full(size, init, dtype)
     return params
 
 
@@ -147,11 +159,11 @@ class Harness:
         x, dy = np.asarray(x), np.asarray(dy)
         inputs = Inputs(x, dy, scale, bias, residual, dh, alpha, gate)
         check_inputs(spec, inputs)
-        params = initial_params(spec, inputs)
         # built first: a target that cannot run on a device says so (a SKIP) wherever it runs
         fn = self.build(
             spec, x.shape, param_dtype(inputs), dtype=x.dtype, device=device, **variant
         )
+        params = initial_params(spec, inputs, getattr(fn, "initial_params", None))
         seen = self.devices()
         if device not in seen:
             raise ValueError(f"device {given!r} is not one {self.bridge.name} sees: {seen}")

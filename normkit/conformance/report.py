@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from collections import defaultdict
 from typing import Any
 
@@ -11,38 +12,44 @@ from normkit import __version__, tolerances
 from normkit.conformance.batch_invariance import BATCH_ROWS, BatchInvariance
 from normkit.conformance.cases import FEATURES
 from normkit.conformance.runner import PAIRWISE_FACTOR, Report
+from normkit.identify import Identification
+from normkit.identify.differences import differences as identify_differences
 from normkit.spec import ALL_KINDS, NormSpec
+
+WIDTH = 100
+"""The terminal summary's width: its table and lines fit it."""
 
 
 def _summary(report: Report) -> tuple[list[str], list[list[str]]]:
-    """Rows of target@device x kinds: passed/total and the worst error as a fraction of its
-    bound."""
-    cells: dict[tuple[str, str], list[Any]] = defaultdict(
-        lambda: [0, 0, 0, 0.0]
-    )  # pass, fail, skip, worst
+    """Rows of target@device: cases passed / run per kind, skipped, and the worst error in
+    float32/float64 (as a fraction of its bound) and in half precision (in ulps)."""
+    cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # passed, failed
+    skipped: dict[str, int] = defaultdict(int)
+    worst: dict[tuple[str, bool], float] = {}
     for r in report.results:
-        cell = cells[(f"{r.target}@{r.device}", r.case.spec.kind)]
-        cell[{"PASS": 0, "FAIL": 1, "SKIP": 2}[r.status]] += 1
-        cell[3] = max(cell[3], r.worst)
-    invariance = bool(report.batch_invariance)
-    header = ["implementation", *ALL_KINDS, "passed", "failed", "skipped"]
-    header += ["batch-invariant"] if invariance else []
+        name = f"{r.target}@{r.device}"
+        if r.status == "SKIP":
+            skipped[name] += 1
+            continue
+        cells[(name, r.case.spec.kind)][r.status == "FAIL"] += 1
+        for m in r.measurements.values():
+            half = m["bound"]["unit"] == "ulp"
+            figure = m["max_ulp"] if half else m["error"] / m["bound"]["value"]
+            worst[(name, half)] = max(worst.get((name, half), 0.0), figure)
+    header = ["implementation", *ALL_KINDS, "skipped", "worst f32/64", "worst half ulp"]
     rows = []
-    for name in sorted({row for row, _ in cells} | set(report.batch_invariance)):
-        counts = [0, 0, 0]
+    names = {row for row, _ in cells} | set(skipped) | set(report.batch_invariance)
+    for name in sorted(names):
         row = [name]
         for kind in ALL_KINDS:
-            passed, failed, skipped, worst = cells.get((name, kind), [0, 0, 0, 0.0])
-            counts = [counts[0] + passed, counts[1] + failed, counts[2] + skipped]
-            total = passed + failed
-            row.append(f"{passed}/{total} worst {worst:.2f}" if total else "-")
-        row += [str(c) for c in counts]
-        if invariance:
-            row.append(_invariance_verdict(report.batch_invariance.get(name, {})))
+            passed, failed = cells.get((name, kind), [0, 0])
+            row.append(f"{passed}/{passed + failed}" if passed + failed else "-")
+        row.append(str(skipped.get(name, 0)))
+        row += [f"{worst[(name, half)]:.2g}" if (name, half) in worst else "-"
+                for half in (False, True)]
         rows.append(row)
-    for name, reason in sorted(report.skipped_targets.items()):
-        rows.append([name, *("-" for _ in ALL_KINDS), "0", "0", f"all: {reason}"])
-        rows[-1] += ["-"] if invariance else []
+    for name in sorted(report.skipped_targets):
+        rows.append([name, *("-" for _ in ALL_KINDS), "all", "-", "-"])
     return header, rows
 
 
@@ -63,13 +70,29 @@ def _invariance_verdict(probes: dict[str, dict[str, Any]]) -> str:
         if "skip" not in found and "error" not in found
     }
     if not checked:
-        return "-"
+        reasons = sorted({found.get("skip") or found.get("error", "") for found in probes.values()})
+        return f"not checked: {'; '.join(reasons)}" if reasons else "not checked"
     depending = {label: c.dependencies() for label, c in checked.items() if c.dependencies()}
     if not depending:
         threads = all(c.threads for c in checked.values())
-        return "yes, threads too" if threads else "yes"
+        return "yes, thread count too" if threads else "yes"
     found = sorted({d for ds in depending.values() for d in ds})
-    return f"no: {', '.join(found)} ({'; '.join(depending)})"
+    return f"no: depends on the {', '.join(found)} ({'; '.join(depending)})"
+
+
+def _invariance_lines(report: Report) -> list[str]:
+    """The terminal's batch-invariance section: the targets grouped by verdict, and whether it
+    matters."""
+    if not report.batch_invariance:
+        return []
+    by_verdict: dict[str, list[str]] = defaultdict(list)
+    for name, probes in sorted(report.batch_invariance.items()):
+        by_verdict[_invariance_verdict(probes)].append(name)
+    lines = ["", "batch-invariant (does a row's output depend on the rest of its batch?):"]
+    for verdict, names in sorted(by_verdict.items()):
+        lines += _wrapped(f"{verdict}: {', '.join(names)}", "  ")
+    lines += _wrapped(INVARIANCE_LEGEND, "")
+    return lines
 
 
 def _invariance_section(report: Report) -> list[str]:
@@ -113,8 +136,14 @@ def _features(report: Report) -> tuple[list[str], list[list[str]]]:
     return ["implementation", *seen], rows
 
 
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` as lines of at most `WIDTH` characters, continued 2 spaces further in."""
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    """A plain-text table drawn by rich (imported here only), wide enough for every cell."""
+    """A plain-text table drawn by rich (imported here only), at most `WIDTH` wide."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -122,10 +151,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name in header:
-        table.add_column(Text(name))
+        table.add_column(Text(name), overflow="fold")  # a long name wraps, never cut
     for row in rows:
         table.add_row(*map(Text, row))  # Text: a name like tf[jax,jit] is not markup
-    console = Console(file=io.StringIO(), width=10_000, color_system=None, emoji=False)
+    console = Console(file=io.StringIO(), width=WIDTH, color_system=None, emoji=False)
     console.print(table)
     text = console.file.getvalue()  # type: ignore[attr-defined]
     return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
@@ -147,16 +176,33 @@ def _pairwise_rows(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 LEGEND = (
-    "Cells: cases passed / run, and the worst error over forward output and gradients as a "
-    "fraction of its tolerance (normkit.tolerances; above 1.00 fails)."
+    "rms, partial_rms, layer, dyt: cases passed / run (a case: one spec, dtype and shape, "
+    "forward and backward). skipped: cases the target cannot compute (named below). "
+    "worst f32/64: the worst error of any output or gradient in float32 or float64, as a "
+    "fraction of its bound (1e-6 of max|ref| for outputs, 1e-5 for gradients; above 1 fails). "
+    "worst half ulp: the worst error in float16 or bfloat16, in ulps from normkit's correctly "
+    "rounded reference: a correct float32 computation reaches 1 where it rounds a near-tie the "
+    "other way (bounds: 1 ulp for outputs, 2 with cast='before_scale' and for gradients; "
+    "normkit.tolerances)."
 )
 
 
 INVARIANCE_LEGEND = (
-    "batch-invariant: whether a row's output bits are independent of its batch's row count, "
-    "order and its position there (and of the thread count where it is set), on the probes of "
-    "normkit.conformance.batch_invariance; --markdown has each probe."
+    "Batch invariance is not part of the verdict: every row above is within its bound in "
+    "whatever batch it ran. It matters only where a row's bits must not depend on the rest of "
+    "its batch (deterministic serving, bit-exact replays): there use a target marked yes, or "
+    "run rows in batches of a fixed size. The probes (row counts 1 to 509, reversed order, a "
+    "row moved through the batch, 1 and 2 threads where set) are in "
+    "normkit.conformance.batch_invariance; --markdown has each one."
 )
+
+
+def _lean_line(report: Report) -> str:
+    return (
+        f"{', '.join(report.lean)} compile each program, so they ran the lean default matrix: "
+        "every kind, dtype, option and kind of rows, on fewer shapes and combinations "
+        "(normkit.conformance.cases.lean); --full runs every case on every target."
+    )
 
 
 def _stopped(report: Report) -> str:
@@ -167,37 +213,44 @@ def _stopped(report: Report) -> str:
 def text(report: Report, failures: int = 10) -> str:
     """The terminal summary: the table, failures (up to ``failures``), skips, pairwise worst."""
     header, rows = _summary(report)
-    out = [_table(header, rows), "", LEGEND]
-    if report.batch_invariance:
-        out.append(INVARIANCE_LEGEND)
+    out = [_table(header, rows), "", *_wrapped(LEGEND, "")]
+    if report.lean:
+        out += _wrapped(_lean_line(report), "")
+    out += _invariance_lines(report)
     failed = report.failed
     if failed:
         out += ["", f"{len(failed)} failed:"]
-        out += [f"  {r.target}@{r.device} {r.case.label}: {r.reason}" for r in failed[:failures]]
+        for r in failed[:failures]:
+            out += _wrapped(f"{r.target}@{r.device} {r.case.label}: {r.reason}", "  ")
         if len(failed) > failures:
             out.append(f"  ... and {len(failed) - failures} more (see --json)")
-    skips = sorted(
+    skips = [f"{name}: not run: {why}" for name, why in sorted(report.skipped_targets.items())]
+    skips += sorted(
         {f"{r.target}@{r.device}: {r.reason}" for r in report.results if r.status == "SKIP"}
     )
     if skips:
-        out += ["", "skipped:"] + [f"  {s}" for s in skips[:failures]]
+        out += ["", "skipped:"]
+        for line in skips[:failures]:
+            out += _wrapped(line, "  ")
+        if len(skips) > failures:
+            out.append(f"  ... and {len(skips) - failures} more (see --json)")
     if report.pairwise:
         worst = max(report.pairwise, key=lambda p: p.worst)
         disagreeing = sum(p.disagreements for p in report.pairwise)
-        out += [
-            "",
+        out += ["", *_wrapped(
             f"pairwise: {len(report.pairwise)} pairs of implementations, {disagreeing} case "
             f"disagreements; worst {worst.worst:.2f} of {PAIRWISE_FACTOR:g}x the tolerance "
-            f"({worst.a} vs {worst.b})",
-        ]
+            f"({worst.a} vs {worst.b})", "",
+        )]
     if report.restarts:
         out += ["", "workers restarted after a signal killed them:"]
-        out += [f"  {line}" for line in report.restarts]
+        for line in report.restarts:
+            out += _wrapped(line, "  ")
     if report.target_seconds:
         times = ", ".join(
             f"{name} {seconds:.0f} s" for name, seconds in report.target_seconds.items()
         )
-        out += ["", f"worker time: {times}"]
+        out += ["", *_wrapped(f"worker time: {times}", "")]
     passed = sum(r.status == "PASS" for r in report.results)
     skipped = sum(r.status == "SKIP" for r in report.results)
     out += [
@@ -321,30 +374,16 @@ def _identified(found: dict[str, Any] | None, claims: NormSpec | None) -> tuple[
     unseen = [name for name in found["undetermined"] if name != "backward"]
     if unseen:
         text += f" (undetermined: {', '.join(unseen)})"
-    differences = []
-    if claims is not None:
-        for name, value in spec.to_dict().items():
-            claimed = claims.to_dict()[name]
-            if name in found["undetermined"] or value == claimed:
-                continue
-            if (
-                name == "eps" and isinstance(value, float) and isinstance(claimed, float)
-                and abs(value - claimed) <= 0.1 * claimed
-            ):
-                continue  # identify measures eps to within 10%
-            differences.append(f"{name} is {value!r}, not {claimed!r}")
+    differences = [] if claims is None else identify_differences(
+        Identification(spec, tuple(found["undetermined"]), tuple(found.get("notes", ()))),
+        claims,
+    )
     return text, differences
 
 
 def _spec_text(spec: object) -> str:
     assert isinstance(spec, NormSpec)
-    default = NormSpec(spec.kind, p=spec.p)
-    changed = [
-        f"{k}={v!r}"
-        for k, v in spec.to_dict().items()
-        if k != "kind" and getattr(default, k) != getattr(spec, k)
-    ]
-    return f"`NormSpec({spec.kind!r}{''.join(', ' + c for c in changed)})`"
+    return f"`{spec!r}`"
 
 
 def markdown(report: Report, title: str = "normkit conformance") -> str:
@@ -360,7 +399,15 @@ def markdown(report: Report, title: str = "normkit conformance") -> str:
         "",
         LEGEND,
     ]
+    if report.lean:
+        out += ["", _lean_line(report)]
     out += _invariance_section(report)
+    skips = [f"`{name}`: not run: {why}" for name, why in sorted(report.skipped_targets.items())]
+    skips += sorted(
+        {f"`{r.target}@{r.device}`: {r.reason}" for r in report.results if r.status == "SKIP"}
+    )
+    if skips:
+        out += ["", "## Skipped", ""] + [f"- {line}" for line in skips]
     fh, fr = _features(report)
     if fr:
         out += [
@@ -410,6 +457,7 @@ def to_json(report: Report) -> str:
             "devices": report.devices,
             "target_seconds": report.target_seconds,
             "skipped_targets": report.skipped_targets,
+            "lean": report.lean,
             "summary": {
                 s: sum(r.status == s for r in report.results) for s in ("PASS", "FAIL", "SKIP")
             },

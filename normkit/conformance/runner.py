@@ -67,6 +67,8 @@ class Report:
     interrupted: bool = False
     """Stopped before every case ran (Ctrl-C, or SIGTERM under `normkit.interrupts`): the
     results are those of the cases that finished, and nothing is compared pairwise."""
+    lean: list[str] = field(default_factory=list)
+    """The targets that ran the lean default matrix (`normkit.conformance.cases.lean`)."""
 
     @property
     def failed(self) -> list[Result]:
@@ -342,6 +344,7 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
         case = group[0].case
         inputs = case.arrays()
         dtypes = compare.expected_dtypes(case.spec, inputs)
+        factor = compare.bound_factor(case.rows, case.spec, inputs)
         measured_in = {
             q: compare.tolerance(q, case.spec, inputs, dtypes[q])
             for q in compare.quantities(case.spec)
@@ -361,6 +364,7 @@ def _pairwise(results: list[Result], outdir: Path) -> list[Pairwise]:
                     cast=case.spec.cast if q == "y" else "after_scale",
                     magnitude=magnitude,
                 )
+                m = compare.widened(m, factor)
                 worst = max(worst, m.error / (PAIRWISE_FACTOR * m.bound.value))
             if worst > 1:
                 pair.disagreements += 1

@@ -155,14 +155,16 @@ def _keras(keras_backend: str, cost: float, **variant: object) -> Target:
     """normkit.tf on one Keras backend: on JAX or torch it needs Keras and that framework, not
     TensorFlow."""
     jit = ",jit" if variant.get("jit") else ""
-    needs = {"tensorflow": ("tf",), "jax": ("jax",), "torch": ("torch",)}[keras_backend]
+    # Keras on JAX needs jax itself, not the jax backend's flax
+    needs = {"tensorflow": ("tf",), "jax": (), "torch": ("torch",)}[keras_backend]
+    packages = {"tensorflow": (), "jax": ("keras", "jax"), "torch": ("keras",)}[keras_backend]
     return Target(
         f"tf[{keras_backend}{jit}]",
         needs,
         KERAS_HOOK,
         variant,
         {"KERAS_BACKEND": keras_backend},
-        () if keras_backend == "tensorflow" else ("keras",),
+        packages,
         note=f"normkit.tf on the {keras_backend} Keras backend" + (" under jit" if jit else ""),
         cost=cost,
     )
@@ -174,6 +176,11 @@ def _jax(api: str, cost: float) -> Target:
         cost=cost,
     )
 
+
+LEAN_COST = 10.0
+"""A target whose case costs this many times the eager torch target's compiles each program
+(XLA, Triton's interpreter): in the default matrix it runs the `normkit.conformance.cases.lean`
+subset, which still shows every kind, dtype, option and kind of rows."""
 
 TARGETS: tuple[Target, ...] = (
     _torch("torch", "normkit.torch modules (eager), kernel='auto'"),

@@ -8,8 +8,11 @@ returned in float64.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,6 +32,7 @@ VARIANTS: dict[str, tuple[object, ...] | None] = {
 _BRIDGE = JaxBridge()
 
 
+@functools.lru_cache(maxsize=64)
 def build(
     spec: NormSpec, shape: tuple[int, ...], param_dtype: np.dtype, *, dtype: np.dtype,
     device: str, **variant: Any,
@@ -37,8 +41,10 @@ def build(
     (`normkit.jax.from_spec`, the default), ``"nnx"`` (`normkit.jax.nnx.from_spec`) or
     ``"functional"`` (`normkit.jax.functional.normalize` and ``add_norm``); ``jit=False`` takes
     the VJP eagerly (default: one jitted program); ``implementation=`` the modules' and
-    functions' (default: theirs)."""
-    del dtype, device  # the layers take the input's, where the bridge puts it
+    functions' (default: theirs). One function per spec, shape, dtypes and variant (the 64
+    latest), so that the bridge compiles its VJP once for the cases that share them (rows of
+    another kind)."""
+    del device  # the layers take the input's, where the bridge puts it
     api: Api = variant.get("api", "linen")
     chosen: dict[str, Any] = {"implementation": variant.get("implementation")}
     if api == "functional":
@@ -52,6 +58,7 @@ def build(
             return functional.add_norm(x, second, *args, alpha=p.get("alpha"),
                                        implementation=implementation)
 
+        apply_functional.initial_params = {}  # type: ignore[attr-defined]
         return apply_functional
     if api == "linen":
         module = nkjax.from_spec(spec, param_dtype=param_dtype, **chosen)
@@ -61,11 +68,19 @@ def build(
                 return module.apply({"params": p}, x, gate=second)
             return module.apply({"params": p}, x, second)
 
+        with _BRIDGE.float64_scope(param_dtype, dtype):
+            x = jnp.zeros(shape, dtype)
+            second = x if spec.gate is not None or spec.residual is not None else None
+            own = module.init(jax.random.key(0), x, **_second(spec, second))["params"]
+        apply_linen.initial_params = {  # type: ignore[attr-defined]
+            name: np.asarray(value) for name, value in own.items()
+        }
         return apply_linen
     with _BRIDGE.float64_scope(param_dtype):
-        graphdef = nnx.graphdef(
-            nkjax.nnx.from_spec(spec, spec.param_shape(shape), param_dtype=param_dtype, **chosen)
+        layer = nkjax.nnx.from_spec(
+            spec, spec.param_shape(shape), param_dtype=param_dtype, **chosen
         )
+        graphdef = nnx.graphdef(layer)
 
     def apply_nnx(x: Any, second: Any = None, **p: Any) -> Any:
         state = nnx.State({name: nnx.Param(value) for name, value in p.items()})
@@ -73,7 +88,18 @@ def build(
             return nnx.merge(graphdef, state)(x, gate=second)
         return nnx.merge(graphdef, state)(x, second)
 
+    apply_nnx.initial_params = {  # type: ignore[attr-defined]
+        name: np.asarray(getattr(layer, name).value)
+        for name in ("scale", "bias", "alpha") if isinstance(getattr(layer, name, None), nnx.Param)
+    }
     return apply_nnx
+
+
+def _second(spec: NormSpec, second: Any) -> dict[str, Any]:
+    """The keyword or positional second input of a linen module's call, for ``init``."""
+    if spec.gate is not None:
+        return {"gate": second}
+    return {} if second is None else {"residual": second}
 
 
 _HARNESS = Harness(_BRIDGE, build, VARIANTS, jit=True)

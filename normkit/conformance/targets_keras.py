@@ -83,6 +83,10 @@ def build(
     named = {id(getattr(layer, attribute)): name for name, attribute in WEIGHT_ATTRIBUTES.items()}
     order = [(named[id(v)], tuple(v.shape)) for v in layer.trainable_variables]
     frozen = [v.value for v in layer.non_trainable_variables]
+    initial = {
+        named[id(v)]: _BRIDGE.to_numpy(keras.ops.convert_to_tensor(v.value))
+        for v in layer.trainable_variables
+    }
 
     def fn(x: Any, second: Any = None, **params: Any) -> Any:
         _check_one_dtype(params)
@@ -91,6 +95,7 @@ def build(
             return layer.stateless_call(values, frozen, x, gate=second)[0]
         return layer.stateless_call(values, frozen, x, second)[0]
 
+    fn.initial_params = initial  # type: ignore[attr-defined]
     return fn
 
 

@@ -77,6 +77,9 @@ def build(
             inputs = (x,) if second is None else (x, second)
             return torch.func.functional_call(module, weights, inputs)
 
+        own = dict(module.named_parameters())
+        initial = {n: _BRIDGE.to_numpy(own[w]) for n, w in _WEIGHTS.items() if w in own}
+
     else:
 
         def call(x: torch.Tensor, second: torch.Tensor | None = None, **params: Any) -> Any:
@@ -85,13 +88,14 @@ def build(
                 return normalize(x, spec, weight, bias, gate=second, alpha=alpha, kernel=kernel)
             return add_norm(x, second, spec, weight, bias, alpha=alpha, kernel=kernel)
 
-    if not variant.get("compiled", False):
-        return call
-    options: dict[str, Any] | None = None
-    if spec.backward == "autograd":
-        options = {"emulate_precision_casts": True}
-    compiled: VjpFn = torch.compile(call, fullgraph=True, options=options)
-    return compiled
+        initial = {}  # the functions have no parameters of their own
+    if variant.get("compiled", False):
+        options: dict[str, Any] | None = None
+        if spec.backward == "autograd":
+            options = {"emulate_precision_casts": True}
+        call = torch.compile(call, fullgraph=True, options=options)
+    call.initial_params = initial  # type: ignore[attr-defined]
+    return call
 
 
 _HARNESS = Harness(_BRIDGE, build, VARIANTS)

@@ -7,14 +7,16 @@ of `normkit.conformance.batch_invariance` that the job lists), and ``{"target", 
 Each hook gets its own process because Keras fixes its backend at import, and because one
 framework crashing or leaking memory must not take the others with it.
 
-A worker keeps JAX's compilations in its persistent cache (`jax_compilation_cache`), so that the
-targets and the runs that compile the same program share it.
+A worker keeps JAX's and TensorFlow's XLA compilations in their persistent caches
+(`jax_compilation_cache`, `tf_compilation_cache`), so that the targets and the runs that compile
+the same program share them: a second run compiles nothing anew.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +32,31 @@ from normkit.conformance.result import Result
 from normkit.conformance.targets import Hook
 
 CACHE_DIR_ENV = "NORMKIT_JAX_CACHE_DIR"
+TF_CACHE_DIR_ENV = "NORMKIT_TF_XLA_CACHE_DIR"
+
+
+def _user_cache(name: str) -> Path:
+    """``normkit/<name>`` in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "normkit" / name
+
+
+def tf_compilation_cache() -> str:
+    """Where TensorFlow keeps this worker's XLA compilations (``jit_compile=True``, on every
+    device type, the CPU's included), set in ``TF_XLA_FLAGS`` before TensorFlow is imported:
+    ``$NORMKIT_TF_XLA_CACHE_DIR``, by default ``normkit/tf-xla`` in the user's cache folder.
+    An empty ``NORMKIT_TF_XLA_CACHE_DIR`` turns it off; a persistent cache already named in
+    ``TF_XLA_FLAGS`` is kept. Returns the folder in use ("" for none)."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    named = re.search(r"--tf_xla_persistent_cache_directory=(\S*)", flags)
+    if named:
+        return named.group(1)
+    folder = os.environ.get(TF_CACHE_DIR_ENV, str(_user_cache("tf-xla")))
+    if folder:
+        os.environ["TF_XLA_FLAGS"] = (
+            f"{flags} --tf_xla_persistent_cache_directory={folder} "
+            "--tf_xla_persistent_cache_device_types=CPU,GPU,TPU"
+        ).strip()
+    return folder
 
 
 def jax_compilation_cache() -> str:
@@ -40,8 +67,7 @@ def jax_compilation_cache() -> str:
     already set is left as it is. Returns the folder in use ("" for none)."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = os.environ.get(CACHE_DIR_ENV, str(user_cache / "normkit" / "jax"))
+    folder = os.environ.get(CACHE_DIR_ENV, str(_user_cache("jax")))
     if folder:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -51,6 +77,7 @@ def jax_compilation_cache() -> str:
 def run_job(job: Mapping[str, Any], emit: workers.Emit) -> None:
     """Run ``job``: one hook module, the targets that use it, each with its variant and cases."""
     jax_compilation_cache()
+    tf_compilation_cache()
     hook: Hook = importlib.import_module(job["hook"])
     seen = hook.devices()
     wanted = job.get("devices") or seen
@@ -103,7 +130,7 @@ def _run_case(
         return Result(
             name, device, case, "FAIL", f"raised {type(exc).__name__}: {exc}".splitlines()[0]
         )
-    problems, measured = compare(case.spec, inputs, outputs)
+    problems, measured = compare(case.spec, inputs, outputs, rows=case.rows)
     figures = {q: m.to_dict() for q, m in measured.items()}
     names = quantities(case.spec)
     if outdir and len(outputs) == len(names):

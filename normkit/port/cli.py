@@ -1,4 +1,5 @@
-"""``normkit port SRC DST --to CONVENTION``: rewrite a normkit norms file for another framework."""
+"""``normkit port SRC DST [--to CONVENTION]``: rewrite a normkit norms file, in another format
+(by DST's suffix), for another framework's parameter names, or with another offset."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import argparse
 
 from normkit import arguments
 from normkit.port.convert import CONVENTIONS, convert
-from normkit.port.files import load_norms, save_norms
+from normkit.port.files import load_norms, save_norms, stored_convention
 from normkit.spec import OFFSET_DTYPES, NormSpec
 
-HELP = "rewrite a normkit norms file (safetensors or .npz) in another framework's convention"
+HELP = (
+    "rewrite a normkit norms file (safetensors or .npz): in the other format, another "
+    "framework's convention or another scale offset"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--to",
         choices=CONVENTIONS,
-        required=True,
-        help="the parameter names to write: torch weight/bias, the others scale/bias",
+        help="the parameter names to write: torch weight/bias, the others scale/bias "
+        "(default: SRC's own)",
     )
     parser.add_argument(
         "--scale-offset",
@@ -43,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Read ``args.src``, rename (and re-offset) every layer, write ``args.dst``; returns 0."""
+    if args.to is None:
+        args.to = stored_convention(args.src)
     layers = load_norms(args.src, to=args.to)
     if args.scale_offset is not None or args.offset_dtype is not None:
         moved = {}

@@ -156,9 +156,15 @@ def _canonical(
     extra = sorted(str(n) for n in params if n not in expected)
     if missing or extra:
         problems = [f"missing {missing}"] * bool(missing) + [f"unexpected {extra}"] * bool(extra)
+        named = sorted(str(n) for n in params)
+        others = [c for c in CONVENTIONS if c != src and sorted(param_names(spec, c)) == named]
+        hint = (
+            f"; these are the {others[0]} convention's names: pass convention={others[0]!r} "
+            f"(save, save_norms) or src={others[0]!r} (convert)" if others else ""
+        )
         raise ValueError(
             f"params ({src} convention) {' and '.join(problems)}: a spec with scale={spec.scale}, "
-            f"bias={spec.bias} has exactly {expected}"
+            f"bias={spec.bias} has exactly {expected}{hint}"
         )
     canonical = {NAMES[src][0]: "scale", NAMES[src][1]: "bias", ALPHA: ALPHA}
     values = {canonical[n]: to_numpy(params[n]) for n in expected}

@@ -61,7 +61,9 @@ _MAX_RATIO = 32  # beyond that, to at most this many times its compressed size
 
 Layers = dict[str, tuple[dict[str, np.ndarray], NormSpec]]
 
-__all__ = ["DIGEST_KEY", "FORMAT_VERSION", "load", "load_norms", "save", "save_norms"]
+__all__ = [
+    "DIGEST_KEY", "FORMAT_VERSION", "load", "load_norms", "save", "save_norms", "stored_convention",
+]
 
 
 def save(
@@ -118,11 +120,11 @@ def save_norms(
     specs: dict[str, dict[str, object]] = {}
     for name, (params, spec) in layers.items():
         if not isinstance(spec, NormSpec):
-            raise TypeError(f"layer {name!r}: spec must be a NormSpec, got {type(spec).__name__}")
+            raise TypeError(f"{_layer(name)}spec must be a NormSpec, got {type(spec).__name__}")
         try:
             values = convert(params, spec, src=convention, dst=convention)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"layer {name!r}: {err}") from None
+        except (ValueError, TypeError) as err:  # a single norm (save) has no layer name
+            raise type(err)(f"{_layer(name)}{err}") from None
         specs[name] = spec.to_dict()
         for param, value in values.items():
             tensors[_key(name, param)] = np.ascontiguousarray(value)
@@ -157,6 +159,41 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
     if to not in NAMES:
         raise ValueError(f"to={to!r} is not one of {CONVENTIONS}")
     path = Path(path)
+    tensors, meta = _read(path)
+    convention = meta["convention"]
+    layers: Layers = {}
+    unclaimed = set(tensors)
+    for name, spec in meta["layers"].items():
+        keys = {_key(name, p): p for p in param_names(spec, convention)}
+        unclaimed -= set(keys)
+        params = {p: tensors[k] for k, p in keys.items() if k in tensors}
+        try:
+            layers[name] = (convert(params, spec, src=convention, dst=to), spec)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: {_layer(name)}{err}") from None
+    if unclaimed:
+        raise ValueError(
+            f"{path}: tensors {sorted(unclaimed)} are parameters of no layer its specs describe "
+            "(a spec with bias=False has no bias): the metadata and the tensors disagree"
+        )
+    if DIGEST_KEY not in meta:
+        warnings.warn(
+            f"{path}: has no integrity digest (written before normkit recorded one), so "
+            "corruption or edits cannot be detected; rewrite it with normkit.port.save_norms "
+            "or `normkit port` to add one",
+            UserWarning,
+            stacklevel=2,
+        )
+    return layers
+
+
+def stored_convention(path: str | os.PathLike[str]) -> str:
+    """The convention the parameters in ``path`` are named in (refusing what `load` refuses)."""
+    return str(_read(Path(path))[1]["convention"])
+
+
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The tensors and the parsed metadata of a normkit file (never unpickling)."""
     with open_regular(path) as f:
         head = f.read(9)
         size = os.fstat(f.fileno()).st_size
@@ -172,32 +209,12 @@ def load_norms(path: str | os.PathLike[str], *, to: str = "numpy") -> Layers:
             raise ValueError(
                 f"{path}: is neither a safetensors nor an .npz file (unrecognized header)"
             )
-    meta = _parse_metadata(path, raw, tensors)
-    convention = meta["convention"]
-    layers: Layers = {}
-    unclaimed = set(tensors)
-    for name, spec in meta["layers"].items():
-        keys = {_key(name, p): p for p in param_names(spec, convention)}
-        unclaimed -= set(keys)
-        params = {p: tensors[k] for k, p in keys.items() if k in tensors}
-        try:
-            layers[name] = (convert(params, spec, src=convention, dst=to), spec)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{path}: layer {name!r}: {err}") from None
-    if unclaimed:
-        raise ValueError(
-            f"{path}: tensors {sorted(unclaimed)} are parameters of no layer its specs describe "
-            "(a spec with bias=False has no bias): the metadata and the tensors disagree"
-        )
-    if DIGEST_KEY not in meta:
-        warnings.warn(
-            f"{path}: has no integrity digest (written before normkit recorded one), so "
-            "corruption or edits cannot be detected; rewrite it with normkit.port.save_norms "
-            "or `normkit port` to add one",
-            UserWarning,
-            stacklevel=2,
-        )
-    return layers
+    return tensors, _parse_metadata(path, raw, tensors)
+
+
+def _layer(name: str) -> str:
+    """How an error names a layer: ``"layer 'name': "``, nothing for a single norm (``""``)."""
+    return f"layer {name!r}: " if name else ""
 
 
 def _key(name: str, param: str) -> str:
@@ -343,7 +360,9 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError as err:
-        raise ImportError(f"{path}: reading safetensors needs: pip install safetensors") from err
+        raise ImportError(
+            f"{path}: reading safetensors needs safetensors: pip install 'normkit[port]'"
+        ) from err
     try:
         with safe_open(str(path), framework="numpy") as f:
             raw = (f.metadata() or {}).get(METADATA_KEY)
@@ -444,7 +463,7 @@ def _parse_metadata(
         try:
             specs[name] = NormSpec.from_dict(data)
         except (ValueError, TypeError, OverflowError) as err:
-            raise ValueError(f"{path}: layer {name!r}: invalid spec: {err}") from None
+            raise ValueError(f"{path}: {_layer(name)}invalid spec: {err}") from None
     return {**meta, "layers": specs}
 
 

@@ -30,11 +30,7 @@ def plan_import(
     missing = sorted(set(model_norms) - set(layers))
     extra = sorted(set(layers) - set(model_norms))
     if missing or extra:
-        raise ValueError(
-            f"{path}: the file's norm layers do not match the model's: the model's {missing} are "
-            f"not in the file, the file's {extra} are not in the model (paths are attribute "
-            "paths, see docs/porting.md)"
-        )
+        raise ValueError(f"{path}: {_mismatch(missing, extra)}")
     planned = {}
     for name, (spec, shape) in model_norms.items():
         params, file_spec = layers[name]
@@ -51,3 +47,44 @@ def plan_import(
                 )
         planned[name] = converted
     return planned
+
+
+def _mismatch(missing: list[str], extra: list[str]) -> str:
+    """Why the file's layers are not the model's, and what to do: a single norm's file (written
+    by `save`) is not a model's; paths that differ by a prefix come from another module."""
+    if extra == [""]:
+        where = f"the model's norm {missing[0]!r}" if len(missing) == 1 else "a model's norm"
+        return (
+            "the file holds a single norm (written by port.save), not a model's norms by path: "
+            f"to load it into {where}, read it with port.load(path, to=...) and set that layer's "
+            "parameters; port.export_norms writes a model's norms by path"
+        )
+    found = (
+        f"the model's {missing} are not in the file, the file's {extra} are not in the model"
+    )
+    for a, b, whose in ((extra, missing, "file's"), (missing, extra, "model's")):
+        prefix = _common_prefix(a, b)
+        if prefix:
+            return (
+                f"the file's norm layers do not match the model's: {found}; every {whose} path "
+                f"has the prefix {prefix!r} that the other's lack: export and import the same "
+                "module (paths are attribute paths from it, see docs/porting.md)"
+            )
+    return (
+        f"the file's norm layers do not match the model's: {found} (paths are attribute paths "
+        "from the module exported and imported, see docs/porting.md)"
+    )
+
+
+def _common_prefix(longer: list[str], shorter: list[str]) -> str:
+    """The prefix every path of ``longer`` has over the one of ``shorter`` it ends with, when
+    it is one and the same for all (and they pair up one to one), else ""."""
+    if not longer or len(longer) != len(shorter):
+        return ""
+    prefixes = set()
+    for path in longer:
+        ends = [p for p in shorter if path.endswith("." + p)]
+        if len(ends) != 1:
+            return ""
+        prefixes.add(path[: -len(ends[0])])
+    return prefixes.pop() if len(prefixes) == 1 else ""

@@ -115,10 +115,15 @@ def test_the_report_states_each_targets_batch_invariance():
             "rows": False, "order": True, "position": True, "threads": None,
         }
     summary = report.text(rep)
-    assert "batch-invariant" in summary
-    rows = {line.split()[0]: line for line in summary.splitlines() if "@cpu" in line}
-    assert rows["rowwise@cpu"].rstrip().endswith("yes")
-    assert rows["batched@cpu"].rstrip().endswith(f"no: row count ({'; '.join(labels)})")
+    lines = summary.splitlines()
+    assert "batch-invariant (does a row's output depend on the rest of its batch?):" in lines
+    assert "  yes: rowwise@cpu" in lines
+    depends = f"  no: depends on the row count ({'; '.join(labels)}): batched@cpu"
+    assert depends in summary.replace("\n    ", " ")  # wrapped to the width
+    assert "Batch invariance is not part of the verdict: every row above is within its bound" in (
+        summary.replace("\n  ", " ")
+    )
+    assert max(map(len, lines)) <= 100
     md = report.markdown(rep)
     assert "## Batch invariance" in md
     assert "| batched@cpu | row count | row count | row count |" in md

@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -12,9 +13,10 @@ import pytest
 
 from normkit import cli, conformance
 from normkit.conformance import report, runner
-from normkit.conformance.cases import FULL_SHAPES, Case, matrix
-from normkit.conformance.targets import TARGETS, Target, select
+from normkit.conformance.cases import FULL_SHAPES, MATRIX_DTYPES, Case, lean, matrix
+from normkit.conformance.targets import LEAN_COST, TARGETS, Target, select
 from normkit.progress import Progress
+from normkit.spec import ALL_KINDS
 
 ROOT = str(Path(__file__).resolve().parents[2])
 FAKES = "tests.helpers.conformance_fakes"
@@ -29,8 +31,14 @@ def fake(name: str, mode: str) -> Target:
 # ---- the matrix ------------------------------------------------------------------------------
 
 
+def base(cases):
+    """The cases of the base specs on standard rows."""
+    return [c for c in cases if set(c.features) <= {"float64"} and c.rows == "standard"
+            and not c.initial]
+
+
 def test_full_matrix_covers_every_option():
-    cases = [c for c in matrix() if set(c.features) <= {"float64"}]
+    cases = base(matrix())
     specs = {c.spec for c in cases}
     assert {s.kind for s in specs} == {"rms", "partial_rms", "layer"}
     assert {s.eps_placement for s in specs} == {"inside", "outside"}
@@ -46,13 +54,48 @@ def test_full_matrix_covers_every_option():
 
 
 def test_quick_matrix_still_touches_every_option():
-    cases = [c for c in matrix(quick=True) if set(c.features) <= {"float64"}]
+    cases = base(matrix(quick=True))
     assert len(cases) == 72
     assert {(c.spec.eps_placement, c.spec.scale_offset, c.spec.bias) for c in cases} == {
         ("inside", 0.0, False),
         ("outside", 1.0, True),
     }
     assert {c.spec.cast for c in cases} == {"after_scale", "before_scale"}
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_base_spec_has_rows_near_eps_and_layer_norm_rows_of_a_large_mean(quick):
+    cases = matrix(quick=quick)
+    probed = {(c.spec.replace(axis=-1, cast="after_scale"), c.dtype, c.rows) for c in cases
+              if c.rows != "standard"}
+    for case in base(cases):
+        spec = case.spec.replace(axis=-1, cast="after_scale")
+        assert (spec, case.dtype, "eps") in probed, case.label
+        assert ((spec, case.dtype, "large_mean") in probed) == (spec.kind == "layer"), case.label
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_kind_and_dtype_a_filter_names_has_a_case(quick):
+    for kind, dtype in itertools.product(ALL_KINDS, MATRIX_DTYPES):
+        assert matrix(quick=quick, kinds=(kind,), case_dtypes=(dtype,)), (kind, dtype)
+
+
+def test_the_targets_that_compile_run_the_lean_default_matrix(monkeypatch):
+    planned = {}
+
+    def run(targets, cases_for, **kwargs):
+        planned.update({t.name: cases_for(t) for t in targets})
+        return runner.Report([], {}, {})
+
+    monkeypatch.setattr(runner, "run", run)
+    report = conformance.run(quick=True)
+    default = matrix(quick=True)
+    assert planned["torch"] == default and planned["tf[tensorflow]"] == default
+    for name in ("jax.linen", "tf[tensorflow,jit]", "tf[jax,jit]", "torch[triton]"):
+        assert planned[name] == lean(default) and name in report.lean
+    assert len(lean(default)) < len(default) / 3
+    conformance.run(quick=False)
+    assert all(cases == matrix() for cases in planned.values())
 
 
 def test_case_inputs_are_deterministic_and_serializable():
@@ -155,6 +198,23 @@ def test_json_and_markdown_hold_every_case(fake_report):
     assert "| right@cpu |" in md and "## Failures" in md
     text = report.text(rep)
     assert "right@cpu" in text and "failed:" in text and "skipped:" in text
+
+
+def test_the_summary_fits_100_columns_and_says_what_each_column_holds(fake_report):
+    rep, _ = fake_report
+    text = report.text(rep)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    header = lines[0].split()
+    assert header == ["implementation", "rms", "partial_rms", "layer", "dyt", "skipped", "worst",
+                      "f32/64", "worst", "half", "ulp"]
+    joined = " ".join(line.strip() for line in lines)
+    assert "worst f32/64: the worst error of any output or gradient in float32 or float64, as a " \
+        "fraction of its bound" in joined
+    assert "a correct float32 computation reaches 1 where it rounds a near-tie the other way" in joined
+    right = next(line for line in lines if line.startswith("right@cpu")).split()
+    assert right[1] == f"{sum(r.target == 'right' for r in rep.results)}/" \
+        f"{sum(r.target == 'right' for r in rep.results)}"
 
 
 def test_cli_exit_code_follows_failures(monkeypatch, capsys, fake_report):
@@ -272,7 +332,10 @@ def test_quick_conformance_passes_on_every_backend(tmp_path):
     data = json.loads(out.read_text())
     ran = {c["target"] for c in data["cases"]}
     assert ran == {t.name for t in TARGETS}, data["skipped_targets"]
-    assert len(data["cases"]) == len(matrix(quick=True)) * len(TARGETS)
+    default, trimmed = len(matrix(quick=True)), len(lean(matrix(quick=True)))
+    assert set(data["lean"]) == {t.name for t in TARGETS if t.cost >= LEAN_COST}
+    assert len(data["cases"]) == sum(trimmed if t.name in data["lean"] else default
+                                     for t in TARGETS)
     for case in data["cases"]:
         if case["status"] == "SKIP":  # only a named kernel, on a field it does not compute
             assert case["target"] in ("torch[cpu-kernel]", "torch[triton]"), case
@@ -298,4 +361,4 @@ def test_cli_identify_prints_the_spec_of_a_builtin(capsys):
     assert cli.main(["identify", "torch.nn.LayerNorm", "--n", "16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("torch.nn.LayerNorm (size 16) behaves as:")
-    assert "NormSpec(kind='layer', eps=1e-05, eps_placement='inside'" in out
+    assert "NormSpec('layer', eps=1e-05)" in out

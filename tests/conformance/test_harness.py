@@ -12,7 +12,7 @@ from normkit import conformance
 from normkit.bridges import JaxBridge, TensorFlowBridge, TorchBridge
 from normkit.conformance.compare import Inputs
 from normkit.conformance.harness import check_inputs, initial_params
-from normkit.conformance.worker import jax_compilation_cache
+from normkit.conformance.worker import jax_compilation_cache, tf_compilation_cache
 from normkit.spec import NormSpec
 
 BRIDGES = [
@@ -106,6 +106,23 @@ def test_workers_keep_jax_compilations_under_the_user_cache(monkeypatch, tmp_pat
     assert jax_compilation_cache() == "" and "JAX_COMPILATION_CACHE_DIR" not in os.environ
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
     assert jax_compilation_cache() == "/elsewhere"
+
+
+def test_workers_keep_tensorflow_xla_compilations_under_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+    monkeypatch.delenv("NORMKIT_TF_XLA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = str(tmp_path / "normkit" / "tf-xla")
+    assert tf_compilation_cache() == folder
+    assert os.environ["TF_XLA_FLAGS"] == (
+        f"--tf_xla_persistent_cache_directory={folder} "
+        "--tf_xla_persistent_cache_device_types=CPU,GPU,TPU"
+    )
+    assert tf_compilation_cache() == folder  # named already: kept, not named twice
+    assert os.environ["TF_XLA_FLAGS"].count("persistent_cache_directory") == 1
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2")
+    monkeypatch.setenv("NORMKIT_TF_XLA_CACHE_DIR", "")
+    assert tf_compilation_cache() == "" and os.environ["TF_XLA_FLAGS"] == "--tf_xla_auto_jit=2"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax not installed")

@@ -20,8 +20,8 @@ def test_install_hints_and_environments_come_from_the_backend_registry():
     assert keras_on_tf.environment == {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
     # Keras on JAX or torch needs Keras and that framework, not TensorFlow (GPU machines lack it)
     keras_on_jax = by_name("tf[jax,jit]")
-    assert keras_on_jax.install == "pip install 'normkit[jax]' keras"
-    assert keras_on_jax.requires == ("jax", "flax", "keras")
+    assert keras_on_jax.install == "pip install 'normkit[keras]'"  # the extra of keras and jax
+    assert keras_on_jax.requires == ("keras", "jax")  # not Flax
     assert keras_on_jax.environment == {"KERAS_BACKEND": "jax"}
     assert by_name("tf[torch]").requires == ("torch", "keras")
     llama = by_name("transformers.LlamaRMSNorm")

@@ -517,7 +517,7 @@ def test_the_report_lists_each_class_once_with_its_count():
     assert report.left_alone[0] == LeftAlone("2", "MaskedRMSNorm", masked)
     assert set(report.left_alone_classes) == {"MaskedRMSNorm", "BatchNorm1d"}
     lines = report.describe().splitlines()
-    assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec(kind='layer', eps=1e-05")
+    assert lines[0].startswith("LayerNorm: 2 swapped as NormSpec('layer', eps=1e-05)")
     assert lines[1].startswith("BatchNorm1d: 1 left alone: identify: ")
     assert lines[2] == f"MaskedRMSNorm: 1 left alone: {masked}"
 

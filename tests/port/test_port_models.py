@@ -203,7 +203,8 @@ def test_import_names_missing_and_extra_layers(tmp_path):
     with pytest.raises(ValueError, match=r"n.safetensors: the file's norm layers do not match the "
                        r"model's: the model's \['blocks.2.input_layernorm', "
                        r"'blocks.2.post_attention_layernorm'\] are not in the file, the file's \[\] "
-                       r"are not in the model \(paths are attribute paths, see docs/porting.md\)"):
+                       r"are not in the model \(paths are attribute paths from the module exported and "
+                       r"imported, see docs/porting.md\)"):
         port.import_norms(NnxNet(blocks=3), file)
     with pytest.raises(ValueError, match=r"the model's \[\] are not in the file, the file's "
                        r"\['blocks.1.input_layernorm', 'blocks.1.post_attention_layernorm'\] are "
