@@ -28,12 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_output(parser, "--json", "every row, with every field, as JSON")
     add("--plot", metavar="PATH.png", type=arguments.output_file,
         help="speed ratios figure (PNG); GB/s beside it in NAME-gbps.png")
+    from normkit.bench.model import cli as model_cli
+
+    model_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write the files; 1 if a backend failed or no row was
     measured, 130 if it was interrupted (Ctrl-C or SIGTERM: the rows measured until then are
     shown and written, with ``"interrupted": true`` in the JSON), else 0."""
+    if args.model is not None:
+        from normkit.bench.model import cli as model_cli
+
+        return model_cli.run(args)
     import normkit
     from normkit.bench import plot
     from normkit.bench import report as out
