@@ -16,7 +16,7 @@ every variant is timed, the variants interleaved step by step.
 Each run (one framework, norm and mode) is a dict:
 
 - ``framework`` (``torch``, ``keras``, ``flax``), ``backend`` (normkit's: ``torch``, ``tf``,
-  ``jax``), ``device``, ``norm`` (a key of `config.LABELS`), ``implementation`` (the layer, e.g.
+  ``jax``), ``device``, ``norm`` (one of `config.VARIANTS`), ``implementation`` (the layer, e.g.
   ``normkit.torch.RMSNorm``), ``mode`` (``eager`` or ``compiled``), ``compiler`` (None eager);
 - ``losses``, ``step_s``: per step, the loss before the update and the step's time (forward,
   backward and optimizer; the loss read back, so the step has finished);

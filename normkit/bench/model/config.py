@@ -28,14 +28,9 @@ NORMKIT_NORMS = ("layer", "rms", "partial-rms", "dyt")
 NORMS = (*OWN_NORMS, *NORMKIT_NORMS)
 IDENTITY = "identity"
 """No norm: every norm replaced by the identity, timed to see what the norms cost (the norm's
-share of a step is ``1 - t(identity) / t(norm)``); not trained for its loss."""
+share of a step is ``1 - t(identity) / t(norm)``); trained beside them, left out of the loss
+figure."""
 VARIANTS = (*NORMS, IDENTITY)
-LABELS = {
-    "own-layer": "LayerNorm (framework's)", "own-rms": "RMSNorm (framework's)",
-    "layer": "normkit LayerNorm", "rms": "normkit RMSNorm",
-    "partial-rms": f"normkit PartialRMSNorm (p={PARTIAL_P})", "dyt": "normkit DyT",
-    IDENTITY: "no norm (identity)",
-}
 MODES = ("eager", "compiled")
 SPECS: dict[str, NormSpec] = {
     "own-layer": NormSpec("layer", eps=EPS),

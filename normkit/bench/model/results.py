@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from normkit.bench.model.config import IDENTITY, LABELS, MODES, NORMS, ModelConfig
+from normkit.bench.model.config import IDENTITY, MODES, NORMS, ModelConfig
 
 Run = dict[str, Any]
 AGREEMENT_STEPS = 5
@@ -105,7 +105,7 @@ def table(runs: list[Run], config: ModelConfig) -> str:
     per second and the final loss of the compiled run."""
     lines = []
     head = (f"  {'norm':<34} {'eager ms':>9} {'vs LN':>6} {'compiled ms':>12} {'vs LN':>6}"
-            f" {'norm share':>14} {'tokens/s':>9} {'final loss':>10}")
+            f" {'norm share':>14} {'tokens/s':>9} {'final loss':>10} {'1st step s':>10}")
     for framework in dict.fromkeys(r["framework"] for r in runs):
         mine = [r for r in runs if r["framework"] == framework]
         lines += [f"{framework} on {mine[0]['device']}", head]
@@ -130,12 +130,14 @@ def table(runs: list[Run], config: ModelConfig) -> str:
             lines.append(
                 f"  {name:<34} {' '.join(cells[:2])} {cells[2]:>12} {cells[3]} {share:>14} "
                 f"{_number(compiled['tokens_per_s'], 9, '.0f')} "
-                f"{_number(compiled['final_loss'], 10, '.3f')}"
+                f"{_number(compiled['final_loss'], 10, '.3f')} "
+                f"{_number(compiled['first_step_s'], 10, '.1f')}"
             )
     lines.append(
         "vs LN: median step time / the framework's LayerNorm's; norm share: 1 - the identity's "
-        "median / this one's, eager/compiled (p: torch.profiler's, eager); tokens/s and final "
-        f"loss (mean of the last tenth of {config.steps} steps) of the compiled run"
+        "median / this one's, eager/compiled (p: torch.profiler's, eager); tokens/s, final "
+        f"loss (mean of the last tenth of {config.steps} steps) and the first step's seconds "
+        "(its compilation) of the compiled run"
     )
     return "\n".join(lines)
 
@@ -143,7 +145,3 @@ def table(runs: list[Run], config: ModelConfig) -> str:
 def _number(value: float | None, width: int, spec: str) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
-
-def label(norm: str) -> str:
-    """A norm's label in tables and figures."""
-    return LABELS[norm]
