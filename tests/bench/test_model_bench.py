@@ -251,7 +251,8 @@ def test_gpu_check_runs_the_model_benchmark_only_when_asked_within_its_time(tmp_
     assert record["step"] == "model" and record["status"] == "timeout"
     assert record["runs"] == 1 and record["interrupted"] is True and record["seconds"] < 30
     log = (out / "model.log").read_text()
-    assert "normkit bench --model gpu --device cuda:0 --backend jax --backend torch" in log
+    assert ("normkit bench --model gpu --device cuda:0 --backend jax --backend torch --norm "
+            "own-layer --norm own-rms --norm rms --json") in log
     wrong = subprocess.run([sys.executable, str(script), "--only", "everything"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert wrong.returncode == 2 and "tests, conformance, kernels, bench, model" in wrong.stderr

@@ -104,12 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
 def agreement_line(found: dict[str, object]) -> str:
     """The cross-framework agreement of the losses, one line."""
-    spreads = found["step0_spread"]
-    early = found["first_steps_spread"]
-    assert isinstance(spreads, dict) and isinstance(early, dict)
+    spreads, early, final = (found[k] for k in ("step0_spread", "first_steps_spread",
+                                                "final_loss_spread"))
+    assert isinstance(spreads, dict) and isinstance(early, dict) and isinstance(final, dict)
     if not spreads:
         return "step-0 losses: fewer than two frameworks, nothing to compare"
     verdict = "within" if found["within_tolerance"] else "NOT within"
-    return (f"step-0 losses across frameworks: largest spread {max(spreads.values()):.2g}, "
+    return (f"losses across frameworks: largest spread at step 0 {max(spreads.values()):.2g}, "
             f"{verdict} the tolerance {found['tolerance']:.2g}; over the first "
-            f"{found['first_steps']} steps {max(early.values()):.2g}")
+            f"{found['first_steps']} steps {max(early.values()):.2g}; of the final loss "
+            f"{max(final.values()):.2g}")

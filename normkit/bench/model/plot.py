@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from normkit.bench.model.config import IDENTITY, MODES, NORMS, ModelConfig
+from normkit.bench.plot import _matplotlib  # the bench's figures' check: matplotlib installed
 from normkit.files import write_atomically
 
 if TYPE_CHECKING:
@@ -34,15 +35,6 @@ SHORT = {"own-layer": "own\nLayerNorm", "own-rms": "own\nRMSNorm", "layer": "nor
 COLORS = {"own-layer": "#7f7f7f", "own-rms": "#bcbd22", "layer": "#1f77b4", "rms": "#ff7f0e",
           "partial-rms": "#2ca02c", "dyt": "#9467bd", IDENTITY: "#e0e0e0"}
 LINESTYLES: dict[str, Any] = {"torch": "-", "keras": "--", "flax": ":"}
-
-
-def _matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            "the benchmark figures need matplotlib: pip install 'normkit[bench]'"
-        ) from exc
 
 
 def _timed(run: Run, config: ModelConfig) -> list[float]:

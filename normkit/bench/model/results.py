@@ -62,19 +62,22 @@ def _find(runs: list[Run], framework: str, mode: str, norm: str) -> Run | None:
 
 def agreement(runs: list[Run], config: ModelConfig) -> dict[str, Any]:
     """How closely the frameworks' losses agree, per norm: at step 0 (the same weights and
-    batch), against `ModelConfig.step0_tolerance`, and over the first `AGREEMENT_STEPS` steps
-    (the optimizer's steps too); and each framework's eager against its compiled losses over
-    the eager steps. A spread is the largest loss minus the smallest; ``within_tolerance`` is
-    None when fewer than two frameworks have losses."""
+    batch), against `ModelConfig.step0_tolerance`, over the first `AGREEMENT_STEPS` steps (the
+    optimizer's steps too), and in the final loss (`final_loss`) after all the steps; and each
+    framework's eager against its compiled losses over the eager steps. A spread is the largest
+    loss minus the smallest; ``within_tolerance`` is None when fewer than two frameworks have
+    losses."""
     found: dict[str, Any] = {"tolerance": config.step0_tolerance(), "step0": {},
                              "step0_spread": {}, "first_steps": AGREEMENT_STEPS,
-                             "first_steps_spread": {}, "eager_vs_compiled": {}}
+                             "first_steps_spread": {}, "final_loss_spread": {},
+                             "eager_vs_compiled": {}}
     for norm in NORMS:
-        curves = {}
+        curves, finals = {}, []
         for framework in dict.fromkeys(r["framework"] for r in runs):
             run = _find(runs, framework, "compiled", norm) or _find(runs, framework, "eager", norm)
             if run and run["losses"]:
                 curves[framework] = run["losses"]
+                finals.append(final_loss(run["losses"]))
         if curves:
             found["step0"][norm] = {f: losses[0] for f, losses in curves.items()}
         if len(curves) > 1:
@@ -83,6 +86,7 @@ def agreement(runs: list[Run], config: ModelConfig) -> dict[str, Any]:
             found["first_steps_spread"][norm] = max(
                 _spread([c[i] for c in curves.values()]) for i in range(steps)
             )
+            found["final_loss_spread"][norm] = _spread(finals)
     for run in runs:
         other = _find(runs, run["framework"], "compiled", run["norm"])
         if run["mode"] == "eager" and other and run["losses"] and other["losses"]:

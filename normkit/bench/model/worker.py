@@ -34,7 +34,7 @@ MODULES = {
 PROFILED = ("torch",)
 """The frameworks whose module measures the norms' share with a profiler
 (``profiled_norm_share``)."""
-PROFILED_STEPS = 5
+PROFILED_STEPS = 3
 # Rough cost of a step, in compiled steps, to weigh the progress bar's estimate of the time
 # left: per framework, an eager step and a compiled one's first (its compilation).
 EAGER_WEIGHT = {"torch": 1.5, "keras": 7.0, "flax": 4.0}
