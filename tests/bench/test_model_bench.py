@@ -29,7 +29,7 @@ from normkit.bench.model.config import IDENTITY, NORMS, SIZES, ModelConfig
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = [b.name for b in backends.BACKENDS if not b.missing() or b.alternative()]
 FRAMEWORKS = {"torch": "torch", "tf": "keras", "jax": "flax"}
-TINY = dataclasses.replace(SIZES["tiny"], eager_steps=4)
+TINY = dataclasses.replace(SIZES["tiny"], eager_steps=3)
 
 
 # A float64 forward of the model in numpy: the reference the frameworks' step-0 losses are held to.
@@ -91,7 +91,7 @@ def test_every_framework_and_norm_trains_and_the_loss_falls(tiny_run):
     trained = {(r["framework"], r["norm"]) for r in tiny_run.runs}
     assert trained == {(FRAMEWORKS[b], n) for b in INSTALLED for n in NORMS}
     for run in tiny_run.runs:
-        assert run["mode"] == "eager" and len(run["losses"]) == len(run["step_s"]) == 4
+        assert run["mode"] == "eager" and len(run["losses"]) == len(run["step_s"]) == 3
         assert all(np.isfinite(run["losses"])) and min(run["step_s"]) > 0
         # Falls: below the start on a later (fresh) batch. DyT's signal starts small (tanh of
         # the embeddings, std 0.02, times alpha 0.5) and its loss falls slowest.
@@ -243,7 +243,7 @@ def test_gpu_check_runs_the_model_benchmark_only_when_asked_within_its_time(tmp_
            "PYTHONPATH": str(tmp_path / "slow")}
     env.pop("OUT", None)
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, str(script), "--only", "model", "--budget", "20",
+    done = subprocess.run([sys.executable, str(script), "--only", "model", "--budget", "12",
                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert done.returncode == 1, done.stderr
