@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--combine", nargs="+", metavar="RUN.json", type=arguments.input_file,
         help="run nothing: read these runs' --json files as one (each figure their median) and "
              "judge the targets on them; --json and --plot write the combination")
+    from normkit.bench.model import cli as model_cli
+
+    model_cli.add_arguments(parser)
 
 
 RUN_OPTIONS = ("quick", "backend", "device", "dtype", "timing", "mode")
@@ -51,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or combine runs), print the summary (then every row with ``--table``),
     write the files; 1 if a backend failed or no row was measured, 130 if it was interrupted
     (Ctrl-C or SIGTERM: the rows measured until then are shown and written, with
-    ``"interrupted": true`` in the JSON), else 0."""
+    ``"interrupted": true`` in the JSON), else 0. ``--model`` runs the model benchmark
+    instead (`normkit.bench.model`)."""
+    if args.model is not None:
+        from normkit.bench.model import cli as model_cli
+
+        return model_cli.run(args)
     if args.combine:
         given = [f"--{o}" for o in RUN_OPTIONS if getattr(args, o)]
         if given:
