@@ -17,6 +17,7 @@ HELP = "time normkit's norms against each framework's own layers and a memory co
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``normkit bench``."""
     from normkit.bench.core import DTYPES, MODES, TIMINGS
+    from normkit.bench.model.config import MODES as MODEL_MODES
 
     add = parser.add_argument
     add("--quick", action="store_true",
@@ -32,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--timing", action="append", choices=TIMINGS,
         help="only this timing (repeatable; default both): latency waits for the device after "
              "each call, throughput between many calls back to back")
-    add("--mode", action="append", choices=MODES,
-        help="only this mode (repeatable; default every mode of each backend)")
+    add("--mode", action="append", choices=[*MODES, *MODEL_MODES],
+        help="only this mode (repeatable; default every mode of each backend); with --model: "
+             f"{' or '.join(MODEL_MODES)}")
     add("--table", action="store_true",
         help="print every row after the summary, a header per group")
     arguments.add_output(parser, "--json", "every row, with every field, as JSON")
@@ -65,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"--combine reads runs and measures nothing: drop {', '.join(given)}")
         return _combine(args)
+    from normkit.bench.core import MODES
+
+    if args.mode and not set(args.mode) <= set(MODES):
+        raise ValueError(f"--mode {', '.join(sorted(set(args.mode) - set(MODES)))} is a mode of "
+                         "--model only")
     import normkit
     from normkit.bench import run as bench
 

@@ -1,7 +1,8 @@
 """``normkit bench --model``: the model benchmark's options, table, JSON file and figures.
 
-It shares ``--backend``, ``--device``, ``--quick``, ``--json`` and ``--plot`` with ``normkit
-bench`` (`normkit.bench.cli`), which hands the run here when ``--model`` is given.
+It shares ``--backend``, ``--device``, ``--quick``, ``--mode`` (here ``eager`` or
+``compiled``), ``--json`` and ``--plot`` with ``normkit bench`` (`normkit.bench.cli`), which hands
+the run here when ``--model`` is given.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=arguments.positive_int,
         help="compiled training steps per norm (default: the size's)")
     add("--norm", action="append", choices=NORMS, help="only this norm (repeatable)")
-    add("--mode", action="append", choices=MODES, help="only this mode (repeatable)")
 
 
 def size_of(args: argparse.Namespace) -> str:
@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype:
         print("normkit bench: error: --model trains in float32; leave out --dtype",
               file=sys.stderr)
+        return 2
+    if args.mode and not set(args.mode) <= set(MODES):
+        print(f"normkit bench: error: --model runs the modes {', '.join(MODES)}; "
+              f"not {', '.join(sorted(set(args.mode) - set(MODES)))}", file=sys.stderr)
         return 2
     if args.device and len(args.device) > 1:
         print("normkit bench: error: --model runs on one device; give --device once",
