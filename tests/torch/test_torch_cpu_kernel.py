@@ -24,7 +24,8 @@ import torch
 from normkit import dtypes, reference, tolerances
 from normkit.bridges import TorchBridge
 from normkit.spec import Kind, NormSpec
-from normkit.torch import kernels
+from normkit.torch import _plan, kernels
+from normkit.torch._spec import row_spec
 from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
 from normkit.torch.kernels import cpu
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
@@ -45,32 +46,33 @@ SIZES = (1, 2, 7, 256)
 
 
 class Spy:
-    """Counts the numba kernels' launches, forwarding them."""
+    """Counts the numba kernels' launches (the entry points `cpu._state` holds), forwarding
+    them."""
 
-    def __init__(self, module: Any) -> None:
-        self.module = module
+    def __init__(self) -> None:
         self.calls = {"forward": 0, "backward": 0}
         self.workers: list[int] = []
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.module, name)
-        if name in self.calls:
-            def counted(*args: Any) -> Any:
+    def counting(self, kernels: tuple[Any, ...]) -> tuple[Any, ...]:
+        def counted(name: str, kernel: Any) -> Any:
+            def launch(*args: Any) -> Any:
                 self.calls[name] += 1
                 self.workers.append(args[-1])
-                return attr(*args)
+                return kernel(*args)
 
-            return counted
-        return attr
+            return launch
+
+        return tuple(counted(name, k) for name, k in zip(self.calls, kernels, strict=True))
 
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     """The kernels, compiled, with their launches counted."""
+    counting = Spy()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert cpu.load(dtype) is not None, cpu.unavailable_reason()
-    counting = Spy(cpu._state["module"])
-    monkeypatch.setitem(cpu._state, "module", counting)
+        compiled = cpu._state["compiled"]
+        monkeypatch.setitem(compiled, (dtype, False), counting.counting(compiled[(dtype, False)]))
     return counting
 
 
@@ -869,8 +871,8 @@ def test_bad_kernel_names_and_unavailable_kernels(monkeypatch: pytest.MonkeyPatc
 
 
 def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_NUMBA", False)
-    monkeypatch.setitem(kernels._warned, "auto", False)
+    monkeypatch.setattr(kernels, "NUMBA", False)
+    monkeypatch.setitem(_plan._warned, "auto", False)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     module = RMSNorm(8)
     with pytest.warns(RuntimeWarning, match=r"needs numba, which is not installed.*normkit\[torch\]"):
@@ -889,7 +891,7 @@ def broken_jit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """numba's module cannot be imported (as when numba is broken or fails to compile)."""
     monkeypatch.setitem(sys.modules, "normkit.torch.kernels._cpu_numba", None)
     monkeypatch.delattr(kernels, "_cpu_numba", raising=False)
-    fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
+    fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": {}}
     monkeypatch.setattr(cpu, "_state", fresh)
     yield
 
@@ -935,7 +937,7 @@ def test_cpu_tensors_under_another_default_device(spec: NormSpec) -> None:
 
 def test_compile_failure_is_an_error_when_strict(broken_jit: None) -> None:
     with pytest.raises(RuntimeError, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
-        cpu.norm_rows(torch.randn(2, 8), None, None, kernels.KernelOptions("rms", 8, 1e-6),
+        cpu.norm_rows(torch.randn(2, 8), None, None, row_spec(NormSpec(eps=1e-6), 8),
                       strict=True)
 
 
@@ -961,3 +963,4 @@ def test_cache_goes_to_the_user_cache_folder_when_the_package_is_read_only(
     assert isinstance(impl.locator, caching.UserWideCacheLocator)
     assert path.startswith(str(tmp_path / "user-cache" / "numba")), path
     assert os.path.isdir(path)
+

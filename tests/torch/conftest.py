@@ -1,0 +1,19 @@
+"""Fixtures of the torch tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_function_plans() -> Iterator[None]:
+    """Each test starts without the plans earlier tests made for normkit.torch's functions
+    (`normkit.torch._plan`): a test that changes what a plan reads (numba missing, a broken
+    kernel) must get a plan made under its changes, and leave none behind."""
+    from normkit.torch import functional
+
+    functional._plans.cache_clear()
+    yield
+    functional._plans.cache_clear()
