@@ -262,13 +262,59 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
 
 def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
-    mapping an earlier large one had advised)."""
+    mapping an earlier large one had advised); a large output's new storage is advised once."""
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(cpu, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(cpu, "_kept", {})
     cpu._output_like(torch.empty(1024))
     assert calls == []
     cpu._output_like(torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4))
     assert len(calls) == 1
+
+
+def test_a_dropped_large_output_is_reused_and_a_used_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outputs of 32 MiB and more are made in storages kept for reuse: once nothing uses an
+    output (no tensor, view or saved tensor), the next output of its size gets its memory,
+    already mapped (no page fault, no huge-page advice, whatever the machine gives); while a
+    view of it lives, it is not handed out. `empty_cache` gives back the idle ones; at most
+    `KEPT_BYTES` are kept."""
+    monkeypatch.setattr(cpu, "_kept", {})
+    like = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4)
+    first = cpu._output_like(like)
+    address = first.data_ptr()
+    view = first[1:]
+    del first
+    second = cpu._output_like(like)  # the view still uses the first storage
+    assert second.data_ptr() != address
+    del view, second
+    third = cpu._output_like(like)
+    assert third.data_ptr() == address  # the first of the two idle storages
+    kept = sum(len(held) for held in cpu._kept.values())
+    assert kept == 2
+    del third
+    nbytes = cpu.HUGE_PAGE_MIN_BYTES + cpu.HUGE_PAGE
+    assert cpu.empty_cache() == 2 * nbytes
+    monkeypatch.setattr(cpu, "KEPT_BYTES", nbytes)
+    held = [cpu._output_like(like) for _ in range(2)]  # the second is not kept
+    assert sum(len(h) for h in cpu._kept.values()) == 1 and len(held) == 2
+
+
+def test_a_loop_dropping_its_outputs_writes_into_the_same_memory() -> None:
+    """The issue's loop (a forward of 2048 x 4096 float32 whose output is dropped, again and
+    again) gets one storage back each time: its pages are mapped once, whatever the machine
+    does with huge pages, so each call runs at the same speed. The bits are the same."""
+    module = RMSNorm(4096, 1e-6)
+    x = torch.randn(2048, 4096)
+    with torch.no_grad():
+        first = module(x)
+        address, bits = first.data_ptr(), first.numpy().tobytes()
+        del first
+        for _ in range(3):
+            y = module(x)
+            assert y.data_ptr() == address and y.numpy().tobytes() == bits
+            del y
 
 
 def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:

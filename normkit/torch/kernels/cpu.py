@@ -42,7 +42,10 @@ from normkit.torch._autograd import (
 )
 from normkit.torch._spec import RowSpec, decode, encode
 
-__all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
+__all__ = [
+    "CpuGatedNormFunction", "CpuNormFunction", "empty_cache", "load", "norm_rows",
+    "unavailable_reason",
+]
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 64
@@ -278,32 +281,73 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _output_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped and typed like ``t``, uninitialized; on Linux, an output of 32
-    MiB or more starts on a 2 MiB boundary and has its whole 2 MiB pages advised onto
-    transparent huge pages (``MADV_HUGEPAGE``) before the kernel first writes them.
+    """A contiguous tensor shaped and typed like ``t``, uninitialized. On Linux, an output of 32
+    MiB or more starts on a 2 MiB boundary of a storage `_storage` reuses, and is advised onto
+    transparent huge pages (``MADV_HUGEPAGE``) where that storage is new.
 
     Fresh memory is mapped page by page on first write; with 4 KiB pages a 128 MiB output
     takes 32768 page faults, which cost more than writing it (most of ``clone``'s time on a
-    virtual machine). glibc maps allocations of 32 MiB and more on their own and unmaps them
-    when freed, so the advice lives and dies with this tensor. torch's allocations start 64
-    bytes into such a mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary
-    and the part after the last could only take 4 KiB pages (about 512 faults more than the
-    64 of a 128 MiB output, and a huge page two threads' claims would share). The output is
-    therefore placed at the first 2 MiB boundary of an allocation 2 MiB larger: its storage
-    holds that much more address space before it (never written, so never mapped; storage
-    offset nonzero). Advice only: where the kernel refuses it (THP disabled), pages stay 4 KiB.
+    virtual machine), and whether the machine gives huge pages varies from call to call (a
+    forward of 2048 x 4096 float32 took 6 to 22 ms in one loop). A storage used before is
+    mapped already: a loop that drops each output gets it back, written at memory speed. The
+    huge-page advice helps the first writes. torch's allocations start 64 bytes into such a
+    mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary and the part
+    after the last could only take 4 KiB pages (about 512 faults more than the 64 of a 128 MiB
+    output, and a huge page two threads' claims would share). The output is therefore placed
+    at the first 2 MiB boundary of a storage 2 MiB larger (storage offset nonzero).
     """
     size = t.numel() * t.element_size()
     advise = _madvise() if size >= HUGE_PAGE_MIN_BYTES else None
     if advise is None:
         return torch.empty_like(t)
-    storage = torch.empty(size + HUGE_PAGE, dtype=torch.uint8).untyped_storage()
+    storage, fresh = _storage(size + HUGE_PAGE)
     start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     offset = (start - storage.data_ptr()) // t.element_size()  # allocations are 64-byte aligned
     strides = tuple(math.prod(t.shape[axis + 1:]) for axis in range(t.dim()))
     out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
-    advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
+    if fresh:
+        advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
     return out
+
+
+KEPT_BYTES = 2**32
+"""The most bytes of output storage `_storage` keeps for reuse (4 GiB); `empty_cache` gives
+back those no tensor uses."""
+_kept: dict[int, list[torch.UntypedStorage]] = {}
+_kept_lock = threading.Lock()
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage(nbytes: int) -> tuple[torch.UntypedStorage, bool]:
+    """A CPU storage of ``nbytes`` and whether it is new: one kept from an earlier output that
+    no tensor uses any more (its pages mapped already), else a new one, kept for later while
+    the kept storages stay within `KEPT_BYTES`. A kept storage is free when the only reference
+    to it is the keeper's (torch's count of its users: tensors, views, autograd's saved
+    tensors, Python storage objects)."""
+    if _use_count is None:  # a torch without the count: nothing is kept
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage(), True
+    with _kept_lock:
+        kept = _kept.setdefault(nbytes, [])
+        for storage in kept:
+            if _use_count(storage._cdata) == 1:
+                return storage, False
+        storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
+        if sum(size * len(held) for size, held in _kept.items()) + nbytes <= KEPT_BYTES:
+            kept.append(storage)
+        return storage, True
+
+
+def empty_cache() -> int:
+    """Give back the output storages kept for reuse that no tensor uses; returns their bytes.
+    (Outputs of the CPU kernel of 32 MiB and more are made in storages kept for the next
+    outputs of their size, at most `KEPT_BYTES`.)"""
+    freed = 0
+    with _kept_lock:
+        for size, held in _kept.items():
+            used = [s for s in held if _use_count is not None and _use_count(s._cdata) > 1]
+            freed += size * (len(held) - len(used))
+            held[:] = used
+    return freed
 
 
 def _eager(x: torch.Tensor) -> bool:
