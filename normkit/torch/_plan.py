@@ -206,11 +206,15 @@ def choose(kernel: str, x: torch.Tensor, spec: NormSpec, rows: RowSpec) -> str:
     """The implementation that computes ``spec`` on ``rows`` of ``x`` for ``kernel``:
     ``"composite"``, ``"cpu"`` or ``"triton"``.
 
+    ``"auto"`` takes the CPU kernel only where `normkit.torch.kernels.cpu.ready` says it is
+    compiled (the composite path meanwhile, the same for the whole process).
+
     Raises RuntimeError when ``kernel`` names one that cannot run here (numba or triton
     missing, or the wrong device), ValueError when it names one that does not compute a field
     of ``spec``; both name the reason.
     """
     device = x.device.type
+    auto = kernel == "auto"
     if kernel == "composite":
         return kernel
     if kernel != "auto":
@@ -257,6 +261,10 @@ def choose(kernel: str, x: torch.Tensor, spec: NormSpec, rows: RowSpec) -> str:
         kernel = "cpu"
     if x.dtype not in KERNEL_DTYPES or cpu.degenerate(rows) or _without_data(x):
         return "composite"
+    if auto and kernel == "cpu" and not torch.compiler.is_compiling():
+        gated = rows.gate != "" or rows.group != rows.n
+        if not cpu.ready(x.dtype, gated):  # not compiled on this machine yet
+            return "composite"
     return kernel
 
 

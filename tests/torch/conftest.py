@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# kernel="auto" runs the CPU kernel in the tests whether or not it is compiled on this machine
+# yet (normkit.torch.kernels.cpu.ready: compiled in the call that first needs it, as
+# kernel="cpu" is); the tests of the other choice set it themselves.
+os.environ.setdefault("NORMKIT_CPU_COMPILE", "wait")
 
 
 @pytest.fixture(autouse=True)

@@ -1010,3 +1010,100 @@ def test_cache_goes_to_the_user_cache_folder_when_the_package_is_read_only(
     assert path.startswith(str(tmp_path / "user-cache" / "numba")), path
     assert os.path.isdir(path)
 
+
+# ---- a machine where the kernel is not compiled yet --------------------------------------------
+
+
+@pytest.fixture
+def undecided(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[tuple[torch.dtype, bool]]:
+    """A process that has not decided whether ``kernel="auto"`` runs the CPU kernel, on a
+    machine whose cache (an empty folder) does not hold it, with background compiles recorded
+    instead of started."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu.COMPILE, raising=False)
+    monkeypatch.setitem(cpu._state, "ready", {})
+    monkeypatch.setitem(cpu._state, "compiled", {})
+    started: list[tuple[torch.dtype, bool]] = []
+    monkeypatch.setattr(cpu, "_compile_in_background", lambda *key: started.append(key))
+    return started
+
+
+def _node(y: torch.Tensor) -> str:
+    assert y.grad_fn is not None
+    return type(y.grad_fn).__name__
+
+
+def test_auto_takes_the_composite_path_until_the_kernel_is_compiled(
+    undecided: list[tuple[torch.dtype, bool]],
+) -> None:
+    """No call waits for numba: where the kernel is not compiled, ``kernel="auto"`` runs the
+    composite path (one warning, the kernel compiled by a process of its own) and keeps it for
+    the whole process, even once the cache holds the kernel (a layer's bits do not change
+    mid-run); a new decision (a new process) then loads the kernel."""
+    x = torch.randn(3, 64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"not compiled on this machine yet.*warmup\(\)"):
+        y = RMSNorm(64)(x)
+    assert _node(y) == "NormFunctionBackward"
+    assert undecided == [(torch.float32, False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _node(LayerNorm(64)(x)) == "NormFunctionBackward"  # decided: no warning
+    cpu.load(torch.float32)  # compiled (marked) meanwhile, as the background process would
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    assert _node(RMSNorm(64)(x)) == "NormFunctionBackward"
+    cpu._state["ready"].clear()  # a process that starts now
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    assert _node(RMSNorm(64, kernel="cpu")(x.bfloat16())) == "CpuNormFunctionBackward"
+
+
+def test_a_marked_cache_or_compile_wait_runs_the_kernel_from_the_first_call(
+    undecided: list[tuple[torch.dtype, bool]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(3, 64, requires_grad=True)
+    cpu._mark_compiled(torch.float32, False)  # what a compile leaves in the cache folder
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    monkeypatch.setenv(cpu.COMPILE, "wait")
+    assert _node(RMSNorm(64)(x.bfloat16())) == "CpuNormFunctionBackward"
+    assert undecided == []
+
+
+def test_warmup_compiles_now_for_this_process_and_the_next(
+    undecided: list[tuple[torch.dtype, bool]], tmp_path: Any,
+) -> None:
+    from normkit.torch import warmup
+
+    warmup(["float32"], gated=False)
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    x = torch.randn(3, 64, requires_grad=True)
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    with pytest.raises(ValueError, match=r"unknown dtype names \['half'\]"):
+        warmup(["half"])
+    assert undecided == []
+
+
+def test_the_background_compile_starts_once_and_leaves_its_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """`_compile_in_background` starts ``python -m normkit.torch.warmup --background`` for the
+    kernels' family, with a lock file the process removes; a second start while it runs (the
+    lock fresh) starts nothing."""
+    import subprocess
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    started: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, **kwargs: started.append(command))
+    cpu._compile_in_background(torch.bfloat16, True)
+    cpu._compile_in_background(torch.bfloat16, True)
+    assert len(started) == 1
+    command = started[0]
+    assert command[1:5] == ["-m", "normkit.torch.warmup", "--background", "--lock"]
+    assert command[-3:] == ["--dtype", "bfloat16", "--gated"]
+    assert os.path.exists(command[5])
+
+
+def test_the_warmup_command_compiles_and_removes_its_lock(tmp_path: Any) -> None:
+    module = importlib.import_module("normkit.torch.warmup")  # the module, not the function
+    lock = tmp_path / "lock"
+    lock.write_text("1\n")
+    assert module.main(["--dtype", "float32", "--lock", str(lock)]) == 0
+    assert not lock.exists()

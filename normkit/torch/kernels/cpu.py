@@ -67,7 +67,7 @@ MADV_HUGEPAGE = 14
 _lock = threading.Lock()
 _state: dict[str, Any] = {
     "module": None, "reason": None, "warned": False, "compiled": {}, "forked": False,
-    "openmp": False,
+    "openmp": False, "ready": {},
 }
 
 
@@ -109,6 +109,7 @@ def _entry_points(dtype: torch.dtype, gated: bool) -> tuple[Callable[..., None],
                     for name, signature in zip(kernels, signatures(_NAMES[dtype]), strict=True)
                 )
                 _state["module"] = _cpu_numba
+                _mark_compiled(dtype, gated)
             except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
                 _state["reason"] = f"{type(exc).__name__}: {exc}"
     found = _state["compiled"].get(key)
@@ -164,6 +165,132 @@ def _threading_layer() -> str:
     except ImportError:
         return "workqueue"
     return "omp"
+
+
+COMPILE = "NORMKIT_CPU_COMPILE"
+"""The environment variable that says what ``kernel="auto"`` does where the CPU kernel is not
+compiled on this machine yet: ``"background"`` (the default: `ready`) or ``"wait"`` (compile
+it in the call that first needs it)."""
+
+
+def ready(dtype: torch.dtype, gated: bool = False) -> bool:
+    """Whether ``kernel="auto"`` runs the CPU kernel for rows of ``dtype`` (``gated``: of gated
+    and grouped specs) in this process: decided once per process, so that a layer's results do
+    not change when a compilation finishes.
+
+    Yes where this process has the kernels already (compiled, or loaded by `load`), where the
+    disk cache holds them (normkit marks it when numba compiled them: loading takes a fraction
+    of a second), or with ``NORMKIT_CPU_COMPILE=wait``. Otherwise no: this process takes the
+    composite path for those rows, and a process of its own (``python -m
+    normkit.torch.warmup``, at low priority) compiles the kernels into the cache for the
+    processes that start later; one warning says so. ``kernel="cpu"`` compiles in the call.
+    """
+    key = (dtype, gated)
+    decided: bool | None = _state["ready"].get(key)
+    if decided is not None:
+        return decided
+    decided = (
+        key in _state["compiled"] or os.environ.get(COMPILE, "background") == "wait"
+        or os.path.exists(_mark(dtype, gated))
+    )
+    if decided:
+        load(dtype, gated)  # from the cache; a failure warns on the first launch
+    else:
+        _compile_in_background(dtype, gated)
+        warnings.warn(
+            f"normkit's CPU kernel for {_NAMES[dtype]} rows{' (gated or grouped)' if gated else ''}"
+            " is not compiled on this machine yet: this process runs the composite path for "
+            "them (torch ops, within normkit's tolerances of the kernel, not bit-identical to "
+            "it), and the kernel is being compiled in the background for the processes that "
+            "start later. To run it from the first call, call normkit.torch.warmup() first or "
+            f"set {COMPILE}=wait.",
+            RuntimeWarning, stacklevel=6,
+        )
+    _state["ready"][key] = decided
+    return decided
+
+
+def _cache_folder() -> str:
+    """Where numba caches the kernels' machine code: ``NUMBA_CACHE_DIR``, else the package's
+    ``__pycache__`` where it is writable, else the user cache folder numba chooses."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.access(here, os.W_OK):
+        return os.path.join(here, "__pycache__")
+    if sys.platform == "darwin":
+        return os.path.expanduser("~/Library/Caches/numba")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "numba")
+
+
+@functools.cache
+def _build_key() -> str:
+    """What numba's cache of the kernels depends on: their source, numba's and llvmlite's
+    versions, Python's, the CPU (its model and features)."""
+    import hashlib
+    import importlib.metadata
+    import platform
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cpu_numba.py")
+    with open(source, "rb") as kernels:
+        parts = [kernels.read(), sys.version.encode(), platform.machine().encode()]
+    for package in ("numba", "llvmlite"):
+        try:
+            parts.append(importlib.metadata.version(package).encode())
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(b"")
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            parts += [line for line in info.read().splitlines()
+                      if line.startswith((b"model name", b"flags"))][:2]
+    except OSError:
+        parts.append(platform.processor().encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _mark(dtype: torch.dtype, gated: bool) -> str:
+    """The file that says numba has compiled the kernels of ``dtype`` (``gated``) into its
+    cache for this build (`_build_key`)."""
+    family = _NAMES[dtype] + ("-gated" if gated else "")
+    return os.path.join(_cache_folder(), f"normkit-cpu-{family}-{_build_key()}.compiled")
+
+
+def _mark_compiled(dtype: torch.dtype, gated: bool) -> None:
+    """Write `_mark` (where the folder is writable)."""
+    path = _mark(dtype, gated)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as mark:
+            mark.write("compiled\n")
+    except OSError:
+        pass
+
+
+def _compile_in_background(dtype: torch.dtype, gated: bool) -> None:
+    """Start ``python -m normkit.torch.warmup`` for ``dtype`` (``gated``) in a process of its
+    own, unless one runs already (its lock file, less than half an hour old)."""
+    import subprocess
+    import time
+
+    lock = _mark(dtype, gated).removesuffix(".compiled") + ".compiling"
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) < 1800:
+            return
+        with open(lock, "w") as held:
+            held.write(f"{os.getpid()}\n")
+    except OSError:
+        return
+    command = [sys.executable, "-m", "normkit.torch.warmup", "--background", "--lock", lock,
+               "--dtype", _NAMES[dtype]] + (["--gated"] if gated else [])
+    # this normkit, wherever it was imported from
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def _kernels(
