@@ -157,14 +157,18 @@ class _Scaled:
     sigma: torch.Tensor
 
 
-def _scaled(x: torch.Tensor, rows: RowSpec, in_place: bool = False) -> _Scaled:
+def _scaled(
+    x: torch.Tensor, rows: RowSpec, in_place: bool = False, statistic: bool = True
+) -> _Scaled:
     """`_Scaled` of the rows ``x`` (any float dtype; computed in the acc dtype).
 
     RMS rows are multiplied by the power of two that brings the largest magnitude the statistic
     reads into [1, 2); LayerNorm rows too, then centered, then scaled again by their largest
     centered value (a large mean leaves a small spread). sigma is capped by
     `_largest_exponent` and is a constant to autograd: ``y_hat`` does not depend on it.
-    ``in_place`` (plain eager code, nothing recorded): c is formed in one buffer.
+    ``in_place`` (plain eager code, nothing recorded): c is formed in one buffer. Without
+    ``statistic`` (a backward given the forward's r, eps inside), ``s`` is not summed (an
+    empty tensor).
     """
     acc = _acc_dtype(x.dtype)
     xf = x.to(acc)
@@ -186,7 +190,7 @@ def _scaled(x: torch.Tensor, rows: RowSpec, in_place: bool = False) -> _Scaled:
             sigma2 = _power_of_two(torch.minimum(_unit_exponent(c, most), most + bias - e), acc)
             c = c * sigma2
         sigma = sigma * sigma2  # exact: powers of two whose product is at most 2**most
-    s = _mean_square(c[:, : rows.k])
+    s = _mean_square(c[:, : rows.k]) if statistic else c.new_empty(0)
     eps = sigma * rows.eps if rows.outside else sigma * sigma * rows.eps
     return _Scaled(c, s, eps, sigma)
 
@@ -260,7 +264,7 @@ def _backward(
     """
     n, k = x.shape[-1], rows.k
     in_place = not torch.is_grad_enabled() and not _traced()
-    scaled = _scaled(x, rows, in_place)
+    scaled = _scaled(x, rows, in_place, statistic=r is None or rows.outside)
     if r is None:
         r_scaled = _rstd(scaled.s, scaled.eps, rows.outside)
     else:
@@ -324,7 +328,7 @@ def _backward_in_place(
         d.addcmul_(y_hat, dot.div_(-n))
     else:
         d[:, :k].addcmul_(y_hat[:, :k], dot.div_(-k))
-    dx = d.mul_(r_scaled).mul_(scaled.sigma)
+    dx = d.mul_(r_scaled * scaled.sigma)  # the true r: (d r_scaled) sigma, exactly
     return dx.to(dtype), dg, db
 
 

@@ -39,14 +39,12 @@ from normkit.torch._autograd import (
     apply,
     apply_eager,
 )
+from normkit.torch._checks import check_param, check_tensor, dtype_name
 from normkit.torch._spec import RowSpec, row_spec
 from normkit.torch.kernels import HALF_DTYPES, KERNEL_DTYPES, Kernel, cpu
 
-__all__ = ["SUPPORTED_DTYPES", "Plan", "Plans", "choose", "output_dtype"]
+__all__ = ["Plan", "Plans", "check_trailing", "choose", "output_dtype"]
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64
-)
 #: The most plans one `Plans` keeps; past it the oldest is dropped (a loop over ever new row
 #: counts does not add plans: the row count is not part of a signature).
 MAX_PLANS = 64
@@ -59,22 +57,6 @@ Operands = tuple[torch.Tensor | None, ...]
 # ---- the checks, made when a plan is built ----------------------------------------------------
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def check_tensor(t: object, what: str) -> torch.Tensor:
-    """``t`` if it is a tensor of a supported dtype, else TypeError naming the problem."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(_name(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(
-            f"{what} has dtype {_name(t.dtype)}; normkit.torch supports {names}"
-        )
-    return t
-
-
 def check_trailing(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
     """ValueError unless ``x``'s trailing dims are ``normalized_shape``."""
     m = len(normalized_shape)
@@ -83,19 +65,6 @@ def check_trailing(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
             f"input of shape {tuple(x.shape)} does not end in normalized_shape "
             f"{normalized_shape}"
         )
-
-
-def _check_param(
-    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
-) -> None:
-    if value is None:
-        return
-    if not present:
-        field = "scale" if name == "weight" else name
-        raise ValueError(f"{name} was given but the spec has {field}=False")
-    check_tensor(value, name)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
 
 
 def _check_alpha(alpha: torch.Tensor | None, spec: NormSpec) -> None:
@@ -157,10 +126,10 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor | None, spec: NormSp
     if spec.residual == "float32":
         allowed.add(_acc_dtype(x.dtype))
     if residual.dtype not in allowed:
-        names = " or ".join(sorted(_name(d) for d in allowed))
+        names = " or ".join(sorted(dtype_name(d) for d in allowed))
         raise TypeError(
-            f"residual has dtype {_name(residual.dtype)}; residual={spec.residual!r} with x of "
-            f"dtype {_name(x.dtype)} needs {names}"
+            f"residual has dtype {dtype_name(residual.dtype)}; residual={spec.residual!r} with x "
+            f"of dtype {dtype_name(x.dtype)} needs {names}"
         )
 
 
@@ -348,7 +317,7 @@ class Plans:
         spec = self.spec64 if x.dtype == torch.float64 else self.spec
         _check_gate(x, gate, spec)
         _check_residual(x, residual, spec)
-        spec.check_eps(_name(x.dtype))
+        spec.check_eps(dtype_name(x.dtype))
         _check_alpha(alpha, spec)
         plan = _build(spec, self.kernel, x, residual, gate, weight, bias, alpha)
         if key is not None:
@@ -500,8 +469,8 @@ def _build(
     axes = spec.resolve_axes(x.dim())
     trailing = tuple(range(x.dim() - len(axes), x.dim()))
     shape = tuple(x.shape[a] for a in axes)
-    _check_param(weight, "weight", spec.scale, shape)
-    _check_param(bias, "bias", bool(spec.bias), shape)
+    check_param(weight, "weight", spec.scale, shape)
+    check_param(bias, "bias", bool(spec.bias), shape)
     n = math.prod(shape)
     rows = row_spec(spec, n)
     route = _route(spec, kernel, x, rows, residual, gate, weight, bias, alpha)

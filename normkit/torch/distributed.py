@@ -36,14 +36,12 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from normkit.spec import NormSpec
 from normkit.torch._autograd import _acc_dtype, _rstd
+from normkit.torch._checks import check_param, check_tensor
 from normkit.torch._spec import RowSpec, row_spec
 
 __all__ = [
     "LocalRows", "localize", "normalize_sharded", "register_row_sharding", "shards_normalized_axis"
 ]
-
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
     """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
@@ -138,36 +136,14 @@ class _ShardedNorm(torch.autograd.Function):
         return (dx.to(x.dtype) if need_x else None), dg, db, None, None, None
 
 
-def _check_float(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in _SUPPORTED:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED)
-        raise TypeError(
-            f"{what} has dtype {str(t.dtype).removeprefix('torch.')}; normkit.torch supports "
-            f"{names}"
-        )
-
-
-def _check_param(
-    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
-) -> None:
-    if value is None:
-        return
-    if not present:
-        field = "scale" if name == "weight" else name
-        raise ValueError(f"{name} was given but the spec has {field}=False")
-    _check_float(value, name)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
-
-
 def _param_shape(
     x: torch.Tensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> tuple[int, ...]:
     """The shape of ``spec``'s parameters for ``x``, which a given ``weight`` and ``bias`` must
     have (ValueError; also for one the spec lacks), in a supported dtype (TypeError)."""
     shape = spec.param_shape(tuple(x.shape))
-    _check_param(weight, "weight", spec.scale, shape)
-    _check_param(bias, "bias", bool(spec.bias), shape)
+    check_param(weight, "weight", spec.scale, shape)
+    check_param(bias, "bias", bool(spec.bias), shape)
     return shape
 
 
@@ -247,7 +223,7 @@ def normalize_sharded(
         return _normalize_dtensor(x, spec, weight, bias)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    _check_float(x, "x")
+    check_tensor(x, "x")
     axes = _axes(spec, x.dim())
     param_shape = _param_shape(x, spec, weight, bias)
     if not dist.is_initialized():
@@ -314,7 +290,7 @@ def localize(
     local gradients are marked Partial (summed over the ranks) on each mesh dim where ``x`` is
     sharded. A ``residual`` is a DTensor laid out as ``x``.
     """
-    _check_float(x, "x")
+    check_tensor(x, "x")
     if shards_normalized_axis(x, spec):
         raise ValueError("x is sharded on a normalized dim: use normalize_sharded")
     _check_not_partial(x)
@@ -338,7 +314,7 @@ def localize(
 def _normalize_dtensor(
     x: DTensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> DTensor:
-    _check_float(x, "x")
+    check_tensor(x, "x")
     axes = _axes(spec, x.dim())
     mesh = x.device_mesh
     _check_not_partial(x)

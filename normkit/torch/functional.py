@@ -22,13 +22,8 @@ import torch
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import kernels
-from normkit.torch._plan import (
-    SUPPORTED_DTYPES,
-    Plans,
-    check_tensor,
-    check_trailing,
-    output_dtype,
-)
+from normkit.torch._checks import SUPPORTED_DTYPES, check_tensor
+from normkit.torch._plan import Plans, check_trailing, output_dtype
 from normkit.torch.kernels import Kernel
 
 __all__ = [
@@ -60,9 +55,16 @@ def as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     return shape
 
 
-@functools.lru_cache(maxsize=256)
 def _plans(spec: NormSpec, kernel: Kernel) -> Plans:
-    """The functions' plans for ``spec`` and ``kernel``."""
+    """The functions' plans for ``spec`` and ``kernel`` (ValueError for a kernel name that is
+    not one, hashable or not)."""
+    if not isinstance(kernel, str):
+        kernels.check_kernel(kernel)
+    return _plans_of(spec, kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def _plans_of(spec: NormSpec, kernel: Kernel) -> Plans:
     return Plans(spec, kernels.check_kernel(kernel))
 
 

@@ -79,6 +79,10 @@ class _Norm(nn.Module):
     @kernel.setter
     def kernel(self, kernel: Kernel) -> None:
         self._kernel = kernels.check_kernel(kernel)
+        self._make_plans()
+
+    def _make_plans(self) -> None:
+        """The module's plans (`normkit.torch._plan.Plans`), none built yet."""
         self._plans = Plans(self._spec, self._kernel, self._float64_spec, self.normalized_shape)
 
     def spec_for(self, dtype: torch.dtype) -> NormSpec:
@@ -312,15 +316,8 @@ class GatedRMSNorm(_Norm):
         plans = self._plans if gate is not None else self._ungated
         return plans(x, None, gate, weight, bias, None)[0]
 
-    @property
-    def kernel(self) -> Kernel:
-        """The ``kernel=`` choice (`normkit.torch.kernels`); setting it drops the plans made
-        for the previous one."""
-        return self._kernel
-
-    @kernel.setter
-    def kernel(self, kernel: Kernel) -> None:
-        _Norm.kernel.fset(self, kernel)  # type: ignore[attr-defined]
+    def _make_plans(self) -> None:
+        super()._make_plans()
         ungated = self._spec.replace(gate=None, gate_activation=None)
         self._ungated = Plans(ungated, self._kernel, shape=self.normalized_shape)
 

@@ -20,6 +20,6 @@ def _fresh_function_plans() -> Iterator[None]:
     kernel) must get a plan made under its changes, and leave none behind."""
     from normkit.torch import functional
 
-    functional._plans.cache_clear()
+    functional._plans_of.cache_clear()
     yield
-    functional._plans.cache_clear()
+    functional._plans_of.cache_clear()
