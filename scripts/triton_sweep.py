@@ -159,6 +159,8 @@ def calls(log: Log) -> None:
     and forward+backward: one token, then the large shapes (`issue_cost`); the Triton
     kernels launched directly (`nk.DIRECT_LAUNCH`, reported) and, for comparison, through
     ``JITFunction.run``."""
+    # the direct launch is opt-in until it has run on a GPU: measured with it, and without it
+    nk.DIRECT_LAUNCH = nk._direct_launch_supported()
     log(what="direct launch", enabled=nk.DIRECT_LAUNCH, triton=triton.__version__)
     for dtype in (torch.bfloat16, torch.float32):
         for rows, n, count in ((1, 4096, 300), (8192, 4096, 20), (2048, 16384, 20)):

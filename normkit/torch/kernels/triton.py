@@ -703,8 +703,11 @@ def _direct_launch_supported() -> bool:
 
 DIRECT_LAUNCH_VERSIONS = ((3, 6), (3, 9))
 """The Triton versions (major, minor) whose compiled kernels `_Direct` launches itself."""
-DIRECT_LAUNCH = _direct_launch_supported()
-"""Whether eager launches on a GPU skip ``JITFunction.run`` (`_Direct`)."""
+DIRECT_LAUNCH = (
+    _direct_launch_supported() and os.environ.get("NORMKIT_TRITON_DIRECT_LAUNCH") == "1"
+)
+"""Whether eager launches on a GPU skip ``JITFunction.run`` (`_Direct`): opt-in
+(``NORMKIT_TRITON_DIRECT_LAUNCH=1``) until it has run on a GPU."""
 
 
 class _Direct:
