@@ -3,7 +3,12 @@ configuration against the copy floor, the layers against torch's own, the host c
 call, and the fused backward (NORMKIT_TRITON_BACKWARD=fused) beside the default one.
 
 python3 scripts/triton_sweep.py [--out FILE] [--only PARTS]   (a CUDA GPU; one JSON line per
-figure)
+figure; PARTS among backward,calls,host,profile,layers,kernels)
+
+``calls`` (first) times what a user's call costs the host, microseconds per call, forward and
+forward+backward, normkit's layers beside torch's: at one token (1 x 4096) with a sync after
+the calls, and at the large shapes as the time to issue calls back to back (the GPU still busy
+with them).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from triton.testing import do_bench
 
 from normkit import NormSpec, reference, tolerances
 from normkit.torch import LayerNorm, RMSNorm
-from normkit.torch.kernels import KernelOptions
+from normkit.torch._spec import encode, row_spec
 from normkit.torch.kernels import triton as nk
 from normkit.torch.kernels import triton_backward as fused
 
@@ -141,6 +146,66 @@ def layers(log: Log) -> None:
                       what=f"{name} fwd+bwd", grads=[x, *module.parameters()])
 
 
+def issue_cost(fn, calls: int) -> float:
+    """Microseconds per call on the host to issue ``calls`` calls back to back (no sync
+    between them; the GPU may still be running them when the last returns)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / calls * 1e6
+
+
+def calls(log: Log) -> None:
+    """Host microseconds per call of the layers, normkit's beside torch's, forward (no_grad)
+    and forward+backward: one token, then the large shapes (`issue_cost`); the Triton
+    kernels launched directly (`nk.DIRECT_LAUNCH`, reported) and, for comparison, through
+    ``JITFunction.run``."""
+    # the direct launch is opt-in until it has run on a GPU: measured with it, and without it
+    nk.DIRECT_LAUNCH = nk._direct_launch_supported()
+    log(what="direct launch", enabled=nk.DIRECT_LAUNCH, triton=triton.__version__)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, n, count in ((1, 4096, 300), (8192, 4096, 20), (2048, 16384, 20)):
+            x = torch.randn(rows, n, device="cuda", dtype=dtype)
+            xg = x.clone().requires_grad_()
+            dy = torch.randn_like(x)
+            case = dict(dtype=str(dtype).removeprefix("torch."), rows=rows, n=n)
+            candidates = {
+                "torch.nn.RMSNorm": torch.nn.RMSNorm(n, EPS),
+                "torch.nn.LayerNorm": torch.nn.LayerNorm(n, EPS),
+                "normkit RMSNorm": RMSNorm(n, EPS),
+                "normkit LayerNorm": LayerNorm(n, EPS),
+                "normkit RMSNorm composite": RMSNorm(n, EPS, kernel="composite"),
+            }
+            for name, module in candidates.items():
+                module.to(device="cuda", dtype=dtype)
+
+                def forward(module=module, x=x):
+                    with torch.no_grad():
+                        module(x)
+
+                timer = host_cost if rows == 1 else partial(issue_cost, calls=count)
+                measure = {"forward": forward,
+                           "fwd+bwd": partial(forward_backward, module, xg, dy)}
+                for kind, fn in measure.items():
+                    log(what="host per call", layer=name, phase=kind, **case, us=timer(fn))
+            if rows == 1 and nk.DIRECT_LAUNCH:  # the same calls through JITFunction.run
+                module = RMSNorm(n, EPS).to(device="cuda", dtype=dtype)
+                nk.DIRECT_LAUNCH = False
+                try:
+                    with torch.no_grad():
+                        log(what="host per call", layer="normkit RMSNorm, JITFunction.run",
+                            phase="forward", **case, us=host_cost(partial(module, x)))
+                    log(what="host per call", layer="normkit RMSNorm, JITFunction.run",
+                        phase="fwd+bwd", **case,
+                        us=host_cost(partial(forward_backward, module, xg, dy)))
+                finally:
+                    nk.DIRECT_LAUNCH = True
+
+
 def host(log: Log) -> None:
     small = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
@@ -150,7 +215,7 @@ def host(log: Log) -> None:
     grad = small.clone().requires_grad_()
     for what, fn in (
         ("kernel launch", lambda: forward_launch(small, w, y, r, False, True, 1024, 4)),
-        ("norm_rows", lambda: nk.norm_rows(small, w, None, KernelOptions("rms", 1024, EPS))),
+        ("norm_rows", lambda: nk.norm_rows(small, w, None, row_spec(NormSpec(eps=EPS), 1024))),
         ("normkit RMSNorm(kernel='triton')", lambda: module(small)),
         ("normkit RMSNorm(kernel='triton') requires_grad", lambda: module(grad)),
         ("normkit RMSNorm(kernel='triton') fwd+bwd", partial(forward_backward, module, grad, y)),
@@ -188,7 +253,7 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         finally:
             nk._backward_rows = launching
 
-    options = nk._op_options(KernelOptions("rms", n, EPS), n)
+    spec = encode(row_spec(NormSpec(eps=EPS), n))
     weight = next(module.parameters())
 
     for what, fn in (
@@ -202,7 +267,7 @@ def backward_parts(log: Log, module: torch.nn.Module, small: torch.Tensor, w: to
         ("normkit RMSNorm(kernel='triton') fwd+bwd, the backward's results made once",
          without_backward_launches),
         ("the custom op (torch.library) fwd+bwd",
-         lambda: nk._norm_rows_op(grad, None, None, weight, None, *options)[0].backward(dy)),
+         lambda: nk._norm_rows_op(grad, None, None, weight, None, spec, False)[0].backward(dy)),
         ("autograd.Function clone fwd+bwd", lambda: _Clone.apply(grad).backward(dy)),
     ):
         log(what=f"host {what}", us=host_cost(fn))
@@ -523,7 +588,7 @@ def _backward_case(log: Log, case: dict[str, Any], inputs: dict[str, Any], calls
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="triton-sweep.jsonl")
-    parser.add_argument("--only", default="backward,host,profile,layers,kernels")
+    parser.add_argument("--only", default="backward,calls,host,profile,layers,kernels")
     args = parser.parse_args()
     log = Log(args.out)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -531,7 +596,7 @@ def main() -> int:
         triton=triton.__version__)
     for part in args.only.split(","):
         started = time.perf_counter()
-        parts = {"host": host, "profile": profile, "layers": layers,
+        parts = {"calls": calls, "host": host, "profile": profile, "layers": layers,
                  "kernels": lambda log: kernels(log, sms), "backward": backward}
         parts[part](log)
         log(part=part, seconds=round(time.perf_counter() - started, 1))

@@ -23,9 +23,11 @@ from normkit.torch.modules import (
     RMSNorm,
     from_spec,
 )
+from normkit.torch.warmup import warmup
 
 __all__ = [
     "RMSNorm", "GatedRMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec", "functional",
+    "warmup",
 ]
 
 

@@ -16,43 +16,17 @@ is ``1 / (sqrt(variance) + eps)``, DyT is ``tanh(alpha * h)``. The rows are not 
 whose statistic overflows or underflows float32 give what the eager program gives.
 """
 
-import functools
-from typing import NamedTuple
-
 import torch
 
-from normkit.spec import NormSpec
 from normkit.torch._autograd import _acc_dtype
-
-
-class EagerSpec(NamedTuple):
-    """The fields of a `NormSpec` the op sequence reads, in types TorchScript compiles
-    (`normkit.torch._scripted`; so this module has no postponed annotations): ``eps`` is 0 for
-    DyT."""
-
-    kind: str
-    eps: float
-    outside: bool
-    fast_variance: bool
-    before_scale: bool
-    scale_offset: float
-    offset_in_param: bool
-
-
-@functools.lru_cache(maxsize=256)
-def eager_spec(spec: NormSpec) -> EagerSpec:
-    """``spec`` as the op sequence reads it."""
-    return EagerSpec(
-        spec.kind, 0.0 if spec.eps is None else spec.eps, spec.eps_placement == "outside",
-        spec.variance == "fast", spec.cast == "before_scale", spec.scale_offset,
-        spec.offset_dtype == "param",
-    )
+from normkit.torch._spec import RowSpec
 
 
 def _normalized(
-    h: torch.Tensor, spec: EagerSpec, k: int, alpha: torch.Tensor | None
+    h: torch.Tensor, spec: RowSpec, k: int, alpha: torch.Tensor | None
 ) -> torch.Tensor:
-    """``y_hat`` of the rows ``h`` (in the compute dtype)."""
+    """``y_hat`` of the rows ``h`` (in the compute dtype), the statistic from the first ``k``
+    elements (the whole row for layer)."""
     if spec.kind == "dyt":
         assert alpha is not None
         return torch.tanh(alpha.to(h.dtype) * h)
@@ -71,7 +45,7 @@ def _normalized(
     return centered * torch.rsqrt(variance + spec.eps)
 
 
-def _scale(weight: torch.Tensor, spec: EagerSpec, dtype: torch.dtype) -> torch.Tensor:
+def _scale(weight: torch.Tensor, spec: RowSpec, dtype: torch.dtype) -> torch.Tensor:
     """``scale_offset + w``: w itself without an offset; in w's dtype with
     ``offset_dtype="param"``; else in ``dtype`` promoted with w's."""
     if spec.scale_offset == 0:
@@ -83,18 +57,16 @@ def _scale(weight: torch.Tensor, spec: EagerSpec, dtype: torch.dtype) -> torch.T
 
 def norm_rows(
     values: torch.Tensor,
-    spec: EagerSpec,
-    k: int,
+    spec: RowSpec,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     alpha: torch.Tensor | None,
     dtype: torch.dtype,
     out: torch.dtype,
-    group: int,
 ) -> torch.Tensor:
     """``spec`` on rows ``values`` (rows, n) with the policy of inputs of ``dtype``, y in
-    ``out``; ``weight``/``bias`` of shape (n,) in their own dtypes; the statistic per
-    ``group`` elements (n for the whole row).
+    ``out``; ``weight``/``bias`` of shape (n,) in their own dtypes; the statistic per group of
+    ``spec.group`` elements.
 
     With ``cast="before_scale"`` and a half ``dtype`` the affine step runs in the dtypes eager
     code has (``y_hat`` rounded to ``dtype``, times the scale in its own dtype); otherwise in
@@ -102,9 +74,10 @@ def norm_rows(
     """
     acc = _acc_dtype(dtype)
     rows, n = values.shape
+    group = spec.group
     # Each group of a row is normalized as a row; only whole-row kinds are grouped (k = group).
     groups = values.to(acc).reshape(rows * (n // group), group)
-    y = _normalized(groups, spec, min(k, group), alpha).reshape(rows, n)
+    y = _normalized(groups, spec, spec.k, alpha).reshape(rows, n)
     if dtype != acc and spec.before_scale:
         y = y.to(dtype)
         if weight is not None:

@@ -13,6 +13,7 @@ roundings are plain casts, which autograd differentiates.
 from __future__ import annotations
 
 import functools
+import typing
 
 import torch
 
@@ -20,6 +21,7 @@ from normkit import _gating
 from normkit.spec import NormSpec
 from normkit.torch import _eager
 from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to, apply
+from normkit.torch._spec import RowSpec
 
 
 def activation(z: torch.Tensor, name: str) -> torch.Tensor:
@@ -30,8 +32,7 @@ def activation(z: torch.Tensor, name: str) -> torch.Tensor:
 def norm_rows(
     values: torch.Tensor,
     gate: torch.Tensor | None,
-    spec: NormSpec,
-    k: int,
+    rows: RowSpec,
     g: torch.Tensor | None,
     b: torch.Tensor | None,
     dtype: torch.dtype,
@@ -40,39 +41,42 @@ def norm_rows(
     *,
     eager: bool,
 ) -> torch.Tensor:
-    """``spec`` (gated or grouped) on rows ``values`` of inputs of ``dtype``, y in ``out``.
+    """``rows`` (gated or grouped) on rows ``values`` of inputs of ``dtype``, y in ``out``.
 
     ``gate`` has the rows' shape (None for an ungated spec); ``g`` is the effective scale
-    ``scale_offset + w`` and ``b`` the bias, (n,) in the compute dtype, or None; ``k`` the
-    statistic's size within a group (the group for grouped specs); ``affine_dtype`` the dtype
-    of the affine step (x's promoted with the parameters'), where ``"before_scale"`` rounds it
-    before a gate after the norm.
+    ``scale_offset + w`` and ``b`` the bias, (n,) in the compute dtype, or None;
+    ``affine_dtype`` the dtype of the affine step (x's promoted with the parameters'), where
+    ``"before_scale"`` rounds it before a gate after the norm.
     """
     acc = _acc_dtype(dtype)
     v = values.to(acc)
-    a = None if gate is None else activation(gate.to(acc), spec.gate_activation or "silu")
-    if spec.gate == "before":
+    a = None if gate is None else activation(gate.to(acc), rows.activation)
+    if rows.gate == "before":
         assert a is not None
         v = v * a
-    rows, n = v.shape
-    group = spec.group_size or n
-    groups = v.reshape(rows * (n // group), group)
+    count, n = v.shape
+    groups = v.reshape(count * (n // rows.group), rows.group)
     if eager:
-        y_hat = _eager._normalized(groups, _eager.eager_spec(spec), k, None)
+        y_hat = _eager._normalized(groups, rows, rows.k, None)
     else:
-        y_hat, _ = apply(
-            NormFunction, groups, None, None, spec.kind, k, spec.eps,
-            spec.eps_placement == "outside", "after_scale", acc, acc, spec.variance == "fast",
-        )
+        y_hat, _ = apply(NormFunction, groups, None, None, _statistic(rows), acc, acc)
     y_hat = y_hat.reshape(v.shape)
 
+    # `_gating.affine_and_gate` reads the spec's ``gate`` only, which RowSpec has alike.
     affine_and_gate = functools.partial(
-        _gating.affine_and_gate, y_hat, g, b, a, spec, dtype, affine_dtype
+        _gating.affine_and_gate, y_hat, g, b, a, typing.cast(NormSpec, rows), dtype, affine_dtype
     )
-    if spec.cast != "before_scale" or dtype == acc:
+    if not rows.before_scale or dtype == acc:
         return affine_and_gate().to(out)
     if eager:
         return affine_and_gate(lambda t, to: t.to(to).to(acc)).to(out)
     with torch.no_grad():
         value = affine_and_gate(_rounded_to)
     return apply(WithValue, affine_and_gate(), value).to(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _statistic(rows: RowSpec) -> RowSpec:
+    """The per-group normalization of ``rows``: its statistic on rows of one group, without
+    the before-scale rounding (applied after the affine step's inputs are formed)."""
+    return rows._replace(n=rows.group, before_scale=False, gate="", residual="")

@@ -2,7 +2,7 @@
 
 TorchScript cannot type a `NormSpec`, so `ScriptedNorm` holds the module's parameters (the same
 ``Parameter`` objects, so the state_dict keys and values are the module's) and its spec as an
-`normkit.torch._eager.EagerSpec`, and runs the eager op sequence of ``backward="autograd"``
+`normkit.torch._spec.RowSpec`, and runs the eager op sequence of ``backward="autograd"``
 (`normkit.torch._eager`): the spec's forward, without the rescaling of rows whose statistic
 overflows or underflows float32, and autograd's gradients, as in a traced graph.
 """
@@ -13,14 +13,15 @@ import torch
 from torch import nn
 
 from normkit.spec import NormSpec
-from normkit.torch._eager import EagerSpec, eager_spec, norm_rows
+from normkit.torch._eager import norm_rows
+from normkit.torch._spec import RowSpec, row_spec
 
 
 class ScriptedNorm(nn.Module):
     """A normkit module without a residual, as TorchScript compiles it."""
 
-    spec: EagerSpec
-    float64_spec: EagerSpec
+    spec: RowSpec
+    float64_spec: RowSpec
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     alpha: torch.Tensor | None
@@ -48,10 +49,8 @@ class ScriptedNorm(nn.Module):
             )
         self.normalized_shape = list(normalized_shape)
         self.n = math.prod(normalized_shape)
-        self.k = spec.stat_size(self.n)
-        self.group = self.n // spec.group_count(self.n)
-        self.spec = eager_spec(spec)
-        self.float64_spec = eager_spec(float64_spec)
+        self.spec = row_spec(spec, self.n)
+        self.float64_spec = row_spec(float64_spec, self.n)
         self.promote = spec.output_dtype == "promote"
         for name, value in (("weight", weight), ("bias", bias), ("alpha", alpha)):
             self.register_parameter(name, value)
@@ -70,7 +69,5 @@ class ScriptedNorm(nn.Module):
             if alpha is not None:
                 out = torch.promote_types(out, alpha.dtype)
         spec = self.float64_spec if x.dtype == torch.float64 else self.spec
-        y = norm_rows(
-            x.reshape(-1, self.n), spec, self.k, weight, bias, alpha, x.dtype, out, self.group
-        )
+        y = norm_rows(x.reshape(-1, self.n), spec, weight, bias, alpha, x.dtype, out)
         return y.reshape(x.shape)

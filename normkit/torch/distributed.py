@@ -36,31 +36,12 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from normkit.spec import NormSpec
 from normkit.torch._autograd import _acc_dtype, _rstd
+from normkit.torch._checks import check_param, check_tensor
+from normkit.torch._spec import RowSpec, row_spec
 
 __all__ = [
     "LocalRows", "localize", "normalize_sharded", "register_row_sharding", "shards_normalized_axis"
 ]
-
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How a rank's block ``(rows, n)`` sits in the global rows of ``size`` elements.
-
-    ``head``: how many of the block's leading elements the partial statistic reads (all ``n``
-    for the other kinds); ``group``: the ranks to reduce over (None: this rank alone).
-    """
-
-    kind: str
-    size: int
-    k: int
-    head: int
-    eps: float
-    outside: bool
-    cast: str
-    group: dist.ProcessGroup | None
-
 
 def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
     """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
@@ -70,10 +51,11 @@ def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
     return torch.where(s > 0, -0.5 * r * r / torch.where(s > 0, root, torch.ones_like(root)), 0.0)
 
 
-def _row_sums(value: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """``value`` (rows, j) summed over the group, in place."""
-    if plan.group is not None:
-        dist.all_reduce(value, group=plan.group)
+def _row_sums(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``value`` (rows, j) summed over the ranks of ``group`` (None: this rank alone), in
+    place."""
+    if group is not None:
+        dist.all_reduce(value, group=group)
     return value
 
 
@@ -82,92 +64,76 @@ def _sum_rows(value: torch.Tensor) -> torch.Tensor:
 
 
 class _ShardedNorm(torch.autograd.Function):
-    """``y`` for a block ``x`` (rows, n) of global rows, with effective scale ``g`` and bias ``b``.
+    """``y`` for a block ``x`` (rows, n) of global rows, with effective scale ``g`` and bias ``b``:
+    ``plan`` is the `RowSpec` of the global rows (``plan.n`` elements, the statistic reading the
+    first ``plan.k``), ``head`` how many of the block's leading elements the partial statistic
+    reads (all ``n`` for the other kinds), ``group`` the ranks to reduce over (None: this rank
+    alone).
 
     Saves ``x`` and, per row, ``s`` (and LayerNorm's mean) in the acc dtype.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None, plan: _Plan
+        ctx: Any, x: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None,
+        plan: RowSpec, head: int, group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         acc = _acc_dtype(x.dtype)
         xf = x.to(acc)
         mean = None
         if plan.kind == "layer":
-            mean = _row_sums(_sum_rows(xf), plan) / plan.size
+            mean = _row_sums(_sum_rows(xf), group) / plan.n
             centered = xf - mean
             squares = centered * centered
-            sums = _row_sums(torch.cat([_sum_rows(centered), _sum_rows(squares)], -1), plan)
-            shift = sums[:, :1] / plan.size
+            sums = _row_sums(torch.cat([_sum_rows(centered), _sum_rows(squares)], -1), group)
+            shift = sums[:, :1] / plan.n
             centered = centered - shift
             mean = mean + shift
-            s = (sums[:, 1:] / plan.size - shift * shift).clamp_min(0)
+            s = (sums[:, 1:] / plan.n - shift * shift).clamp_min(0)
         else:
             centered = xf
-            head = xf[:, : plan.head]
-            s = _row_sums(torch.linalg.vecdot(head, head).unsqueeze(-1), plan) / plan.k
+            read = xf[:, :head]
+            s = _row_sums(torch.linalg.vecdot(read, read).unsqueeze(-1), group) / plan.k
         y = centered * _rstd(s, plan.eps, plan.outside)
-        if x.dtype != acc and plan.cast == "before_scale":
+        if x.dtype != acc and plan.before_scale:
             y = y.to(x.dtype).to(acc)
         if g is not None:
             y = y * g
         if b is not None:
             y = y + b
         ctx.save_for_backward(x, s, mean, g)
-        ctx.plan, ctx.has_b = plan, b is not None
+        ctx.plan, ctx.head, ctx.group, ctx.has_b = plan, head, group, b is not None
         return y.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, s, mean, g = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan: RowSpec = ctx.plan
+        head, group = ctx.head, ctx.group
         acc = s.dtype
         centered = x.to(acc) if mean is None else x.to(acc) - mean
         r = _rstd(s, plan.eps, plan.outside)
         dyf = dy.to(acc)
         d = dyf * g if g is not None else dyf
         if plan.kind == "layer":
-            sums = _row_sums(torch.cat([_sum_rows(d * centered), _sum_rows(d)], -1), plan)
-            dot, d_mean = sums[:, :1], sums[:, 1:] / plan.size
+            sums = _row_sums(torch.cat([_sum_rows(d * centered), _sum_rows(d)], -1), group)
+            dot, d_mean = sums[:, :1], sums[:, 1:] / plan.n
             d = d - d_mean
         else:
-            dot = _row_sums(_sum_rows(d * centered), plan)
-        if plan.size <= (2 if plan.kind == "layer" else 1):
+            dot = _row_sums(_sum_rows(d * centered), group)
+        if plan.n <= (2 if plan.kind == "layer" else 1):
             # A row with no direction left to vary: r + 2 s r'(s) = eps r^3 (inside) or eps r^2
             # (outside), in closed form rather than as a float32 difference of O(1) terms.
             dx = plan.eps * r * r * (r if not plan.outside else 1) * d
         else:
             coef = _dr_ds(r, s, plan.outside) * dot * (2.0 / plan.k)
             dx = r * d
-            dx[:, : plan.head] += centered[:, : plan.head] * coef
+            dx[:, :head] += centered[:, :head] * coef
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
         dg = torch.sum(dyf * centered * r, dim=0) if need_g and g is not None else None
         db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None
-        return (dx.to(x.dtype) if need_x else None), dg, db, None
-
-
-def _check_float(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in _SUPPORTED:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED)
-        raise TypeError(
-            f"{what} has dtype {str(t.dtype).removeprefix('torch.')}; normkit.torch supports "
-            f"{names}"
-        )
-
-
-def _check_param(
-    value: torch.Tensor | None, name: str, present: bool, shape: tuple[int, ...]
-) -> None:
-    if value is None:
-        return
-    if not present:
-        field = "scale" if name == "weight" else name
-        raise ValueError(f"{name} was given but the spec has {field}=False")
-    _check_float(value, name)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+        return (dx.to(x.dtype) if need_x else None), dg, db, None, None, None
 
 
 def _param_shape(
@@ -176,8 +142,8 @@ def _param_shape(
     """The shape of ``spec``'s parameters for ``x``, which a given ``weight`` and ``bias`` must
     have (ValueError; also for one the spec lacks), in a supported dtype (TypeError)."""
     shape = spec.param_shape(tuple(x.shape))
-    _check_param(weight, "weight", spec.scale, shape)
-    _check_param(bias, "bias", bool(spec.bias), shape)
+    check_param(weight, "weight", spec.scale, shape)
+    check_param(bias, "bias", bool(spec.bias), shape)
     return shape
 
 
@@ -206,24 +172,14 @@ def _apply(
     moved = x.movedim(axes, trailing)
     n = math.prod(moved.shape[len(moved.shape) - len(axes) :])
     rows = moved.reshape(math.prod(moved.shape[: moved.dim() - len(axes)]), n)
-    k = spec.stat_size(size)
-    assert spec.eps is not None  # a normalization kind (the spec's defaults are required)
     acc = _acc_dtype(x.dtype)
     g = None if weight is None else weight.to(acc).reshape(n)
     if g is not None and spec.scale_offset != 0:
         g = g + spec.scale_offset
     b = None if bias is None else bias.to(acc).reshape(n)
-    plan = _Plan(
-        kind=spec.kind,
-        size=size,
-        k=k,
-        head=min(max(k - offset, 0), n) if spec.kind == "partial_rms" else n,
-        eps=spec.eps,
-        outside=spec.eps_placement == "outside",
-        cast=spec.cast,
-        group=group,
-    )
-    y = _ShardedNorm.apply(rows.contiguous(), g, b, plan)
+    plan = row_spec(spec, size)
+    head = min(max(plan.k - offset, 0), n) if spec.kind == "partial_rms" else n
+    y = _ShardedNorm.apply(rows.contiguous(), g, b, plan, head, group)
     return y.reshape(moved.shape).movedim(trailing, axes)
 
 
@@ -267,7 +223,7 @@ def normalize_sharded(
         return _normalize_dtensor(x, spec, weight, bias)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    _check_float(x, "x")
+    check_tensor(x, "x")
     axes = _axes(spec, x.dim())
     param_shape = _param_shape(x, spec, weight, bias)
     if not dist.is_initialized():
@@ -334,7 +290,7 @@ def localize(
     local gradients are marked Partial (summed over the ranks) on each mesh dim where ``x`` is
     sharded. A ``residual`` is a DTensor laid out as ``x``.
     """
-    _check_float(x, "x")
+    check_tensor(x, "x")
     if shards_normalized_axis(x, spec):
         raise ValueError("x is sharded on a normalized dim: use normalize_sharded")
     _check_not_partial(x)
@@ -358,7 +314,7 @@ def localize(
 def _normalize_dtensor(
     x: DTensor, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> DTensor:
-    _check_float(x, "x")
+    check_tensor(x, "x")
     axes = _axes(spec, x.dim())
     mesh = x.device_mesh
     _check_not_partial(x)

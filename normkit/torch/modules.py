@@ -21,15 +21,8 @@ from normkit.spec import (
     Variance,
 )
 from normkit.torch import kernels
-from normkit.torch.functional import (
-    TORCH_LAYER_NORM_EPS,
-    ShapeLike,
-    add_norm,
-    as_shape,
-    check_trailing,
-    normalize,
-    torch_eps,
-)
+from normkit.torch._plan import Plans
+from normkit.torch.functional import TORCH_LAYER_NORM_EPS, ShapeLike, as_shape, torch_eps
 from normkit.torch.kernels import Kernel
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
@@ -58,7 +51,8 @@ class _Norm(nn.Module):
         # torch's eps=None: float64 inputs take float64's machine eps, the others float32's.
         self._torch_eps_rule = torch_eps_rule
         self._float64_spec = spec.replace(eps=torch_eps(torch.float64)) if torch_eps_rule else spec
-        self.kernel = kernels.check_kernel(kernel)
+        self._with_residual = spec.residual is not None
+        self.kernel = kernel
         factory = {"device": device, "dtype": dtype}
         for name, present in (("weight", spec.scale), ("bias", spec.bias)):
             if present:
@@ -75,6 +69,21 @@ class _Norm(nn.Module):
     def spec(self) -> NormSpec:
         """The `NormSpec` this module implements (for float64 inputs: `spec_for`)."""
         return self._spec
+
+    @property
+    def kernel(self) -> Kernel:
+        """The ``kernel=`` choice (`normkit.torch.kernels`); setting it drops the plans made
+        for the previous one."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: Kernel) -> None:
+        self._kernel = kernels.check_kernel(kernel)
+        self._make_plans()
+
+    def _make_plans(self) -> None:
+        """The module's plans (`normkit.torch._plan.Plans`), none built yet."""
+        self._plans = Plans(self._spec, self._kernel, self._float64_spec, self.normalized_shape)
 
     def spec_for(self, dtype: torch.dtype) -> NormSpec:
         """The `NormSpec` applied to inputs of ``dtype``: `spec`, except that an `RMSNorm` built
@@ -117,27 +126,30 @@ class _Norm(nn.Module):
         ``h = x + residual`` (`normkit.torch.functional.add_norm`). With ``gate`` (required
         exactly when the spec has one): the gated norm of ``x`` and ``gate``.
         """
-        if isinstance(x, torch.Tensor):
-            check_trailing(x, self.normalized_shape)
-        spec = self.spec_for(x.dtype)
-        if spec.residual is None:
-            if residual is not None:
-                raise ValueError(
-                    f"{type(self).__name__} was given a residual but its spec has "
-                    "residual=None: build it with residual='rounded', 'float32' or "
-                    "'float32_normalized' to add one"
-                )
-            return normalize(
-                x, spec, self.weight, self.bias, gate=gate, alpha=self.alpha,
-                kernel=self.kernel,
-            )
-        if residual is None:
+        if (residual is not None) != self._with_residual:
+            self._residual_error()
+        params = self._parameters  # Module.__getattr__ costs about 0.3 us an attribute
+        if "weight" in params and "bias" in params and "alpha" in params:
+            y, h = self._plans(x, residual, gate, params["weight"], params["bias"],
+                               params["alpha"])
+        else:  # a parametrization replaced one
+            y, h = self._plans(x, residual, gate, *self._params())
+        return y if h is None else (y, h)
+
+    def _params(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(weight, bias, alpha)``, by attribute (a parametrization's too)."""
+        return self.weight, self.bias, self.alpha
+
+    def _residual_error(self) -> None:
+        if not self._with_residual:
             raise ValueError(
-                f"{type(self).__name__} has residual={spec.residual!r}: call it as "
-                "module(x, residual), which returns (y, h)"
+                f"{type(self).__name__} was given a residual but its spec has "
+                "residual=None: build it with residual='rounded', 'float32' or "
+                "'float32_normalized' to add one"
             )
-        return add_norm(
-            x, residual, spec, self.weight, self.bias, alpha=self.alpha, kernel=self.kernel
+        raise ValueError(
+            f"{type(self).__name__} has residual={self._spec.residual!r}: call it as "
+            "module(x, residual), which returns (y, h)"
         )
 
     def __prepare_scriptable__(self) -> nn.Module:
@@ -300,12 +312,14 @@ class GatedRMSNorm(_Norm):
     ) -> torch.Tensor:
         """The gated norm of ``x`` and ``gate`` over the trailing ``normalized_shape``; with
         ``gate=None``, the norm of ``x`` alone."""
-        if isinstance(x, torch.Tensor):
-            check_trailing(x, self.normalized_shape)
-        spec = self.spec_for(x.dtype)
-        if gate is None:
-            spec = spec.replace(gate=None, gate_activation=None)
-        return normalize(x, spec, self.weight, self.bias, gate=gate, kernel=self.kernel)
+        weight, bias, _ = self._params()
+        plans = self._plans if gate is not None else self._ungated
+        return plans(x, None, gate, weight, bias, None)[0]
+
+    def _make_plans(self) -> None:
+        super()._make_plans()
+        ungated = self._spec.replace(gate=None, gate_activation=None)
+        self._ungated = Plans(ungated, self._kernel, shape=self.normalized_shape)
 
 
 class PartialRMSNorm(_Norm):

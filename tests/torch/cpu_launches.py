@@ -1,5 +1,6 @@
-"""The launches of normkit's CPU kernels, counted: a test's fixture over
-`normkit.torch.kernels.cpu`'s compiled module."""
+"""The launches of normkit's CPU kernels, counted: a test's fixture over the compiled entry
+points `normkit.torch.kernels.cpu` holds (``_state["compiled"]``, per dtype and gatedness:
+``(forward, backward)`` or ``(gated_forward, gated_backward)``)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ import torch
 
 from normkit.torch.kernels import cpu
 
+_NAMES = {False: ("forward", "backward"), True: ("gated_forward", "gated_backward")}
+
 
 def counted(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...], gated: tuple[bool, ...]
             ) -> collections.Counter[str]:
     """The kernels (ungated and, or, gated, as ``gated`` lists), compiled for every dtype, with
     the launches of those called ``names`` counted (each still runs)."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for each in gated:
-            assert cpu.load(dtype, gated=each) is not None, cpu.unavailable_reason()
-    module = cpu._state["module"]
     counts: collections.Counter[str] = collections.Counter()
 
     def counting(name: str, kernel: Any) -> Any:
@@ -29,6 +28,12 @@ def counted(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...], gated: tupl
 
         return launch
 
-    for name in names:
-        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+    compiled = cpu._state["compiled"]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for each in gated:
+            assert cpu.load(dtype, gated=each) is not None, cpu.unavailable_reason()
+            monkeypatch.setitem(compiled, (dtype, each), tuple(
+                counting(name, kernel) if name in names else kernel
+                for name, kernel in zip(_NAMES[each], compiled[(dtype, each)], strict=True)
+            ))
     return counts

@@ -22,7 +22,8 @@ import torch
 from normkit import dtypes, reference, tolerances
 from normkit.bridges import TorchBridge
 from normkit.spec import Kind, NormSpec
-from normkit.torch import kernels
+from normkit.torch import _plan, kernels
+from normkit.torch._spec import row_spec
 from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
 from normkit.torch.kernels import cpu
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm, from_spec
@@ -43,32 +44,33 @@ SIZES = (1, 2, 7, 256)
 
 
 class Spy:
-    """Counts the numba kernels' launches, forwarding them."""
+    """Counts the numba kernels' launches (the entry points `cpu._state` holds), forwarding
+    them."""
 
-    def __init__(self, module: Any) -> None:
-        self.module = module
+    def __init__(self) -> None:
         self.calls = {"forward": 0, "backward": 0}
         self.workers: list[int] = []
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.module, name)
-        if name in self.calls:
-            def counted(*args: Any) -> Any:
+    def counting(self, kernels: tuple[Any, ...]) -> tuple[Any, ...]:
+        def counted(name: str, kernel: Any) -> Any:
+            def launch(*args: Any) -> Any:
                 self.calls[name] += 1
                 self.workers.append(args[-1])
-                return attr(*args)
+                return kernel(*args)
 
-            return counted
-        return attr
+            return launch
+
+        return tuple(counted(name, k) for name, k in zip(self.calls, kernels, strict=True))
 
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     """The kernels, compiled, with their launches counted."""
+    counting = Spy()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert cpu.load(dtype) is not None, cpu.unavailable_reason()
-    counting = Spy(cpu._state["module"])
-    monkeypatch.setitem(cpu._state, "module", counting)
+        compiled = cpu._state["compiled"]
+        monkeypatch.setitem(compiled, (dtype, False), counting.counting(compiled[(dtype, False)]))
     return counting
 
 
@@ -258,13 +260,59 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
 
 def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
-    mapping an earlier large one had advised)."""
+    mapping an earlier large one had advised); a large output's new storage is advised once."""
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(cpu, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(cpu, "_kept", {})
     cpu._output_like(torch.empty(1024))
     assert calls == []
     cpu._output_like(torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4))
     assert len(calls) == 1
+
+
+def test_a_dropped_large_output_is_reused_and_a_used_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outputs of 32 MiB and more are made in storages kept for reuse: once nothing uses an
+    output (no tensor, view or saved tensor), the next output of its size gets its memory,
+    already mapped (no page fault, no huge-page advice, whatever the machine gives); while a
+    view of it lives, it is not handed out. `empty_cache` gives back the idle ones; at most
+    `KEPT_BYTES` are kept."""
+    monkeypatch.setattr(cpu, "_kept", {})
+    like = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4)
+    first = cpu._output_like(like)
+    address = first.data_ptr()
+    view = first[1:]
+    del first
+    second = cpu._output_like(like)  # the view still uses the first storage
+    assert second.data_ptr() != address
+    del view, second
+    third = cpu._output_like(like)
+    assert third.data_ptr() == address  # the first of the two idle storages
+    kept = sum(len(held) for held in cpu._kept.values())
+    assert kept == 2
+    del third
+    nbytes = cpu.HUGE_PAGE_MIN_BYTES + cpu.HUGE_PAGE
+    assert cpu.empty_cache() == 2 * nbytes
+    monkeypatch.setattr(cpu, "KEPT_BYTES", nbytes)
+    held = [cpu._output_like(like) for _ in range(2)]  # the second is not kept
+    assert sum(len(h) for h in cpu._kept.values()) == 1 and len(held) == 2
+
+
+def test_a_loop_dropping_its_outputs_writes_into_the_same_memory() -> None:
+    """The issue's loop (a forward of 2048 x 4096 float32 whose output is dropped, again and
+    again) gets one storage back each time: its pages are mapped once, whatever the machine
+    does with huge pages, so each call runs at the same speed. The bits are the same."""
+    module = RMSNorm(4096, 1e-6)
+    x = torch.randn(2048, 4096)
+    with torch.no_grad():
+        first = module(x)
+        address, bits = first.data_ptr(), first.numpy().tobytes()
+        del first
+        for _ in range(3):
+            y = module(x)
+            assert y.data_ptr() == address and y.numpy().tobytes() == bits
+            del y
 
 
 def test_nonfinite_rows_give_the_references_nan_and_inf(spy: Spy) -> None:
@@ -805,8 +853,8 @@ def test_bad_kernel_names_and_unavailable_kernels(monkeypatch: pytest.MonkeyPatc
 
 
 def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_NUMBA", False)
-    monkeypatch.setitem(kernels._warned, "auto", False)
+    monkeypatch.setattr(kernels, "NUMBA", False)
+    monkeypatch.setitem(_plan._warned, "auto", False)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     module = RMSNorm(8)
     with pytest.warns(RuntimeWarning, match=r"needs numba, which is not installed.*normkit\[torch\]"):
@@ -825,7 +873,7 @@ def broken_jit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """numba's module cannot be imported (as when numba is broken or fails to compile)."""
     monkeypatch.setitem(sys.modules, "normkit.torch.kernels._cpu_numba", None)
     monkeypatch.delattr(kernels, "_cpu_numba", raising=False)
-    fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": set()}
+    fresh: dict[str, Any] = {"module": None, "reason": None, "warned": False, "compiled": {}}
     monkeypatch.setattr(cpu, "_state", fresh)
     yield
 
@@ -871,7 +919,7 @@ def test_cpu_tensors_under_another_default_device(spec: NormSpec) -> None:
 
 def test_compile_failure_is_an_error_when_strict(broken_jit: None) -> None:
     with pytest.raises(RuntimeError, match=r"CPU kernel is unavailable \(ModuleNotFoundError"):
-        cpu.norm_rows(torch.randn(2, 8), None, None, kernels.KernelOptions("rms", 8, 1e-6),
+        cpu.norm_rows(torch.randn(2, 8), None, None, row_spec(NormSpec(eps=1e-6), 8),
                       strict=True)
 
 
@@ -897,3 +945,101 @@ def test_cache_goes_to_the_user_cache_folder_when_the_package_is_read_only(
     assert isinstance(impl.locator, caching.UserWideCacheLocator)
     assert path.startswith(str(tmp_path / "user-cache" / "numba")), path
     assert os.path.isdir(path)
+
+
+# ---- a machine where the kernel is not compiled yet --------------------------------------------
+
+
+@pytest.fixture
+def undecided(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[tuple[torch.dtype, bool]]:
+    """A process that has not decided whether ``kernel="auto"`` runs the CPU kernel, on a
+    machine whose cache (an empty folder) does not hold it, with background compiles recorded
+    instead of started."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu.COMPILE, raising=False)
+    monkeypatch.setitem(cpu._state, "ready", {})
+    monkeypatch.setitem(cpu._state, "compiled", {})
+    started: list[tuple[torch.dtype, bool]] = []
+    monkeypatch.setattr(cpu, "_compile_in_background", lambda *key: started.append(key))
+    return started
+
+
+def _node(y: torch.Tensor) -> str:
+    assert y.grad_fn is not None
+    return type(y.grad_fn).__name__
+
+
+def test_auto_takes_the_composite_path_until_the_kernel_is_compiled(
+    undecided: list[tuple[torch.dtype, bool]],
+) -> None:
+    """No call waits for numba: where the kernel is not compiled, ``kernel="auto"`` runs the
+    composite path (one warning, the kernel compiled by a process of its own) and keeps it for
+    the whole process, even once the cache holds the kernel (a layer's bits do not change
+    mid-run); a new decision (a new process) then loads the kernel."""
+    x = torch.randn(3, 64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"not compiled on this machine yet.*warmup\(\)"):
+        y = RMSNorm(64)(x)
+    assert _node(y) == "NormFunctionBackward"
+    assert undecided == [(torch.float32, False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _node(LayerNorm(64)(x)) == "NormFunctionBackward"  # decided: no warning
+    cpu.load(torch.float32)  # compiled (marked) meanwhile, as the background process would
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    assert _node(RMSNorm(64)(x)) == "NormFunctionBackward"
+    cpu._state["ready"].clear()  # a process that starts now
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    assert _node(RMSNorm(64, kernel="cpu")(x.bfloat16())) == "CpuNormFunctionBackward"
+
+
+def test_a_marked_cache_or_compile_wait_runs_the_kernel_from_the_first_call(
+    undecided: list[tuple[torch.dtype, bool]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(3, 64, requires_grad=True)
+    cpu._mark_compiled(torch.float32, False)  # what a compile leaves in the cache folder
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    monkeypatch.setenv(cpu.COMPILE, "wait")
+    assert _node(RMSNorm(64)(x.bfloat16())) == "CpuNormFunctionBackward"
+    assert undecided == []
+
+
+def test_warmup_compiles_now_for_this_process_and_the_next(
+    undecided: list[tuple[torch.dtype, bool]], tmp_path: Any,
+) -> None:
+    from normkit.torch import warmup
+
+    warmup(["float32"], gated=False)
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    x = torch.randn(3, 64, requires_grad=True)
+    assert _node(RMSNorm(64)(x)) == "CpuNormFunctionBackward"
+    with pytest.raises(ValueError, match=r"unknown dtype names \['half'\]"):
+        warmup(["half"])
+    assert undecided == []
+
+
+def test_the_background_compile_starts_once_and_leaves_its_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+) -> None:
+    """`_compile_in_background` starts ``python -m normkit.torch.warmup --background`` for the
+    kernels' family, with a lock file the process removes; a second start while it runs (the
+    lock fresh) starts nothing."""
+    import subprocess
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    started: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, **kwargs: started.append(command))
+    cpu._compile_in_background(torch.bfloat16, True)
+    cpu._compile_in_background(torch.bfloat16, True)
+    assert len(started) == 1
+    command = started[0]
+    assert command[1:5] == ["-m", "normkit.torch.warmup", "--background", "--lock"]
+    assert command[-3:] == ["--dtype", "bfloat16", "--gated"]
+    assert os.path.exists(command[5])
+
+
+def test_the_warmup_command_compiles_and_removes_its_lock(tmp_path: Any) -> None:
+    module = importlib.import_module("normkit.torch.warmup")  # the module, not the function
+    lock = tmp_path / "lock"
+    lock.write_text("1\n")
+    assert module.main(["--dtype", "float32", "--lock", str(lock)]) == 0
+    assert not lock.exists()

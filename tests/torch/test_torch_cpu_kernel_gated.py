@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import zlib
-from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -17,8 +16,9 @@ import torch
 
 from normkit import NormSpec, reference
 from normkit.conformance import batch_invariance
+from normkit.torch._spec import row_spec
 from normkit.torch.functional import normalize
-from normkit.torch.kernels import KernelOptions, cpu
+from normkit.torch.kernels import cpu
 from normkit.torch.modules import GatedRMSNorm
 from tests.helpers import gated
 from tests.torch import cpu_launches
@@ -280,7 +280,7 @@ def test_without_numba_the_gated_ops_compute_with_the_composite_path(
     """When the kernels cannot load, the gated ops fall back (with one warning), forward and
     backward, to the reference's values."""
     monkeypatch.setattr(cpu, "_state", {"module": None, "reason": "ImportError: test",
-                                        "warned": False, "compiled": set()})
+                                        "warned": False, "compiled": {}})
     spec = NormSpec("layer", gate="after", gate_activation="sigmoid", group_size=8,
                     cast="before_scale")
     rng = np.random.default_rng(1)
@@ -294,8 +294,8 @@ def test_without_numba_the_gated_ops_compute_with_the_composite_path(
 
 def test_a_gate_position_without_gate_rows_or_rows_without_one_is_refused():
     x = torch.randn(4, 8)
-    options = KernelOptions(kind="rms", k=8, eps=1e-6, group=8)
-    with pytest.raises(ValueError, match="gate_position='after' needs gate rows, and only it"):
-        cpu.norm_rows(x, None, None, replace(options, gate_position="after"))
-    with pytest.raises(ValueError, match="gate_position=None needs gate rows, and only it"):
-        cpu.norm_rows(x, None, None, options, gate=x)
+    rows = row_spec(NormSpec(eps=1e-6, group_size=8), 8)
+    with pytest.raises(ValueError, match="gate='after' needs gate rows, and only it"):
+        cpu.norm_rows(x, None, None, rows._replace(gate="after"))
+    with pytest.raises(ValueError, match="gate=None needs gate rows, and only it"):
+        cpu.norm_rows(x, None, None, rows, gate=x)

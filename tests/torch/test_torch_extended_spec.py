@@ -18,7 +18,8 @@ import normkit.torch as nt  # noqa: E402
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
 from normkit.conformance import targets_torch as conformance  # noqa: E402
-from normkit.torch import functional, kernels  # noqa: E402
+from normkit.torch import _plan, functional, kernels  # noqa: E402
+from normkit.torch._spec import row_spec  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
 
@@ -147,14 +148,15 @@ def test_named_kernel_refuses_a_field_it_lacks_and_auto_falls_back_quietly(monke
         (NormSpec(backward="autograd"), "backward='autograd'"),
         (NormSpec("dyt"), "kind='dyt'"),
     ):
+        rows = row_spec(spec, 8)
         with pytest.raises(ValueError, match=f"kernel='cpu' does not compute NormSpec.{field}"):
-            kernels.resolve("cpu", x, spec, 8)
-        assert kernels.resolve("auto", x, spec, 8) == "composite"
+            _plan.choose("cpu", x, spec, rows)
+        assert _plan.choose("auto", x, spec, rows) == "composite"
     with pytest.raises(ValueError, match="kernel='cpu' does not compute NormSpec.residual"):
         functional.add_norm(x, x, NormSpec(residual="rounded"), kernel="cpu")
     # Without numba, "auto" warns when it misses the kernel, not when the spec needs composite.
-    monkeypatch.setattr(kernels, "_NUMBA", False)
-    monkeypatch.setitem(kernels._warned, "auto", False)
+    monkeypatch.setattr(kernels, "NUMBA", False)
+    monkeypatch.setitem(_plan._warned, "auto", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         functional.normalize(x, NormSpec("dyt"))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,9 +23,9 @@ pytest.importorskip("triton", reason="the Triton kernels need triton: pip instal
 
 from normkit import NormSpec, reference  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
+from normkit.torch._spec import RowSpec, row_spec  # noqa: E402
 from normkit.torch.functional import add_norm, normalize  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
-from normkit.torch.kernels.options import KernelOptions, kernel_options  # noqa: E402
 from tests.helpers import gated  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
@@ -40,19 +38,16 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 @pytest.fixture
 def triton_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
-    """``kernel="triton"`` takes gated and grouped specs; the options and the gate of each call
-    of the kernels' `norm_rows` and `add_norm_rows` are recorded."""
+    """``kernel="triton"`` takes gated and grouped specs; the `RowSpec` and the gate of each
+    launch of the kernels (`kernels.launch`) are recorded."""
     calls: list[dict[str, object]] = []
+    launch = kernels.launch
 
-    def recorded(kernel: Callable[..., object]) -> Callable[..., object]:
-        def spy(*args: object, **kwargs: object) -> object:
-            calls.append({"options": args[-1], "gate": kwargs.get("gate")})
-            return kernel(*args, **kwargs)
+    def spy(*args: object) -> object:
+        calls.append({"options": args[5], "gate": args[2]})
+        return launch(*args)  # type: ignore[arg-type]
 
-        return spy
-
-    for name in ("norm_rows", "add_norm_rows"):
-        monkeypatch.setattr(kernels, name, recorded(getattr(kernels, name)))
+    monkeypatch.setattr(kernels, "launch", spy)
     return calls
 
 
@@ -67,25 +62,28 @@ def _check(name: str, got: torch.Tensor, want: np.ndarray, spec: NormSpec, x: to
                 want, spec, to_numpy(x).dtype, magnitude)
 
 
-def _ran_triton(calls: list[dict[str, object]], spec: NormSpec, n: int) -> None:
-    """The kernels ran once, with the spec's gate and groups."""
-    assert len(calls) == 1, calls
+def _ran_triton(calls: list[dict[str, object]], spec: NormSpec, n: int, launches: int) -> None:
+    """The kernels ran ``launches`` times (once, or not at all), with the spec's gate and
+    groups."""
+    assert len(calls) == launches, calls
+    if not launches:
+        return
     options = calls[0]["options"]
-    assert isinstance(options, KernelOptions)
-    assert options.group_of(n) == (spec.group_size or n)
-    assert options.gate_position == spec.gate
+    assert isinstance(options, RowSpec)
+    assert options.group == (spec.group_size or n)
+    assert options.gate == (spec.gate or "")
     assert (calls[0]["gate"] is None) == (spec.gate is None)
 
 
 def _check_gated(
     spec: NormSpec, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-    calls: list[dict[str, object]], seed: int,
+    calls: list[dict[str, object]], seed: int, launches: int = 1,
 ) -> None:
     """normalize(kernel="triton") and its gradients (x, the gate, weight, bias) against
     reference.gated_normalize(_vjp), or normalize(_vjp) for an ungated spec."""
     gate = z if spec.gate else None
     y = normalize(x, spec, w, b, kernel="triton", gate=gate)
-    _ran_triton(calls, spec, x.shape[-1])
+    _ran_triton(calls, spec, x.shape[-1], launches)
     dy = torch.from_numpy(np.random.default_rng(seed).standard_normal(tuple(y.shape)))
     dy = dy.to(y.dtype).to(DEVICE)
     y.backward(dy)
@@ -192,8 +190,8 @@ def test_grouped_add_norm(
     w = _tensor(0.2 * rng.standard_normal(16), torch.float32)
     b = _tensor(0.2 * rng.standard_normal(16), torch.float32) if spec.bias else None
     y, h = add_norm(x, residual, spec, w, b, kernel="triton")
-    _ran_triton(triton_calls, spec, 16)
-    assert triton_calls[0]["options"].residual_rounding == spec.residual  # type: ignore[attr-defined]
+    _ran_triton(triton_calls, spec, 16, 1)
+    assert triton_calls[0]["options"].residual == spec.residual  # type: ignore[attr-defined]
     dy = torch.from_numpy(rng.standard_normal((3, 16))).to(y.dtype).to(DEVICE)
     dh = torch.from_numpy(rng.standard_normal((3, 16))).to(h.dtype).to(DEVICE)
     torch.autograd.backward((y, h), (dy, dh))
@@ -219,38 +217,36 @@ def test_layer_norm_groups_of_two_take_the_composite_path(
     triton_calls: list[dict[str, object]],
 ) -> None:
     """A LayerNorm group of 2 has a gradient of the order of eps, lost to float32 cancellation
-    in the kernel's formula: `norm_rows` hands it to the composite path (float64 statistic
-    gradient), which gets the reference's dx."""
+    in the kernel's formula: the plan takes the composite path for it (its closed form), which
+    gets the reference's dx; no kernel is launched."""
     spec = NormSpec("layer", group_size=2, gate="after")
     rng = np.random.default_rng(9)
     x = _tensor(rng.standard_normal((2, 8)), torch.float32)
     z = _tensor(rng.standard_normal((2, 8)), torch.float32)
     w = _tensor(1 + 0.2 * rng.standard_normal(8), torch.float32)
-    _check_gated(spec, x, z, w, None, triton_calls, seed=10)
+    _check_gated(spec, x, z, w, None, triton_calls, seed=10, launches=0)
 
 
 def test_bad_gate_and_group_arguments_raise_clear_errors() -> None:
     x = torch.randn(2, 8, device=DEVICE)
-    opts = KernelOptions(kind="rms", k=8, eps=1e-6)
-    after = replace(opts, gate_position="after")
+    opts = row_spec(NormSpec(eps=1e-6), 8)
+    after = opts._replace(gate="after")
     with pytest.raises(ValueError, match="group=3 is invalid"):
-        kernels.norm_rows(x, None, None, replace(opts, k=3, group=3))
+        kernels.norm_rows(x, None, None, opts._replace(k=3, group=3))
     with pytest.raises(ValueError, match="group=4 is invalid for kind='partial_rms'"):
-        kernels.norm_rows(x, None, None, replace(opts, kind="partial_rms", k=2, group=4))
+        kernels.norm_rows(x, None, None, opts._replace(kind="partial_rms", k=2, group=4))
     with pytest.raises(ValueError, match="k=8 is invalid for kind='rms' on rows of n=8 in groups"):
-        kernels.norm_rows(x, None, None, replace(opts, group=4))
-    with pytest.raises(ValueError, match="gate_position='before' and a gate missing"):
-        kernels.norm_rows(x, None, None, replace(opts, gate_position="before"))
-    with pytest.raises(ValueError, match="gate_position='inside' is invalid"):
-        kernels.norm_rows(x, None, None, replace(opts, gate_position="inside"), gate=x)
+        kernels.norm_rows(x, None, None, opts._replace(group=4))
+    with pytest.raises(ValueError, match="gate='before' and a gate missing"):
+        kernels.norm_rows(x, None, None, opts._replace(gate="before"))
+    with pytest.raises(ValueError, match="gate='inside' is invalid"):
+        kernels.norm_rows(x, None, None, opts._replace(gate="inside"), gate=x)
     with pytest.raises(ValueError, match="activation='relu' is invalid"):
-        kernels.norm_rows(x, None, None, replace(after, activation="relu"), gate=x)
+        kernels.norm_rows(x, None, None, after._replace(activation="relu"), gate=x)
     with pytest.raises(ValueError, match="gate must be contiguous with x's shape"):
         kernels.norm_rows(x, None, None, after, gate=x.double())
     with pytest.raises(ValueError, match="a gate with a residual is not defined"):
-        kernels.add_norm_rows(
-            x, x, None, None, replace(opts, residual_rounding="rounded", gate_position="before")
-        )
+        kernels.add_norm_rows(x, x, None, None, opts._replace(residual="rounded", gate="before"))
 
 
 def test_u_is_rounded_before_a_gate_after_the_norm() -> None:
@@ -263,8 +259,8 @@ def test_u_is_rounded_before_a_gate_after_the_norm() -> None:
         rng.standard_normal((4, 64)), 2 * rng.standard_normal((4, 64)),
         1 + 0.3 * rng.standard_normal(64)))
     want = reference.gated_normalize(to_numpy(x), to_numpy(z), spec, to_numpy(w))
-    rounded, once = (to_numpy(kernels.norm_rows(x, w, None, kernel_options(spec, 64, flag),
-                                                gate=z))
+    rounded, once = (to_numpy(kernels.norm_rows(x, w, None, row_spec(spec, 64), gate=z,
+                                                round_affine=flag))
                      for flag in (True, False))
     assert np.mean(rounded == want) >= 0.97
     assert np.mean(once == want) <= 0.9

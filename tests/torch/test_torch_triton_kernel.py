@@ -7,7 +7,6 @@ the interpreter executes every program in Python.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import itertools
 import os
@@ -30,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from normkit import NormSpec, reference, tolerances  # noqa: E402
 from normkit.bridges import TorchBridge  # noqa: E402
+from normkit.torch._spec import RowSpec, row_spec  # noqa: E402
 from normkit.torch.kernels import triton as kernels  # noqa: E402
-from normkit.torch.kernels.options import KernelOptions, kernel_options  # noqa: E402
 from tests.helpers.dispatched import DispatchedOps  # noqa: E402
 
 to_numpy = TorchBridge().to_numpy
@@ -81,8 +80,8 @@ def _params(
     )
 
 
-def _options(spec: NormSpec, n: int, **fields: object) -> KernelOptions:
-    return dataclasses.replace(kernel_options(spec, n), **fields)  # type: ignore[arg-type]
+def _options(spec: NormSpec, n: int, **fields: object) -> RowSpec:
+    return row_spec(spec, n)._replace(**fields)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -322,7 +321,7 @@ def test_add_norm_rows(
     weight, bias = _params(spec, n, torch.float32, seed=3)
     xl, rl, wl, bl = _leaves(x, residual, weight, bias)
     y, h = kernels.add_norm_rows(
-        xl, rl, wl, bl, _options(spec, n, residual_rounding=rounding)
+        xl, rl, wl, bl, _options(spec, n, residual=rounding)
     )
     assert y.dtype == dtype
     assert h.dtype == (torch.float32 if rounding == "float32" else dtype)
@@ -352,14 +351,12 @@ def test_bad_arguments_raise_clear_errors() -> None:
         kernels.norm_rows(x.double(), None, None, opts)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         kernels.norm_rows(x, _randn(7, seed=0), None, opts)
-    with pytest.raises(ValueError, match="k=3 is invalid for kind='rms'"):
-        kernels.norm_rows(x, None, None, dataclasses.replace(opts, k=3))
+    with pytest.raises(ValueError, match="the RowSpec is for rows of n=9, x has rows of 8"):
+        kernels.norm_rows(x, None, None, opts._replace(n=9))
     with pytest.raises(ValueError, match="kind='group' is invalid"):
-        kernels.norm_rows(x, None, None, dataclasses.replace(opts, kind="group"))
-    with pytest.raises(ValueError, match="cast='late' is invalid"):
-        kernels.norm_rows(x, None, None, dataclasses.replace(opts, cast="late"))
-    with pytest.raises(ValueError, match="residual_rounding='half' is invalid"):
-        kernels.add_norm_rows(x, x, None, None, dataclasses.replace(opts, residual_rounding="half"))
+        kernels.norm_rows(x, None, None, opts._replace(kind="group"))
+    with pytest.raises(ValueError, match="residual='half' is invalid"):
+        kernels.add_norm_rows(x, x, None, None, opts._replace(residual="half"))
     with pytest.raises(ValueError, match="residual must be contiguous with x's shape"):
         kernels.add_norm_rows(x, x[:1], None, None, _options(NormSpec(residual="rounded"), 8))
     layer = _options(NormSpec(kind="layer", residual="rounded"), 2)
@@ -585,10 +582,11 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from normkit.torch.kernels import triton as kernels
-from normkit.torch.kernels.options import KernelOptions
+from normkit import NormSpec
+from normkit.torch._spec import row_spec
 
-options = KernelOptions(kind="layer", k=64, eps=1e-6, outside=True, scale_offset=1.0,
-                        cast="before_scale")
+options = row_spec(NormSpec("layer", eps=1e-6, eps_placement="outside", scale_offset=1.0,
+                            cast="before_scale"), 64)
 x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
 w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
 
@@ -773,7 +771,7 @@ def test_the_kernel_switch_reaches_the_triton_kernels(spec: NormSpec) -> None:
 
 
 class _OnCuda:
-    """What `normkit.torch.kernels.resolve` reads of a CUDA tensor, without a GPU."""
+    """What `normkit.torch._plan.choose` reads of a CUDA tensor, without a GPU."""
 
     is_meta = False
     device = torch.device("cuda")
@@ -786,22 +784,23 @@ def test_auto_takes_the_triton_kernels_on_cuda(monkeypatch: pytest.MonkeyPatch) 
     """On CUDA, ``kernel="auto"`` runs the Triton kernels for float32, float16 and bfloat16;
     float64 keeps the composite path, and so do the fields the kernels lack, degenerate rows,
     and a machine without triton."""
+    from normkit.torch import _plan
     from normkit.torch import kernels as switch
 
-    resolve = switch.resolve
+    def choose(dtype: torch.dtype, spec: NormSpec, n: int) -> str:
+        return _plan.choose("auto", _OnCuda(dtype), spec, row_spec(spec, n))  # type: ignore[arg-type]
+
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "triton"
-        assert resolve("auto", _OnCuda(dtype), NormSpec("layer", residual="rounded"), 64) == (
-            "triton")
-        assert resolve("auto", _OnCuda(dtype), NormSpec(gate="after"), 64) == "triton"
-        assert resolve("auto", _OnCuda(dtype), NormSpec("layer", variance="fast"), 64) == (
-            "composite")
-        assert resolve("auto", _OnCuda(dtype), NormSpec("dyt"), 64) == "composite"
-        assert resolve("auto", _OnCuda(dtype), NormSpec(), 1) == "composite"
-    assert resolve("auto", _OnCuda(torch.float64), NormSpec(), 64) == "composite"
-    monkeypatch.setattr(switch, "_TRITON", False)
+        assert choose(dtype, NormSpec(), 64) == "triton"
+        assert choose(dtype, NormSpec("layer", residual="rounded"), 64) == "triton"
+        assert choose(dtype, NormSpec(gate="after"), 64) == "triton"
+        assert choose(dtype, NormSpec("layer", variance="fast"), 64) == "composite"
+        assert choose(dtype, NormSpec("dyt"), 64) == "composite"
+        assert choose(dtype, NormSpec(), 1) == "composite"
+    assert choose(torch.float64, NormSpec(), 64) == "composite"
+    monkeypatch.setattr(switch, "TRITON", False)
     for dtype in (torch.float32, torch.bfloat16):
-        assert resolve("auto", _OnCuda(dtype), NormSpec(), 64) == "composite"
+        assert choose(dtype, NormSpec(), 64) == "composite"
 
 
 @pytest.mark.gpu
@@ -810,8 +809,8 @@ def test_auto_on_cuda_runs_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -
     from normkit.torch import RMSNorm
 
     launches = []
-    norm_rows = kernels.norm_rows
-    monkeypatch.setattr(kernels, "norm_rows", lambda *a, **k: launches.append(1) or norm_rows(
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: launches.append(1) or launch(
         *a, **k))
     for dtype in (torch.float32, torch.bfloat16):
         launches.clear()
@@ -858,7 +857,116 @@ def test_a_launch_on_a_gpu_that_is_not_current_makes_it_current(
     monkeypatch.setattr(kernels, "_traced", lambda x: False)
     kernels._launcher(_OnGpu(1))(Kernel())[(4,)]("x")
     assert launched == [((4,), ("x",), 1)] and current == [0]
-    assert kernels._launcher(_OnGpu(0)) is kernels._direct
+    launcher = kernels._launcher(_OnGpu(0))
+    assert launcher is kernels._plain_launch or launcher.func is kernels._Direct  # type: ignore[attr-defined]
+
+
+class _Compiled:
+    """A stand-in for Triton's CompiledKernel: its launcher records what it is called with."""
+
+    function = "cu-function"
+    packed_metadata = ("packed",)
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[object, ...]] = []
+
+    def run(self, *args: object) -> None:
+        self.runs.append(args)
+
+
+class _Jit:
+    """A stand-in for a JITFunction: ``kernel[grid](...)`` compiles (once per call here) and
+    launches, returning the compiled kernel, as ``JITFunction.run`` does."""
+
+    arg_names = ["X", "n", "eps", "BLOCK", "LAYER"]
+
+    def __init__(self, compiled: _Compiled) -> None:
+        self.compiled = compiled
+        self.launches: list[tuple[object, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        def run(*args: object, **kwargs: object) -> _Compiled:
+            self.launches.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+def test_the_direct_launch_calls_the_compiled_kernels_launcher_as_jit_run_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kernels._Direct` (eager launches on a GPU, Triton 3.6 and 3.9): the first launch of a
+    specialization goes through ``JITFunction.run``, which returns the compiled kernel; later
+    ones call its launcher with what ``JITFunction.run`` passes it (grid, stream, function,
+    packed metadata, launch metadata, hooks, then every argument, constexprs included, in the
+    kernel's order). A new specialization (an int that turns a multiple of 16) or a launch
+    hook goes through ``JITFunction.run`` again. No GPU is needed: the stream is faked."""
+    import triton
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index,
+                        raising=False)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    compiled = _Compiled()
+    jit = _Jit(compiled)
+    x = torch.zeros(16)
+    launch = kernels._Direct(2, jit)
+    launch[(3,)](x, 8, 1e-6, BLOCK=8, LAYER=True, num_warps=4)
+    launch[(5,)](x, 8, 1e-6, BLOCK=8, LAYER=True, num_warps=4)
+    assert jit.launches == [((3,), (x, 8, 1e-6), dict(BLOCK=8, LAYER=True, num_warps=4))]
+    assert compiled.runs == [
+        (5, 1, 1, 1002, "cu-function", ("packed",), None, None, None, x, 8, 1e-6, 8, True)
+    ]
+    launch[(5,)](x, 16, 1e-6, BLOCK=8, LAYER=True, num_warps=4)  # n % 16 == 0: compiled anew
+    assert len(jit.launches) == 2 and len(compiled.runs) == 1
+    hooks = triton.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(hooks, "calls", [lambda metadata: None])
+    launch[(5,)](x, 8, 1e-6, BLOCK=8, LAYER=True, num_warps=4)  # a profiler's hook: JIT's run
+    assert len(jit.launches) == 3 and len(compiled.runs) == 1
+
+
+def test_the_direct_launch_is_for_the_triton_versions_it_knows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under Triton's interpreter (no compiled kernels) and on Triton versions whose launch
+    convention was not checked, kernels launch through ``JITFunction.run``: this test's own
+    interpreter runs are that side."""
+    import triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not kernels._direct_launch_supported()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for version, supported in (("3.6.0", True), ("3.9.0", True), ("3.9.1+git1234", True),
+                               ("3.7.0", False), ("3.5.1", False), ("4.0.0", False)):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert kernels._direct_launch_supported() is supported, version
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_direct_and_jit_launches_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU: a forward and backward launched directly, twice (the second through the
+    compiled kernels' launchers), against the same launched through ``JITFunction.run``."""
+    from normkit.torch import LayerNorm
+
+    x = _randn(64, 1024, seed=5, dtype=torch.bfloat16)
+    dy = _randn(64, 1024, seed=6, dtype=torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        layer = LayerNorm(1024, device=DEVICE, kernel="triton")
+        xl = x.clone().requires_grad_(True)
+        y = layer(xl)
+        y.backward(dy)
+        assert xl.grad is not None and layer.weight.grad is not None
+        return y, xl.grad, layer.weight.grad
+
+    assert kernels._direct_launch_supported(), "the GPU machine's Triton has no direct launch"
+    monkeypatch.setattr(kernels, "DIRECT_LAUNCH", True)
+    runs = [step() for _ in range(3)]
+    monkeypatch.setattr(kernels, "DIRECT_LAUNCH", False)
+    through_jit = step()
+    for run in runs:
+        for got, want in zip(run, through_jit, strict=True):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -885,13 +993,14 @@ def test_add_norm_with_kernel_triton_fuses_the_add(
     from normkit.torch.functional import add_norm
 
     calls = []
-    fused = kernels.add_norm_rows
+    fused = kernels.launch
 
     def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(args[-1].residual_rounding)  # type: ignore[attr-defined]
+        assert args[1] is not None  # the residual, added in the kernel
+        calls.append(args[5].residual)  # type: ignore[attr-defined]
         return fused(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "add_norm_rows", spy)
+    monkeypatch.setattr(kernels, "launch", spy)
     spec = NormSpec(cast="before_scale", bias=True, residual=rounding)
     x, residual = _randn(2, 3, 16, seed=1, dtype=torch.bfloat16), _randn(2, 3, 16, seed=2)
     residual = residual.to(torch.bfloat16)

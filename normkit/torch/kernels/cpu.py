@@ -36,14 +36,17 @@ from normkit.torch._autograd import (
     NormFunction,
     _shape_only,
     apply,
+    apply_eager,
     needs_graph,
     signature_once,
 )
-from normkit.torch.kernels.options import KernelOptions
+from normkit.torch._spec import RowSpec, decode, encode
 
-__all__ = ["CpuGatedNormFunction", "CpuNormFunction", "load", "norm_rows", "unavailable_reason"]
+__all__ = [
+    "CpuGatedNormFunction", "CpuNormFunction", "empty_cache", "load", "norm_rows",
+    "unavailable_reason",
+]
 
-KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 64
 """Rows per parallel task and per partial sum of the weight and bias gradients: fixed, so that
@@ -63,8 +66,8 @@ MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
-    "module": None, "reason": None, "warned": False, "compiled": set(), "forked": False,
-    "openmp": False,
+    "module": None, "reason": None, "warned": False, "compiled": {}, "forked": False,
+    "openmp": False, "ready": {},
 }
 
 
@@ -80,25 +83,37 @@ def load(dtype: torch.dtype = torch.float32, gated: bool = False) -> ModuleType 
     None, with `unavailable_reason` set, if numba cannot be imported or fails to compile.
     ``gated``: the kernels of gated and grouped specs (``gated_forward``, ``gated_backward``),
     compiled on their first use only."""
-    key = (dtype, "gated") if gated else dtype
-    if _state["reason"] is None and key not in _state["compiled"]:
-        with _lock:
-            if _state["reason"] is None and key not in _state["compiled"]:
-                try:
-                    if not _state["compiled"]:  # the first kernels: numba's layer starts
-                        _configure_numba()
-                    from normkit.torch.kernels import _cpu_numba
+    return None if _entry_points(dtype, gated) is None else _state["module"]
 
-                    kernels = ("gated_forward", "gated_backward") if gated else (
-                        "forward", "backward")
-                    signatures = _cpu_numba.gated_signatures if gated else _cpu_numba.signatures
-                    for name, signature in zip(kernels, signatures(_NAMES[dtype]), strict=True):
-                        getattr(_cpu_numba, name).compile(signature)
-                    _state["module"] = _cpu_numba
-                    _state["compiled"].add(key)
-                except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
-                    _state["reason"] = f"{type(exc).__name__}: {exc}"
-    return _state["module"] if _state["reason"] is None else None
+
+def _entry_points(dtype: torch.dtype, gated: bool) -> tuple[Callable[..., None], ...] | None:
+    """`load`'s forward and backward kernels for ``dtype``, as their compiled entry points:
+    called with arguments of the types compiled for (the views of `_view`, ints, floats, bools)
+    they skip numba's dispatch, which types every argument on every call (0.5 us of a
+    one-token call)."""
+    key = (dtype, gated)
+    found: tuple[Callable[..., None], ...] | None = _state["compiled"].get(key)
+    if found is not None or _state["reason"] is not None:
+        return found
+    with _lock:
+        if key not in _state["compiled"] and _state["reason"] is None:
+            try:
+                if not _state["compiled"]:  # the first kernels: numba's layer starts
+                    _configure_numba()
+                from normkit.torch.kernels import _cpu_numba
+
+                kernels = ("gated_forward", "gated_backward") if gated else ("forward", "backward")
+                signatures = _cpu_numba.gated_signatures if gated else _cpu_numba.signatures
+                _state["compiled"][key] = tuple(
+                    getattr(_cpu_numba, name).compile(signature)
+                    for name, signature in zip(kernels, signatures(_NAMES[dtype]), strict=True)
+                )
+                _state["module"] = _cpu_numba
+                _mark_compiled(dtype, gated)
+            except Exception as exc:  # noqa: BLE001 (an ImportError, or any failure of numba)
+                _state["reason"] = f"{type(exc).__name__}: {exc}"
+    found = _state["compiled"].get(key)
+    return found
 
 
 def unavailable_reason() -> str | None:
@@ -152,9 +167,139 @@ def _threading_layer() -> str:
     return "omp"
 
 
-def _kernels(dtype: torch.dtype, strict: bool, gated: bool = False) -> ModuleType | None:
-    module = load(dtype, gated)
-    if module is None:
+COMPILE = "NORMKIT_CPU_COMPILE"
+"""The environment variable that says what ``kernel="auto"`` does where the CPU kernel is not
+compiled on this machine yet: ``"background"`` (the default: `ready`) or ``"wait"`` (compile
+it in the call that first needs it)."""
+
+
+def ready(dtype: torch.dtype, gated: bool = False) -> bool:
+    """Whether ``kernel="auto"`` runs the CPU kernel for rows of ``dtype`` (``gated``: of gated
+    and grouped specs) in this process: decided once per process, so that a layer's results do
+    not change when a compilation finishes.
+
+    Yes where this process has the kernels already (compiled, or loaded by `load`), where the
+    disk cache holds them (normkit marks it when numba compiled them: loading takes a fraction
+    of a second), or with ``NORMKIT_CPU_COMPILE=wait``. Otherwise no: this process takes the
+    composite path for those rows, and a process of its own (``python -m
+    normkit.torch.warmup``, at low priority) compiles the kernels into the cache for the
+    processes that start later; one warning says so. ``kernel="cpu"`` compiles in the call.
+    """
+    key = (dtype, gated)
+    decided: bool | None = _state["ready"].get(key)
+    if decided is not None:
+        return decided
+    decided = (
+        key in _state["compiled"] or os.environ.get(COMPILE, "background") == "wait"
+        or os.path.exists(_mark(dtype, gated))
+    )
+    if decided:
+        load(dtype, gated)  # from the cache; a failure warns on the first launch
+    else:
+        _compile_in_background(dtype, gated)
+        warnings.warn(
+            f"normkit's CPU kernel for {_NAMES[dtype]} rows{' (gated or grouped)' if gated else ''}"
+            " is not compiled on this machine yet: this process runs the composite path for "
+            "them (torch ops, within normkit's tolerances of the kernel, not bit-identical to "
+            "it), and the kernel is being compiled in the background for the processes that "
+            "start later. To run it from the first call, call normkit.torch.warmup() first or "
+            f"set {COMPILE}=wait.",
+            RuntimeWarning, stacklevel=6,
+        )
+    _state["ready"][key] = decided
+    return decided
+
+
+def _cache_folder() -> str:
+    """Where numba caches the kernels' machine code: ``NUMBA_CACHE_DIR``, else the package's
+    ``__pycache__`` where it is writable, else the user cache folder numba chooses."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.access(here, os.W_OK):
+        return os.path.join(here, "__pycache__")
+    if sys.platform == "darwin":
+        return os.path.expanduser("~/Library/Caches/numba")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "numba")
+
+
+@functools.cache
+def _build_key() -> str:
+    """What numba's cache of the kernels depends on: their source, numba's and llvmlite's
+    versions, Python's, the CPU (its model and features)."""
+    import hashlib
+    import importlib.metadata
+    import platform
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cpu_numba.py")
+    with open(source, "rb") as kernels:
+        parts = [kernels.read(), sys.version.encode(), platform.machine().encode()]
+    for package in ("numba", "llvmlite"):
+        try:
+            parts.append(importlib.metadata.version(package).encode())
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(b"")
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            parts += [line for line in info.read().splitlines()
+                      if line.startswith((b"model name", b"flags"))][:2]
+    except OSError:
+        parts.append(platform.processor().encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _mark(dtype: torch.dtype, gated: bool) -> str:
+    """The file that says numba has compiled the kernels of ``dtype`` (``gated``) into its
+    cache for this build (`_build_key`)."""
+    family = _NAMES[dtype] + ("-gated" if gated else "")
+    return os.path.join(_cache_folder(), f"normkit-cpu-{family}-{_build_key()}.compiled")
+
+
+def _mark_compiled(dtype: torch.dtype, gated: bool) -> None:
+    """Write `_mark` (where the folder is writable)."""
+    path = _mark(dtype, gated)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as mark:
+            mark.write("compiled\n")
+    except OSError:
+        pass
+
+
+def _compile_in_background(dtype: torch.dtype, gated: bool) -> None:
+    """Start ``python -m normkit.torch.warmup`` for ``dtype`` (``gated``) in a process of its
+    own, unless one runs already (its lock file, less than half an hour old)."""
+    import subprocess
+    import time
+
+    lock = _mark(dtype, gated).removesuffix(".compiled") + ".compiling"
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) < 1800:
+            return
+        with open(lock, "w") as held:
+            held.write(f"{os.getpid()}\n")
+    except OSError:
+        return
+    command = [sys.executable, "-m", "normkit.torch.warmup", "--background", "--lock", lock,
+               "--dtype", _NAMES[dtype]] + (["--gated"] if gated else [])
+    # this normkit, wherever it was imported from
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+
+
+def _kernels(
+    dtype: torch.dtype, strict: bool, gated: bool = False
+) -> tuple[Callable[..., None], ...] | None:
+    """`_entry_points`, or None after one warning (an error with ``strict``) where the kernels
+    cannot load."""
+    found = _entry_points(dtype, gated)
+    if found is None:
         message = (
             f"normkit's CPU kernel is unavailable ({unavailable_reason()}); "
             f"using the composite path. Install it with {INSTALL}."
@@ -164,7 +309,7 @@ def _kernels(dtype: torch.dtype, strict: bool, gated: bool = False) -> ModuleTyp
         if not _state["warned"]:
             _state["warned"] = True
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-    return module
+    return found
 
 
 def _threads() -> int:
@@ -198,13 +343,16 @@ _NUMPY_DTYPES = {
 }
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous plain tensor whose memory holds its values.
 
     A tensor subclass (e.g. the AsyncCollectiveTensor a DTensor's gradient arrives as) may not
     have its data in place until a torch op runs on it: it is copied through one.
     """
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) not in _PLAIN:
         return t.clone(memory_format=torch.contiguous_format)
     return t.contiguous()
 
@@ -260,32 +408,73 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _output_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped and typed like ``t``, uninitialized; on Linux, an output of 32
-    MiB or more starts on a 2 MiB boundary and has its whole 2 MiB pages advised onto
-    transparent huge pages (``MADV_HUGEPAGE``) before the kernel first writes them.
+    """A contiguous tensor shaped and typed like ``t``, uninitialized. On Linux, an output of 32
+    MiB or more starts on a 2 MiB boundary of a storage `_storage` reuses, and is advised onto
+    transparent huge pages (``MADV_HUGEPAGE``) where that storage is new.
 
     Fresh memory is mapped page by page on first write; with 4 KiB pages a 128 MiB output
     takes 32768 page faults, which cost more than writing it (most of ``clone``'s time on a
-    virtual machine). glibc maps allocations of 32 MiB and more on their own and unmaps them
-    when freed, so the advice lives and dies with this tensor. torch's allocations start 64
-    bytes into such a mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary
-    and the part after the last could only take 4 KiB pages (about 512 faults more than the
-    64 of a 128 MiB output, and a huge page two threads' claims would share). The output is
-    therefore placed at the first 2 MiB boundary of an allocation 2 MiB larger: its storage
-    holds that much more address space before it (never written, so never mapped; storage
-    offset nonzero). Advice only: where the kernel refuses it (THP disabled), pages stay 4 KiB.
+    virtual machine), and whether the machine gives huge pages varies from call to call (a
+    forward of 2048 x 4096 float32 took 6 to 22 ms in one loop). A storage used before is
+    mapped already: a loop that drops each output gets it back, written at memory speed. The
+    huge-page advice helps the first writes. torch's allocations start 64 bytes into such a
+    mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary and the part
+    after the last could only take 4 KiB pages (about 512 faults more than the 64 of a 128 MiB
+    output, and a huge page two threads' claims would share). The output is therefore placed
+    at the first 2 MiB boundary of a storage 2 MiB larger (storage offset nonzero).
     """
     size = t.numel() * t.element_size()
     advise = _madvise() if size >= HUGE_PAGE_MIN_BYTES else None
     if advise is None:
         return torch.empty_like(t)
-    storage = torch.empty(size + HUGE_PAGE, dtype=torch.uint8).untyped_storage()
+    storage, fresh = _storage(size + HUGE_PAGE)
     start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     offset = (start - storage.data_ptr()) // t.element_size()  # allocations are 64-byte aligned
     strides = tuple(math.prod(t.shape[axis + 1:]) for axis in range(t.dim()))
     out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
-    advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
+    if fresh:
+        advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
     return out
+
+
+KEPT_BYTES = 2**32
+"""The most bytes of output storage `_storage` keeps for reuse (4 GiB); `empty_cache` gives
+back those no tensor uses."""
+_kept: dict[int, list[torch.UntypedStorage]] = {}
+_kept_lock = threading.Lock()
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage(nbytes: int) -> tuple[torch.UntypedStorage, bool]:
+    """A CPU storage of ``nbytes`` and whether it is new: one kept from an earlier output that
+    no tensor uses any more (its pages mapped already), else a new one, kept for later while
+    the kept storages stay within `KEPT_BYTES`. A kept storage is free when the only reference
+    to it is the keeper's (torch's count of its users: tensors, views, autograd's saved
+    tensors, Python storage objects)."""
+    if _use_count is None:  # a torch without the count: nothing is kept
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage(), True
+    with _kept_lock:
+        kept = _kept.setdefault(nbytes, [])
+        for storage in kept:
+            if _use_count(storage._cdata) == 1:
+                return storage, False
+        storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
+        if sum(size * len(held) for size, held in _kept.items()) + nbytes <= KEPT_BYTES:
+            kept.append(storage)
+        return storage, True
+
+
+def empty_cache() -> int:
+    """Give back the output storages kept for reuse that no tensor uses; returns their bytes.
+    (Outputs of the CPU kernel of 32 MiB and more are made in storages kept for the next
+    outputs of their size, at most `KEPT_BYTES`.)"""
+    freed = 0
+    with _kept_lock:
+        for size, held in _kept.items():
+            used = [s for s in held if _use_count is not None and _use_count(s._cdata) > 1]
+            freed += size * (len(held) - len(used))
+            held[:] = used
+    return freed
 
 
 def _eager(x: torch.Tensor) -> bool:
@@ -319,30 +508,52 @@ def _claimed_blocks(x: torch.Tensor, workers: int) -> int:
     return _claimed_rows(x, workers) // BLOCK_ROWS
 
 
+KINDS = {"rms": 0, "partial_rms": 1, "layer": 2}
+GATES = {"": 0, "before": 1, "after": 2}
+
+
 def _norm(
-    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
-    outside: bool, cast: str, strict: bool,
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, rows: RowSpec, strict: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, r)`` for rows ``x`` (rows, n) with effective scale ``g`` and bias ``b`` (float32,
     n); ``r`` is each row's ``r(s)`` in float32."""
-    module = _kernels(x.dtype, strict)
-    if module is None:
-        y, r = apply(NormFunction, x, g, b, kind, k, eps, outside, cast)
+    kernels = _state["compiled"].get((x.dtype, False)) or _kernels(x.dtype, strict)
+    if kernels is None:
+        y, r = apply(NormFunction, x, g, b, rows, x.dtype, x.dtype)
         return y, r
-    x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
+    if not (type(x) in _PLAIN and type(g) in _PLAIN and type(b) in _PLAIN
+            and x.is_contiguous() and g.is_contiguous() and b.is_contiguous()):
+        x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
+    count = x.shape[0]
     y = _output_like(x)
-    r = torch.empty(x.shape[0], dtype=torch.float32, device="cpu")
+    r = torch.empty(count, dtype=torch.float32, device="cpu")
     with _lock:
-        workers = _workers(x)
-        module.forward(
-            _rows(x), _rows(g), _rows(b), _rows(y), _rows(r),
-            KINDS[kind], k, eps, outside, cast == "before_scale", _claimed_rows(x, workers),
-            workers,
+        small = x.numel() < (SERIAL // 4 if _state["openmp"] else SERIAL)
+        workers = 1 if small else _workers(x)
+        claim = max(BLOCK_ROWS, min(-(-CLAIM_BYTES // (x.shape[1] * x.element_size())),
+                                    count // (8 * workers)))
+        kernels[0](
+            _view(x.data_ptr(), x.shape, x.dtype), _view(g.data_ptr(), g.shape, g.dtype),
+            _view(b.data_ptr(), b.shape, b.dtype), _view(y.data_ptr(), y.shape, y.dtype),
+            _view(r.data_ptr(), r.shape, r.dtype), KINDS[rows.kind], rows.k, rows.eps,
+            rows.outside, rows.before_scale, claim, workers,
         )
     return y, r
 
 
-cpu_norm = torch.library.custom_op("normkit::cpu_norm", _norm, mutates_args=(), device_types="cpu")
+forward = _norm
+"""The forward kernel called directly on plain contiguous CPU tensors: ``(y, r)``."""
+
+
+def _norm_op(
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, spec: str, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm(x, g, b, decode(spec), strict)
+
+
+cpu_norm = torch.library.custom_op(
+    "normkit::cpu_norm", _norm_op, mutates_args=(), device_types="cpu"
+)
 
 
 @cpu_norm.register_fake
@@ -368,35 +579,50 @@ def _param_grad_buffers(
 
 
 def _norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, kind: str, k: int,
-    eps: float, outside: bool, need_g: bool, need_b: bool, strict: bool,
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, rows: RowSpec,
+    need_g: bool, need_b: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dg, db)`` of `cpu_norm` for the cotangent ``dy``: dx in x's dtype, dg and db float32
     (the sums over rows of ``dy * y_hat`` and ``dy``; zeros unless ``need_g`` / ``need_b``)."""
-    module = _kernels(x.dtype, strict)
-    if module is None:
+    kernels = _state["compiled"].get((x.dtype, False)) or _kernels(x.dtype, strict)
+    if kernels is None:
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(), g.detach().requires_grad_()]
             bias = torch.zeros_like(g, requires_grad=True)
-            y, _ = NormFunction.apply(*leaves, bias, kind, k, eps, outside, "after_scale")
+            y, _ = NormFunction.apply(*leaves, bias, rows, x.dtype, x.dtype)
             dx, dg, db = torch.autograd.grad(y, [*leaves, bias], dy)
         return dx, dg, db
-    x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
-    rows, n = x.shape
+    if not (type(x) in _PLAIN and type(dy) in _PLAIN and type(g) in _PLAIN
+            and x.is_contiguous() and dy.is_contiguous() and g.is_contiguous()):
+        x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
+    count, n = x.shape
     dx = _output_like(x)
-    dg_blocks, db_blocks, dg, db = _param_grad_buffers(rows, n, need_g, need_b)
+    dg_blocks, db_blocks, dg, db = _param_grad_buffers(count, n, need_g, need_b)
     with _lock:
-        workers = _workers(x)
-        module.backward(
-            _rows(x), _rows(r), _rows(dy), _rows(g), _rows(dx), _rows(dg_blocks),
-            _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, eps, outside, need_g,
-            need_b, BLOCK_ROWS, _claimed_blocks(x, workers), workers,
+        small = x.numel() < (SERIAL // 4 if _state["openmp"] else SERIAL)
+        workers = 1 if small else _workers(x)
+        kernels[1](
+            _view(x.data_ptr(), x.shape, x.dtype), _view(r.data_ptr(), r.shape, r.dtype),
+            _view(dy.data_ptr(), dy.shape, dy.dtype), _view(g.data_ptr(), g.shape, g.dtype),
+            _view(dx.data_ptr(), dx.shape, dx.dtype),
+            _view(dg_blocks.data_ptr(), dg_blocks.shape, dg_blocks.dtype),
+            _view(db_blocks.data_ptr(), db_blocks.shape, db_blocks.dtype),
+            _view(dg.data_ptr(), dg.shape, dg.dtype), _view(db.data_ptr(), db.shape, db.dtype),
+            KINDS[rows.kind], rows.k, rows.eps, rows.outside, need_g, need_b, BLOCK_ROWS,
+            _claimed_blocks(x, workers), workers,
         )
     return dx, dg, db
 
 
+def _norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, spec: str,
+    need_g: bool, need_b: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_backward(dy, x, r, g, decode(spec), need_g, need_b, strict)
+
+
 cpu_norm_backward = torch.library.custom_op(
-    "normkit::cpu_norm_backward", _norm_backward, mutates_args=(), device_types="cpu"
+    "normkit::cpu_norm_backward", _norm_backward_op, mutates_args=(), device_types="cpu"
 )
 
 
@@ -412,56 +638,59 @@ class CpuNormFunction(torch.autograd.Function):
     """`cpu_norm` with its backward, as an autograd.Function so that torch.func transforms apply
     (torch.library's own autograd registration does not support them).
 
-    ``apply(x, g, b, kind, k, eps, outside, cast, strict)``; under ``create_graph`` (double
-    backward) the gradient is the composite path's, which is differentiable.
+    ``apply(x, g, b, rows, strict, direct)``, ``rows`` the `RowSpec`, ``direct`` whether the
+    kernels are called directly (`_eager`) rather than through their custom ops; under
+    ``create_graph`` (double backward) the gradient is the composite path's, which is
+    differentiable.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(
-        x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, kind: str, k: int, eps: float,
-        outside: bool, cast: str, strict: bool,
+        x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, rows: RowSpec, strict: bool,
+        direct: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        op = _norm if _eager(x) else cpu_norm
-        y, r = op(x, g, b, kind, k, eps, outside, cast, strict)
+        if direct:
+            return _norm(x, g, b, rows, strict)
+        y, r = cpu_norm(x, g, b, encode(rows), strict)
         return y, r
 
     @staticmethod
     def setup_context(
         ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        x, g, b, kind, k, eps, outside, cast, strict = inputs
+        x, g, b, rows, strict, direct = inputs
         ctx.save_for_backward(x, output[1], g, b)
         ctx.mark_non_differentiable(output[1])
-        ctx.options = (kind, k, eps, outside, cast, strict)
+        ctx.rows, ctx.strict, ctx.direct = rows, strict, direct
 
     @staticmethod
     def backward(
         ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         x, r, g, b = ctx.saved_tensors
-        kind, k, eps, outside, cast, strict = ctx.options
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
+        rows: RowSpec = ctx.rows
         if torch.is_grad_enabled():
-            dx, dg, db = _composite_vjp(x, g, b, dy, kind, k, eps, outside, cast)
+            dx, dg, db = _composite_vjp(x, g, b, dy, rows)
+        elif ctx.direct:
+            dx, dg, db = _norm_backward(dy, x, r, g, rows, need_g, need_b, ctx.strict)
         else:
-            op = _norm_backward if _eager(x) else cpu_norm_backward
-            dx, dg, db = op(dy, x, r, g, kind, k, eps, outside, need_g, need_b, strict)
+            dx, dg, db = cpu_norm_backward(dy, x, r, g, encode(rows), need_g, need_b, ctx.strict)
         return (
-            dx if need_x else None, dg if need_g else None, db if need_b else None,
-            None, None, None, None, None, None,
+            dx if need_x else None, dg if need_g else None, db if need_b else None, None, None,
+            None,
         )
 
 
 def _composite_vjp(
-    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, kind: str, k: int,
-    eps: float, outside: bool, cast: str,
+    x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, rows: RowSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The vector-Jacobian product through `NormFunction`, as a differentiable graph."""
 
     def composite(xc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = NormFunction.apply(xc, gc, bc, kind, k, eps, outside, cast)[0]
+        y: torch.Tensor = NormFunction.apply(xc, gc, bc, rows, x.dtype, x.dtype)[0]
         return y
 
     vjp = torch.func.vjp(composite, x, g, b)[1]
@@ -485,17 +714,16 @@ def _batched(info: Any, in_dims: tuple[Any, ...], fn: Any, args: tuple[Any, ...]
 @torch.library.register_vmap("normkit::cpu_norm")
 def _cpu_norm_vmap(
     info: Any, in_dims: tuple[Any, ...], x: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
-    kind: str, k: int, eps: float, outside: bool, cast: str, strict: bool,
+    spec: str, strict: bool,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
     x_dim, g_dim, b_dim = in_dims[:3]
     if x_dim is not None and g_dim is None and b_dim is None:
         moved = x.movedim(x_dim, 0)
-        y, r = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, kind, k, eps, outside, cast,
-                        strict)
+        y, r = cpu_norm(moved.reshape(-1, moved.shape[-1]), g, b, spec, strict)
         return (y.reshape(moved.shape), r.reshape(moved.shape[:-1])), (0, 0)
 
     def one(xi: torch.Tensor, gi: torch.Tensor, bi: torch.Tensor) -> Any:
-        return cpu_norm(xi, gi, bi, kind, k, eps, outside, cast, strict)
+        return cpu_norm(xi, gi, bi, spec, strict)
 
     result: tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]] = _batched(
         info, in_dims[:3], one, (x, g, b)
@@ -506,11 +734,10 @@ def _cpu_norm_vmap(
 @torch.library.register_vmap("normkit::cpu_norm_backward")
 def _cpu_norm_backward_vmap(
     info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, r: torch.Tensor,
-    g: torch.Tensor, kind: str, k: int, eps: float, outside: bool, need_g: bool, need_b: bool,
-    strict: bool,
+    g: torch.Tensor, spec: str, need_g: bool, need_b: bool, strict: bool,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     def one(dyi: torch.Tensor, xi: torch.Tensor, ri: torch.Tensor, gi: torch.Tensor) -> Any:
-        return cpu_norm_backward(dyi, xi, ri, gi, kind, k, eps, outside, need_g, need_b, strict)
+        return cpu_norm_backward(dyi, xi, ri, gi, spec, need_g, need_b, strict)
 
     result: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] = _batched(
         info, in_dims[:4], one, (dy, x, r, g)
@@ -520,104 +747,101 @@ def _cpu_norm_backward_vmap(
 
 # ---- gated and grouped specs -----------------------------------------------------------------
 
-GATES = {None: 0, "before": 1, "after": 2}
-
 
 def _composite_gated(
-    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
-    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
-    activation: str, round_affine: bool,
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, rows: RowSpec,
+    round_affine: bool,
 ) -> torch.Tensor:
     """``y`` of `cpu_gated_norm` by the composite path (`normkit.torch._gated.norm_rows`): the
     fallback without numba, and a differentiable graph for double backward."""
-    from normkit.spec import NormSpec
     from normkit.torch import _gated
 
-    n = x.shape[-1]
-    spec = NormSpec(
-        kind,  # type: ignore[arg-type]
-        eps=eps, eps_placement="outside" if outside else "inside",
-        p=k / n if kind == "partial_rms" else None, cast=cast,  # type: ignore[arg-type]
-        gate=gate_position, gate_activation=activation if gate_position else None,  # type: ignore[arg-type]
-        group_size=group if group < n else None,
-    )
     affine = x.dtype if round_affine else torch.float32
-    return _gated.norm_rows(x, z, spec, k, g, b, x.dtype, affine, x.dtype, eager=False)
+    return _gated.norm_rows(x, z, rows, g, b, x.dtype, affine, x.dtype, eager=False)
 
 
 def _gated_norm(
-    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
-    group: int, eps: float, outside: bool, cast: str, gate_position: str | None,
-    activation: str, round_affine: bool, strict: bool,
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, rows: RowSpec,
+    round_affine: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, r)`` of a gated or grouped spec on rows ``x`` (rows, n): the statistic of each
-    group of ``group`` elements (``r`` is (rows, n // group), float32), the gate rows ``z``
-    (x's shape and dtype; None without a gate) applied ``gate_position`` with ``activation``;
+    group of ``rows.group`` elements (``r`` is (rows, groups), float32), the gate rows ``z``
+    (x's shape and dtype; None without a gate) applied at ``rows.gate`` with its activation;
     ``round_affine`` rounds ``u = y_hat g + b`` to x's dtype before a gate after the norm."""
-    rows, n = x.shape
-    r = torch.zeros(rows, n // group, dtype=torch.float32, device="cpu")
-    module = _kernels(x.dtype, strict, gated=True)
-    if module is None:
-        y = _composite_gated(x, z, g, b, kind, k, group, eps, outside, cast, gate_position,
-                             activation, round_affine)
-        return y, r  # the fallback's backward does not read r
+    count, n = x.shape
+    r = torch.zeros(count, n // rows.group, dtype=torch.float32, device="cpu")
+    kernels = _kernels(x.dtype, strict, gated=True)
+    if kernels is None:
+        return _composite_gated(x, z, g, b, rows, round_affine), r  # its backward reads no r
     x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
-    gate = x.new_empty(rows, 0) if z is None else _plain(z)
+    gate = x.new_empty(count, 0) if z is None else _plain(z)
     y = _output_like(x)
     with _lock:
-        module.gated_forward(
-            _rows(x), _rows(gate), _rows(g), _rows(b), _rows(y), _rows(r), KINDS[kind], k, group,
-            eps, outside, cast == "before_scale", GATES[gate_position], activation == "sigmoid",
-            round_affine, BLOCK_ROWS, _workers(x),
+        kernels[0](
+            _rows(x), _rows(gate), _rows(g), _rows(b), _rows(y), _rows(r), KINDS[rows.kind],
+            rows.k, rows.group, rows.eps, rows.outside, rows.before_scale, GATES[rows.gate],
+            rows.activation == "sigmoid", round_affine, BLOCK_ROWS, _workers(x),
         )
     return y, r
 
 
+def _gated_norm_op(
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, spec: str,
+    round_affine: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gated_norm(x, z, g, b, decode(spec), round_affine, strict)
+
+
 cpu_gated_norm = torch.library.custom_op(
-    "normkit::cpu_gated_norm", _gated_norm, mutates_args=(), device_types="cpu"
+    "normkit::cpu_gated_norm", _gated_norm_op, mutates_args=(), device_types="cpu"
 )
 
 
 @cpu_gated_norm.register_fake
 def _cpu_gated_norm_fake(
-    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, kind: str, k: int,
-    group: int, *options: Any,
+    x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, spec: str,
+    *options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, n = x.shape
-    return torch.empty_like(x), x.new_empty(rows, n // group, dtype=torch.float32)
+    count, n = x.shape
+    return torch.empty_like(x), x.new_empty(count, n // decode(spec).group, dtype=torch.float32)
 
 
 def _gated_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor,
-    b: torch.Tensor, kind: str, k: int, group: int, eps: float, outside: bool, cast: str,
-    gate_position: str | None, activation: str, round_affine: bool, need_g: bool,
-    need_b: bool, strict: bool,
+    b: torch.Tensor, rows: RowSpec, round_affine: bool, need_g: bool, need_b: bool, strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dz, dg, db)`` of `cpu_gated_norm` for the cotangent ``dy``: dx and dz in x's
     dtype (dz (rows, 0) without a gate), dg and db float32 (zeros unless ``need_g`` /
     ``need_b``)."""
-    module = _kernels(x.dtype, strict, gated=True)
-    if module is None:
-        return _composite_gated_vjp(dy, x, z, g, b, kind, k, group, eps, outside, cast,
-                                    gate_position, activation, round_affine)
+    kernels = _kernels(x.dtype, strict, gated=True)
+    if kernels is None:
+        return _composite_gated_vjp(dy, x, z, g, b, rows, round_affine)
     x, dy, r, g, b = _plain(x), _plain(dy), _plain(r), _plain(g), _plain(b)  # alive in the call
-    rows, n = x.shape
-    gate = x.new_empty(rows, 0) if z is None else _plain(z)
+    count, n = x.shape
+    gate = x.new_empty(count, 0) if z is None else _plain(z)
     dx = _output_like(x)
     dz = _output_like(gate)
-    dg_blocks, db_blocks, dg, db = _param_grad_buffers(rows, n, need_g, need_b)
+    dg_blocks, db_blocks, dg, db = _param_grad_buffers(count, n, need_g, need_b)
     with _lock:
-        module.gated_backward(
+        kernels[1](
             _rows(x), _rows(gate), _rows(r), _rows(dy), _rows(g), _rows(b), _rows(dx), _rows(dz),
-            _rows(dg_blocks), _rows(db_blocks), _rows(dg), _rows(db), KINDS[kind], k, group,
-            eps, outside, GATES[gate_position], activation == "sigmoid", need_g, need_b,
-            BLOCK_ROWS, _workers(x),
+            _rows(dg_blocks), _rows(db_blocks), _rows(dg), _rows(db), KINDS[rows.kind], rows.k,
+            rows.group, rows.eps, rows.outside, GATES[rows.gate], rows.activation == "sigmoid",
+            need_g, need_b, BLOCK_ROWS, _workers(x),
         )
     return dx, dz, dg, db
 
 
+def _gated_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, r: torch.Tensor, g: torch.Tensor,
+    b: torch.Tensor, spec: str, round_affine: bool, need_g: bool, need_b: bool, strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gated_norm_backward(dy, x, z, r, g, b, decode(spec), round_affine, need_g, need_b,
+                                strict)
+
+
 cpu_gated_norm_backward = torch.library.custom_op(
-    "normkit::cpu_gated_norm_backward", _gated_norm_backward, mutates_args=(),
+    "normkit::cpu_gated_norm_backward", _gated_norm_backward_op, mutates_args=(),
     device_types="cpu",
 )
 
@@ -633,17 +857,19 @@ def _cpu_gated_norm_backward_fake(
 
 def _composite_gated_vjp(
     dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor,
-    *options: Any,
+    rows: RowSpec, round_affine: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dz, dg, db)`` through `_composite_gated`, as a differentiable graph; dz (rows, 0)
     without a gate."""
     if z is None:
         vjp = torch.func.vjp(
-            lambda xc, gc, bc: _composite_gated(xc, None, gc, bc, *options), x, g, b
+            lambda xc, gc, bc: _composite_gated(xc, None, gc, bc, rows, round_affine), x, g, b
         )[1]
         dx, dg, db = vjp(dy)
         return dx, x.new_empty(x.shape[0], 0), dg, db
-    vjp = torch.func.vjp(lambda *args: _composite_gated(*args, *options), x, z, g, b)[1]
+    vjp = torch.func.vjp(
+        lambda xc, zc, gc, bc: _composite_gated(xc, zc, gc, bc, rows, round_affine), x, z, g, b
+    )[1]
     dx, dz, dg, db = vjp(dy)
     return dx, dz, dg, db
 
@@ -651,45 +877,48 @@ def _composite_gated_vjp(
 @signature_once
 class CpuGatedNormFunction(torch.autograd.Function):
     """`cpu_gated_norm` with its backward, as `CpuNormFunction` for the ungated ops:
-    ``apply(x, z, g, b, kind, k, group, eps, outside, cast, gate_position, activation,
-    round_affine, strict)``; under ``create_graph`` the gradient is the composite path's."""
+    ``apply(x, z, g, b, rows, round_affine, strict, direct)``; under ``create_graph`` the
+    gradient is the composite path's."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(
-        x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, *options: Any
+        x: torch.Tensor, z: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, rows: RowSpec,
+        round_affine: bool, strict: bool, direct: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        op = _gated_norm if _eager(x) else cpu_gated_norm
-        y, r = op(x, z, g, b, *options)
+        if direct:
+            return _gated_norm(x, z, g, b, rows, round_affine, strict)
+        y, r = cpu_gated_norm(x, z, g, b, encode(rows), round_affine, strict)
         return y, r
 
     @staticmethod
     def setup_context(
         ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        x, z, g, b, *options = inputs
+        x, z, g, b, rows, round_affine, strict, direct = inputs
         ctx.save_for_backward(x, z, output[1], g, b)
         ctx.mark_non_differentiable(output[1])
-        ctx.options = options
+        ctx.rows, ctx.round_affine, ctx.strict, ctx.direct = rows, round_affine, strict, direct
 
     @staticmethod
     def backward(
         ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         x, z, r, g, b = ctx.saved_tensors
-        *options, strict = ctx.options
         need_x, need_z, need_g, need_b = ctx.needs_input_grad[:4]
+        rows, round_affine, strict = ctx.rows, ctx.round_affine, ctx.strict
         if torch.is_grad_enabled():
-            dx, dz, dg, db = _composite_gated_vjp(dy, x, z, g, b, *options)
+            dx, dz, dg, db = _composite_gated_vjp(dy, x, z, g, b, rows, round_affine)
+        elif ctx.direct:
+            dx, dz, dg, db = _gated_norm_backward(dy, x, z, r, g, b, rows, round_affine, need_g,
+                                                  need_b, strict)
         else:
-            op: Callable[..., tuple[torch.Tensor, ...]] = (
-                _gated_norm_backward if _eager(x) else cpu_gated_norm_backward
-            )
-            dx, dz, dg, db = op(dy, x, z, r, g, b, *options, need_g, need_b, strict)
+            dx, dz, dg, db = cpu_gated_norm_backward(dy, x, z, r, g, b, encode(rows),
+                                                     round_affine, need_g, need_b, strict)
         return (
             dx if need_x else None, dz if need_z else None, dg if need_g else None,
-            db if need_b else None, *(None,) * len(ctx.options),
+            db if need_b else None, None, None, None, None,
         )
 
 
@@ -753,48 +982,72 @@ def _shared_filled(n: int, value: float, sign: float) -> torch.Tensor:
         return torch.full((n,), math.copysign(value, sign), dtype=torch.float32, device="cpu")
 
 
+def effective_scale(weight: torch.Tensor | None, rows: RowSpec, x: torch.Tensor) -> torch.Tensor:
+    """The float32 ``scale_offset + w`` the kernels read (ones without a weight)."""
+    if weight is None:
+        return _filled(rows.n, 1.0, x)
+    g = _float32(weight)
+    return g + rows.scale_offset if rows.scale_offset != 0 else g
+
+
+def float32_bias(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The float32 bias the kernels read: without one -0.0, whose addition changes no float
+    (+0.0 would turn -0.0 into +0.0); the kernel's common loop then skips it."""
+    return _filled(x.shape[-1], -0.0, x) if bias is None else _float32(bias)
+
+
+def degenerate(rows: RowSpec) -> bool:
+    """Whether rows (or groups) of ``rows`` have no direction left for the output to vary in
+    (one element for the RMS kinds, two for LayerNorm): the composite path takes them, in
+    closed form."""
+    return rows.group <= (2 if rows.kind == "layer" else 1)
+
+
 def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    options: KernelOptions,
+    rows: RowSpec,
     *,
     gate: torch.Tensor | None = None,
+    round_affine: bool = False,
     strict: bool = False,
 ) -> torch.Tensor:
     """``y`` for rows ``x`` (rows, n): the `normkit.torch.kernels` interface, on the CPU kernel.
 
     ``weight`` and ``bias`` (n,) of any float dtype or None; their gradients come back in their
-    own dtype. ``gate``: (rows, n) in x's dtype, exactly when ``options.gate_position`` is set.
+    own dtype. ``gate``: (rows, n) in x's dtype, exactly when ``rows.gate`` is set;
+    ``round_affine`` rounds ``y_hat g + b`` to x's dtype before a gate after the norm.
     ``strict``: a kernel that fails to compile is an error rather than a warning and the
     composite path.
     """
-    o = options
-    n = x.shape[-1]
-    if weight is None:
-        g = _filled(n, 1.0, x)
-    else:
-        g = _float32(weight)
-        if o.scale_offset != 0:
-            g = g + o.scale_offset
-    # no bias: -0.0, whose addition changes no float (+0.0 would turn -0.0 into +0.0); the
-    # kernel's common loop then skips it
-    b = _filled(n, -0.0, x) if bias is None else _float32(bias)
-    if (gate is None) != (o.gate_position is None):
-        raise ValueError(f"gate_position={o.gate_position!r} needs gate rows, and only it")
-    group = o.group_of(n)
-    if o.gate_position is None and group == n:
-        plain = (o.kind, o.k, o.eps, o.outside, o.cast, strict)
-        if needs_graph(x, g, b):
-            y: torch.Tensor = apply(CpuNormFunction, x, g, b, *plain)[0]
+    if (gate is None) != (rows.gate == ""):
+        raise ValueError(f"gate={rows.gate or None!r} needs gate rows, and only it")
+    g = effective_scale(weight, rows, x)
+    b = float32_bias(bias, x)
+    if degenerate(rows):
+        return _composite_gated(x, gate, g, b, rows, round_affine)
+    return launch(x, gate, g, b, rows, round_affine, strict, _eager(x),
+                  needs_graph(x, gate, g, b))
+
+
+def launch(
+    x: torch.Tensor, gate: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor, rows: RowSpec,
+    round_affine: bool, strict: bool, direct: bool, graph: bool,
+) -> torch.Tensor:
+    """`norm_rows` on the kernels' own operands: ``g`` and ``b`` float32 (`effective_scale`,
+    `float32_bias`), the kernels called ``direct``ly or through their ops, the autograd
+    ``graph`` recorded or not."""
+    if rows.gate == "" and rows.group == rows.n:
+        if graph:
+            function = apply_eager if direct else apply
+            y: torch.Tensor = function(CpuNormFunction, x, g, b, rows, strict, direct)[0]
             return y
-        return CpuNormFunction.forward(x, g, b, *plain)[0]
-    flat = (o.kind, o.k, group, o.eps, o.outside, o.cast, o.gate_position, o.activation,
-            o.round_affine)
-    if group <= (2 if o.kind == "layer" else 1):
-        # degenerate groups take the composite path, as degenerate rows do (its closed forms)
-        return _composite_gated(x, gate, g, b, *flat)
-    if needs_graph(x, gate, g, b):
-        y = apply(CpuGatedNormFunction, x, gate, g, b, *flat, strict)[0]
+        if direct:
+            return _norm(x, g, b, rows, strict)[0]
+        return CpuNormFunction.forward(x, g, b, rows, strict, direct)[0]
+    if graph:
+        function = apply_eager if direct else apply
+        y = function(CpuGatedNormFunction, x, gate, g, b, rows, round_affine, strict, direct)[0]
         return y
-    return CpuGatedNormFunction.forward(x, gate, g, b, *flat, strict)[0]
+    return CpuGatedNormFunction.forward(x, gate, g, b, rows, round_affine, strict, direct)[0]

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import os
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -64,11 +63,10 @@ except ImportError as error:
         "pip install normkit[triton]"
     ) from error
 
-from normkit.spec import Kind, NormSpec
 from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction, apply, needs_graph
+from normkit.torch._spec import RowSpec, decode, encode
 from normkit.torch.kernels import triton_backward
-from normkit.torch.kernels.options import KernelOptions
 
 __all__ = [
     "ACTIVATIONS", "GATE_POSITIONS", "LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS",
@@ -633,11 +631,15 @@ def _programs(x: torch.Tensor, rows: int, groups: int) -> int:
     Each takes at least two rows, so the (programs / groups, n) float32 buffer of weight and
     bias partial sums is at most half the size of the rows in float32.
     """
-    if x.device.type == "cuda":
-        per_device = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
-    else:
-        per_device = 4
+    per_device = 4 * _multiprocessors(x.device) if x.device.type == "cuda" else 4
     return groups * max(1, min(rows // 2, per_device // groups))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count, asked for once (``get_device_properties`` costs host
+    time on every call)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _traced(x: torch.Tensor) -> bool:
@@ -652,17 +654,22 @@ def _traced(x: torch.Tensor) -> bool:
 
 
 def _launcher(x: torch.Tensor) -> Callable[[Any], Any]:
-    """How a kernel is launched on ``x``: through ``wrap_triton`` where traced, else directly,
-    with x's GPU made current where it is not (Triton launches on the current device's current
-    stream: a model spread over GPUs, one layer on cuda:1, runs with cuda:0 current)."""
+    """How a kernel is launched on ``x``: through ``wrap_triton`` where traced; on a GPU
+    directly through the compiled kernel's launcher (`_Direct`), with x's GPU made current
+    where it is not (Triton launches on the current device's current stream: a model spread
+    over GPUs, one layer on cuda:1, runs with cuda:0 current); elsewhere (Triton's
+    interpreter) as ``kernel[grid](...)``."""
     if _traced(x):
         return wrap_triton
-    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+    if x.device.type != "cuda":
+        return _plain_launch
+    index = x.device.index
+    if index != torch.cuda.current_device():
         return functools.partial(_OnDevice, x.device)
-    return _direct
+    return functools.partial(_Direct, index) if DIRECT_LAUNCH else _plain_launch
 
 
-def _direct(kernel: Any) -> Any:
+def _plain_launch(kernel: Any) -> Any:
     return kernel
 
 
@@ -674,13 +681,107 @@ class _OnDevice:
         self.device, self.kernel = device, kernel
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        launch = self.kernel[grid]
+        launch = _Direct(self.device.index, self.kernel) if DIRECT_LAUNCH else self.kernel
 
         def on_device(*args: Any, **kwargs: Any) -> Any:
             with torch.cuda.device(self.device):
-                return launch(*args, **kwargs)
+                return launch[grid](*args, **kwargs)
 
         return on_device
+
+
+def _direct_launch_supported() -> bool:
+    """Whether `_Direct` may launch compiled kernels itself: not in Triton's interpreter (no
+    compiled kernels), and only on the Triton versions whose launch convention it was written
+    against (3.6 and 3.9: ``CompiledKernel.run(grid_0, grid_1, grid_2, stream, function,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *every_argument)``, as
+    ``JITFunction.run`` calls it)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    return version in DIRECT_LAUNCH_VERSIONS
+
+
+DIRECT_LAUNCH_VERSIONS = ((3, 6), (3, 9))
+"""The Triton versions (major, minor) whose compiled kernels `_Direct` launches itself."""
+DIRECT_LAUNCH = (
+    _direct_launch_supported() and os.environ.get("NORMKIT_TRITON_DIRECT_LAUNCH") == "1"
+)
+"""Whether eager launches on a GPU skip ``JITFunction.run`` (`_Direct`): opt-in
+(``NORMKIT_TRITON_DIRECT_LAUNCH=1``) until it has run on a GPU."""
+
+
+class _Direct:
+    """``kernel[grid](*args, **constexprs)`` on CUDA device ``index``, as Inductor's generated
+    launchers do it: the first launch of each specialization goes through ``JITFunction.run``,
+    which compiles (or loads) the kernel and returns it; later ones call that compiled kernel's
+    launcher directly, skipping the binder, the cache key and the checks ``JITFunction.run``
+    redoes on every call (22-29 us of host time on an H200).
+
+    A specialization is what Triton compiles for: each tensor's dtype and whether its address
+    is a multiple of 16, each int's value where it is 1, its divisibility by 16 and its width,
+    the constexprs and ``num_warps``. Where a launch hook is registered (a profiler), the launch
+    goes through ``JITFunction.run``, which builds the launch metadata the hooks read.
+    """
+
+    __slots__ = ("grid", "index", "kernel")
+    grid: tuple[int, ...]
+
+    def __init__(self, index: int, kernel: Any) -> None:
+        self.index, self.kernel = index, kernel
+
+    def __getitem__(self, grid: tuple[int, ...]) -> _Direct:
+        launch = _Direct(self.index, self.kernel)
+        launch.grid = grid
+        return launch
+
+    def __call__(self, *args: Any, **constexprs: Any) -> None:
+        kernel, grid = self.kernel, self.grid
+        runtime = triton.knobs.runtime
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            kernel[grid](*args, **constexprs)
+            return
+        key = (kernel, self.index, *constexprs.items(), *map(_specialization, args))
+        found = _COMPILED.get(key)
+        if found is None:
+            _COMPILED[key] = _first_launch(kernel, grid, args, constexprs)
+            return
+        compiled, tail = found
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(self.index), compiled.function,
+            compiled.packed_metadata, None, None, None, *args, *tail,
+        )
+
+
+def _hooked(hooks: Any) -> bool:
+    """Whether a launch hook (Triton's ``HookChain``, or a function) has anything to call."""
+    return hooks is not None and bool(getattr(hooks, "calls", True))
+
+
+_COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+
+
+def _specialization(arg: Any) -> tuple[Any, ...]:
+    """What Triton specializes a kernel for in ``arg`` (`_Direct`)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return (type(arg),)
+    return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
+
+
+def _first_launch(
+    kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], constexprs: dict[str, Any]
+) -> tuple[Any, tuple[Any, ...]]:
+    """Launch through ``JITFunction.run``; return its compiled kernel and the values of the
+    parameters after ``args`` (the constexprs, in the kernel's order), which its launcher
+    takes too."""
+    compiled = kernel[grid](*args, **constexprs)
+    if hasattr(compiled, "result"):  # compiled asynchronously
+        compiled = compiled.result()
+    tail = tuple(constexprs[name] for name in kernel.arg_names[len(args):])
+    return compiled, tail
 
 
 def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -699,43 +800,58 @@ def _norm_rows(
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    kind: str,
-    k: int,
-    eps: float,
-    outside: bool,
-    scale_offset: float,
-    cast: str,
-    rounding: int,
-    group: int,
-    gate_in: str,
-    gate_out: str,
+    spec: str,
     round_affine: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, r): h is an empty tensor without a residual; r(s) per group in float32.
+    """(y, h, r) for the `RowSpec` ``spec`` (`normkit.torch._spec.encode`'s string): h is an
+    empty tensor without a residual; r(s) per group in float32. ``round_affine`` rounds ``y_hat
+    g + b`` to x's dtype before a gate after the norm."""
+    return _forward_rows(x, residual, gate, weight, bias, decode(spec), round_affine)
 
-    ``rounding``: 0 without a residual, else 1 + the index of the rounding in
-    `RESIDUAL_ROUNDINGS` (1 rounded, 2 float32, 3 float32_normalized). ``gate_in`` and
-    ``gate_out``: the activation of a gate before and after the norm, or ``"none"``.
-    """
-    rows, n = x.shape
+
+def _forward_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    rows: RowSpec,
+    round_affine: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_norm_rows` for a `RowSpec`."""
+    count, n = x.shape
+    group = rows.group
     groups = n // group
+    rounding = _ROUNDING[rows.residual]
     y = torch.empty_like(x)
     h_dtype = torch.float32 if rounding == 2 else x.dtype
-    h = torch.empty((rows, n) if rounding else (0,), dtype=h_dtype, device=x.device)
-    r = torch.empty((rows * groups,), dtype=torch.float32, device=x.device)
-    single, block, num_warps = _launch_config(group, kind == "layer", backward=False)
-    if rows:
-        _launcher(x)(_forward_kernel)[(rows * groups,)](
+    h = torch.empty((count, n) if rounding else (0,), dtype=h_dtype, device=x.device)
+    r = torch.empty((count * groups,), dtype=torch.float32, device=x.device)
+    single, block, num_warps = _launch_config(group, rows.kind == "layer", backward=False)
+    if count:
+        _launcher(x)(_forward_kernel)[(count * groups,)](
             x, x if residual is None else residual, x if gate is None else gate,
             x if weight is None else weight, x if bias is None else bias, y,
-            y if not rounding else h, r, group, k, groups, eps, scale_offset,
-            LAYER=kind == "layer", OUTSIDE=outside, HAS_W=weight is not None,
+            y if not rounding else h, r, group, rows.k, groups, rows.eps, rows.scale_offset,
+            LAYER=rows.kind == "layer", OUTSIDE=rows.outside, HAS_W=weight is not None,
             HAS_B=bias is not None,
-            BEFORE_SCALE=cast == "before_scale" and x.dtype != torch.float32,
-            RESIDUAL=rounding, GROUPED=groups > 1, GATE_IN=gate_in, GATE_OUT=gate_out,
-            ROUND_AFFINE=round_affine, SINGLE=single, BLOCK=block, num_warps=num_warps,
+            BEFORE_SCALE=rows.before_scale and x.dtype != torch.float32,
+            RESIDUAL=rounding, GROUPED=groups > 1, GATE_IN=_activation_at(rows, "before"),
+            GATE_OUT=_activation_at(rows, "after"), ROUND_AFFINE=round_affine, SINGLE=single,
+            BLOCK=block, num_warps=num_warps,
         )
     return y, h, r
+
+
+_ROUNDING = {"": 0, **{name: i + 1 for i, name in enumerate(RESIDUAL_ROUNDINGS)}}
+"""The kernels' RESIDUAL: 0 without a residual, else 1 + the index of the rounding in
+`RESIDUAL_ROUNDINGS` (1 rounded, 2 float32, 3 float32_normalized)."""
+
+
+def _activation_at(rows: RowSpec, position: str) -> str:
+    """The gate's activation where it applies at ``position`` (``"before"`` or ``"after"`` the
+    norm), else ``"none"``."""
+    return rows.activation if rows.gate == position else "none"
 
 
 def _backward_rows(
@@ -809,17 +925,31 @@ _backward_op = triton_op("normkit::triton_norm_rows_backward", _backward_rows, m
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, residual, gate, weight, bias, kind, k, eps, outside, scale_offset = inputs[:10]
-    rounding, group, gate_in, gate_out = inputs[11:15]
+    x, residual, gate, weight, bias, spec, round_affine = inputs
+    _save(ctx, x, residual, gate, weight, bias, decode(spec), round_affine, output)
+
+
+def _save(
+    ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, rows: RowSpec, round_affine: bool,
+    output: tuple[torch.Tensor, ...],
+) -> None:
+    """What the backward reads: the rows the norm read (h, or for the float32_normalized
+    rounding the terms of the float32 sum it does not return), the gate, r, the weight, the
+    bias where dz reads it, and `_backward_rows`' arguments after the tensors."""
     _, h, r = output
-    # The float32_normalized rounding normalizes a sum it does not return: keep its terms.
+    rounding = _ROUNDING[rows.residual]
     values, terms = (x, residual) if rounding in (0, 3) else (h, None)
+    gate_out = _activation_at(rows, "after")
     ctx.save_for_backward(values, terms, gate, r, weight, None if gate_out == "none" else bias)
     ctx.mark_non_differentiable(r)
     if not rounding:
         ctx.mark_non_differentiable(h)
-    ctx.options = (kind, k, eps, outside, scale_offset, group, gate_in, gate_out,
-                   3 if rounding == 3 else 0)
+    ctx.options = (
+        rows.kind, rows.k, rows.eps, rows.outside, rows.scale_offset, rows.group,
+        _activation_at(rows, "before"), gate_out, 3 if rounding == 3 else 0,
+    )
+    ctx.rows, ctx.round_affine = rows, round_affine
     ctx.has_residual, ctx.dx_dtype = residual is not None, x.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -828,6 +958,8 @@ def _backward(
     ctx: Any, dy: torch.Tensor, dh: torch.Tensor | None, _dr: torch.Tensor | None,
     backward_rows: Callable[..., tuple[torch.Tensor, ...]] = _backward_op,
 ) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of x, residual, gate, weight and bias: one call of the backward kernels
+    (`_backward_rows`, or its op where traced)."""
     values, terms, gate, r, weight, bias = ctx.saved_tensors
     need_w, need_b = ctx.needs_input_grad[3:5]
     dh = dh.contiguous() if ctx.has_residual and dh is not None else None
@@ -838,8 +970,7 @@ def _backward(
     return (
         dx, dx if ctx.has_residual else None, None if gate is None else dz,
         dw if need_w and weight is not None else None,
-        db if need_b and ctx.bias_dtype is not None else None,
-        *[None] * 11,
+        db if need_b and ctx.bias_dtype is not None else None, None, None,
     )
 
 
@@ -847,19 +978,20 @@ torch.library.register_autograd("normkit::triton_norm_rows", _backward, setup_co
 
 
 class _EagerNormRows(torch.autograd.Function):
-    """`_norm_rows_op` in plain eager mode, as ``apply(x, residual, gate, weight, bias,
-    options)`` with the op's other arguments from the `KernelOptions`: the same kernels,
-    context and gradient without the custom op's dispatch and autograd wrapper, which cost more
-    host time than the launches. Under ``create_graph`` the gradient is the composite path's,
-    which can be differentiated again (`_composite_vjp`)."""
+    """`_norm_rows_op` in plain eager mode, as ``apply(x, residual, gate, weight, bias, rows,
+    round_affine)``: the same kernels, context and gradient without the custom op's dispatch
+    and autograd wrapper, which cost more host time than the launches. Under ``create_graph``
+    the gradient is the composite path's, which can be differentiated again
+    (`_composite_vjp`)."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        *tensors, options = inputs
-        op_inputs = (*tensors, *_op_options(options, tensors[0].shape[1]))
-        output = _norm_rows(*op_inputs)
-        _setup(ctx, op_inputs, output)
-        ctx.kernel_options = options
+    def forward(
+        ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None,
+        weight: torch.Tensor | None, bias: torch.Tensor | None, rows: RowSpec,
+        round_affine: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        output = _forward_rows(x, residual, gate, weight, bias, rows, round_affine)
+        _save(ctx, x, residual, gate, weight, bias, rows, round_affine, output)
         # No zeros made for the gradients of r and of an h without a residual, which nothing
         # reads: on a GPU each such fill cost about 150 us of host time on autograd's thread.
         ctx.set_materialize_grads(False)
@@ -873,19 +1005,8 @@ class _EagerNormRows(torch.autograd.Function):
             values = ctx.saved_tensors[0]
             dy = values.new_zeros(values.shape, dtype=ctx.dx_dtype)
         if torch.is_grad_enabled():
-            return (*_composite_vjp(ctx, dy, dh), None)
-        return (*_backward(ctx, dy, dh, dr, _backward_rows)[:5], None)
-
-
-def _op_options(o: KernelOptions, n: int) -> tuple[Any, ...]:
-    """The custom op's arguments after the tensors (`_norm_rows`), from ``o``."""
-    rounding = 0
-    if o.residual_rounding is not None:
-        rounding = RESIDUAL_ROUNDINGS.index(o.residual_rounding) + 1
-    gate_in = o.activation if o.gate_position == "before" else "none"
-    gate_out = o.activation if o.gate_position == "after" else "none"
-    return (o.kind, o.k, o.eps, o.outside, o.scale_offset, o.cast, rounding, o.group_of(n),
-            gate_in, gate_out, o.round_affine)
+            return (*_composite_vjp(ctx, dy, dh), None, None)
+        return _backward(ctx, dy, dh, dr, _backward_rows)
 
 
 def _check(
@@ -894,26 +1015,27 @@ def _check(
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    o: KernelOptions,
+    rows: RowSpec,
 ) -> None:
+    """ValueError or TypeError unless the kernels take these tensors for ``rows``."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor (rows, n), got shape "
                          f"{tuple(x.shape)}{'' if x.is_contiguous() else ', not contiguous'}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; the Triton kernels take float16, bfloat16 or "
                         "float32 (float64 takes the composite path)")
-    if o.kind not in _KINDS:
-        raise ValueError(f"kind={o.kind!r} is invalid: expected one of {_KINDS}")
-    if o.cast not in _CASTS:
-        raise ValueError(f"cast={o.cast!r} is invalid: expected one of {_CASTS}")
+    if rows.kind not in _KINDS:
+        raise ValueError(f"kind={rows.kind!r} is invalid: expected one of {_KINDS}")
     n = x.shape[1]
-    group = o.group_of(n)
-    if not 1 <= group <= n or n % group or (group != n and o.kind == "partial_rms"):
-        raise ValueError(f"group={group} is invalid for kind={o.kind!r} on rows of n={n}: "
+    if rows.n != n:
+        raise ValueError(f"the RowSpec is for rows of n={rows.n}, x has rows of {n}")
+    group = rows.group
+    if not 1 <= group <= n or n % group or (group != n and rows.kind == "partial_rms"):
+        raise ValueError(f"group={group} is invalid for kind={rows.kind!r} on rows of n={n}: "
                          "expected a divisor of n, and n itself for partial_rms")
-    if not (1 <= o.k <= group) or (o.kind != "partial_rms" and o.k != group):
-        raise ValueError(f"k={o.k} is invalid for kind={o.kind!r} on rows of n={n} in groups "
-                         f"of {group}")
+    if not (1 <= rows.k <= group) or (rows.kind != "partial_rms" and rows.k != group):
+        raise ValueError(f"k={rows.k} is invalid for kind={rows.kind!r} on rows of n={n} in "
+                         f"groups of {group}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
@@ -922,40 +1044,42 @@ def _check(
                 f"{name} must have shape ({n},), dtype float32 or {x.dtype} and x's device; "
                 f"got shape {tuple(p.shape)}, {p.dtype} on {p.device}"
             )
-    _check_gate(x, residual, gate, o)
+    _check_gate(x, residual, gate, rows)
     if residual is None:
+        if rows.residual:
+            raise ValueError(f"residual={rows.residual!r} needs a residual: add_norm_rows")
         return
     if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
         raise ValueError(
             f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, "
             f"got shape {tuple(residual.shape)}, {residual.dtype}"
         )
-    if o.residual_rounding not in RESIDUAL_ROUNDINGS:
+    if rows.residual not in RESIDUAL_ROUNDINGS:
         raise ValueError(
-            f"residual_rounding={o.residual_rounding!r} is invalid: expected one of "
+            f"residual={rows.residual or None!r} is invalid with a residual: expected one of "
             f"{RESIDUAL_ROUNDINGS}"
         )
-    if _degenerate(o.kind, group):
+    if _degenerate(rows):
         raise ValueError(
-            f"kind='layer' on rows (or groups) of n={group} (n <= 2) has no fused residual "
+            f"kind='layer' on rows (or groups) of n={rows.group} (n <= 2) has no fused residual "
             "kernel: add the residual and normalize with the composite path"
         )
 
 
 def _check_gate(
-    x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None, o: KernelOptions
+    x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None, rows: RowSpec
 ) -> None:
-    if o.gate_position not in GATE_POSITIONS:
-        raise ValueError(f"gate_position={o.gate_position!r} is invalid: expected one of "
-                         f"{GATE_POSITIONS}")
-    if o.activation not in ACTIVATIONS:
-        raise ValueError(f"activation={o.activation!r} is invalid: expected one of "
+    if rows.gate not in ("", *GATE_POSITIONS[1:]):
+        raise ValueError(f"gate={rows.gate!r} is invalid: expected '' (none), 'before' or "
+                         "'after'")
+    if rows.activation not in ACTIVATIONS:
+        raise ValueError(f"activation={rows.activation!r} is invalid: expected one of "
                          f"{ACTIVATIONS}")
-    if residual is not None and o.gate_position is not None:
+    if residual is not None and rows.gate:
         raise ValueError("a gate with a residual is not defined (NormSpec refuses gate with "
                          "residual)")
-    if (gate is None) != (o.gate_position is None):
-        raise ValueError(f"gate_position={o.gate_position!r} and a gate "
+    if (gate is None) != (rows.gate == ""):
+        raise ValueError(f"gate={rows.gate or None!r} and a gate "
                          f"{'missing' if gate is None else 'given'}: give both or neither")
     if gate is not None and (
         gate.shape != x.shape or gate.dtype != x.dtype or not gate.is_contiguous()
@@ -966,9 +1090,9 @@ def _check_gate(
         )
 
 
-def _degenerate(kind: str, group: int) -> bool:
+def _degenerate(rows: RowSpec) -> bool:
     """LayerNorm groups of n <= 2, whose gradient the composite path computes in float64."""
-    return kind == "layer" and group <= 2
+    return rows.kind == "layer" and rows.group <= 2
 
 
 def _composite(
@@ -976,27 +1100,21 @@ def _composite(
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    o: KernelOptions,
+    rows: RowSpec,
+    round_affine: bool,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`norm_rows` by the composite path, differentiable at any order: for LayerNorm groups of
     n <= 2 (`_degenerate`), and for second derivatives (`_composite_vjp`). ``dtype``: the
     input dtype whose roundings apply and y's (x's by default; a float32 sum's is x's)."""
     dtype = x.dtype if dtype is None else dtype
-    g = None if weight is None else weight.float() + o.scale_offset
+    g = None if weight is None else weight.float() + rows.scale_offset
     b = None if bias is None else bias.float()
-    group = o.group_of(x.shape[1])
-    if gate is None and group == x.shape[1]:
-        y, _ = apply(NormFunction, x, g, b, o.kind, o.k, o.eps, o.outside, o.cast, dtype, dtype)
+    if gate is None and rows.group == x.shape[1]:
+        y, _ = apply(NormFunction, x, g, b, rows, dtype, dtype)
         return y
-    p = o.k / group if o.kind == "partial_rms" else None
-    spec = NormSpec(typing.cast(Kind, o.kind), p=p).replace(
-        eps=o.eps, eps_placement="outside" if o.outside else "inside", cast=o.cast,
-        gate=o.gate_position, gate_activation=o.activation if o.gate_position else None,
-        group_size=group,
-    )
-    affine = dtype if o.round_affine else torch.float32
-    return _gated.norm_rows(x, gate, spec, o.k, g, b, dtype, affine, dtype, eager=False)
+    affine = dtype if round_affine else torch.float32
+    return _gated.norm_rows(x, gate, rows, g, b, dtype, affine, dtype, eager=False)
 
 
 def _composite_vjp(
@@ -1016,7 +1134,7 @@ def _composite_vjp(
         assert v is not None
         if t is not None:  # float32_normalized: the float32 sum of the terms
             v = v.float() + t.float()
-        return _composite(v, z, w, b, ctx.kernel_options, ctx.dx_dtype)
+        return _composite(v, z, w, b, ctx.rows, ctx.round_affine, ctx.dx_dtype)
 
     grads = dict(zip(present, torch.func.vjp(norm, *(primals[i] for i in present))[1](dy),
                      strict=True))
@@ -1027,44 +1145,50 @@ def _composite_vjp(
     return dx, dx, None, dw, db
 
 
-def _launch(
+def launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    options: KernelOptions,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(y, h)`` of `norm_rows` (h None) or `add_norm_rows`: the checks, then the op."""
-    _check(x, residual, gate, weight, bias, options)
-    if residual is None and _degenerate(options.kind, options.group_of(x.shape[1])):
-        return _composite(x, gate, weight, bias, options), None
+    rows: RowSpec,
+    round_affine: bool,
+    graph: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)`` (h empty without a residual) of tensors `_check` accepted for ``rows``, their
+    autograd graph recorded when ``graph``: through the custom op where traced, else the
+    kernels directly."""
+    if residual is None and _degenerate(rows):
+        return _composite(x, gate, weight, bias, rows, round_affine), x.new_empty(0)
     if _traced(x):
-        y, h, _ = _norm_rows_op(x, residual, gate, weight, bias,
-                                *_op_options(options, x.shape[1]))
-    elif needs_graph(x, residual, gate, weight, bias):
-        y, h, _ = _EagerNormRows.apply(x, residual, gate, weight, bias, options)
+        y, h, _ = _norm_rows_op(x, residual, gate, weight, bias, encode(rows), round_affine)
+    elif graph:
+        y, h, _ = _EagerNormRows.apply(x, residual, gate, weight, bias, rows, round_affine)
     else:
-        y, h, _ = _norm_rows(x, residual, gate, weight, bias, *_op_options(options, x.shape[1]))
-    return y, None if residual is None else h
+        y, h, _ = _forward_rows(x, residual, gate, weight, bias, rows, round_affine)
+    return y, h
 
 
 def norm_rows(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    options: KernelOptions,
+    rows: RowSpec,
     *,
     gate: torch.Tensor | None = None,
+    round_affine: bool = False,
 ) -> torch.Tensor:
     """``normkit.reference.normalize`` (``gated_normalize`` with a gate) on rows ``x`` (rows,
-    n), as ``options`` says, differentiable; y in x's dtype.
+    n), as ``rows`` (`normkit.torch._spec.row_spec`) says, differentiable; y in x's dtype.
 
     ``weight``/``bias``: (n,) in float32 or x's dtype, or None. ``gate``: z, contiguous with
-    x's shape and dtype, exactly when ``options.gate_position`` is set. LayerNorm groups of
-    n <= 2 take the composite path.
+    x's shape and dtype, exactly when ``rows.gate`` is set; ``round_affine`` rounds ``y_hat g +
+    b`` to x's dtype before a gate after the norm. LayerNorm groups of n <= 2 take the
+    composite path.
     """
-    return _launch(x, None, gate, weight, bias, options)[0]
+    _check(x, None, gate, weight, bias, rows)
+    graph = needs_graph(x, gate, weight, bias)
+    return launch(x, None, gate, weight, bias, rows, round_affine, graph)[0]
 
 
 def add_norm_rows(
@@ -1072,19 +1196,19 @@ def add_norm_rows(
     residual: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    options: KernelOptions,
+    rows: RowSpec,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``h = x + residual`` and ``y`` = `norm_rows` of h, rounded as
-    ``options.residual_rounding`` says:
+    ``rows.residual`` says:
 
     - ``"rounded"``: h rounded to x's dtype, and that h normalized and returned;
     - ``"float32"``: h kept in float32, normalized, and returned in float32;
     - ``"float32_normalized"``: the float32 h normalized, h returned rounded to x's dtype.
 
     The half-precision cast order and y's dtype follow x's dtype. ``residual`` has x's shape
-    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh. Options with a
-    gate are refused (a gated NormSpec has no residual).
+    and dtype. Gradients: dx = dresidual = (the norm's gradient at h) + dh. A gated `RowSpec`
+    is refused (a gated NormSpec has no residual).
     """
-    y, h = _launch(x, residual, None, weight, bias, options)
-    assert h is not None
-    return y, h
+    _check(x, residual, None, weight, bias, rows)
+    graph = needs_graph(x, residual, weight, bias)
+    return launch(x, residual, None, weight, bias, rows, False, graph)
