@@ -194,7 +194,7 @@ class _Rows:
         """``s``: the mean of ``c**2`` over the row, or over its first k elements only."""
         c = self._bounded(c, c)
         if self.head is None:
-            return ops.mean(ops.square(c), axis=self.axes, keepdims=True)
+            return _mean(ops.square(c), self.axes)
         # The elements after the first k are masked before squaring: a NaN, an inf or a
         # 1e20 there must not enter s, nor its gradient.
         head = ops.where(self.head, c, ops.zeros_like(c))
@@ -227,16 +227,16 @@ class _Rows:
             first, second = _separately(
                 lambda v: ops.cast(ops.stop_gradient(v), self.work), (source,), 2, traced=True
             )
-            mean = ops.mean(first, axis=self.axes, keepdims=True)
-            s = ops.mean(ops.square(second - mean), axis=self.axes, keepdims=True)
+            mean = _mean(first, self.axes)
+            s = _mean(ops.square(second - mean), self.axes)
         elif self.spec.kind == "layer":
             # mean((x - mean)**2) as Keras' LayerNormalization forms it: one op on TensorFlow
             # (a squared difference), where x - mean and its square would be two passes.
             mean, s = ops.moments(x, axes=list(self.axes), keepdims=True)
         elif self.head is None:
-            s = ops.mean(ops.square(x), axis=self.axes, keepdims=True)
+            s = _mean(ops.square(x), self.axes)
         elif self.axes == (len(self.target) - 1,):
-            s = ops.mean(ops.square(x[..., : self.k]), axis=self.axes, keepdims=True)
+            s = _mean(ops.square(x[..., : self.k]), self.axes)
         else:
             head = ops.where(self.head, x, ops.zeros_like(x))
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
@@ -356,7 +356,7 @@ class _Rows:
                     dx = r * (d - y_hat * factor)
                 else:
                     _, d_averaged, _, _ = averaged
-                    d_mean = ops.mean(d_averaged, axis=self.axes, keepdims=True)
+                    d_mean = _mean(d_averaged, self.axes)
                     dx = r * (d - d_mean - y_hat * factor)
                 dx = ops.cast(dx, keras.backend.standardize_dtype(source.dtype))
                 dy_scaled, _, y_hat_scaled, _ = scaled
@@ -604,6 +604,25 @@ def _cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
 
         return jax.lax.cond(pred, true_fn, false_fn, *operands)
     return ops.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
+
+
+def _mean(u: Any, axes: tuple[int, ...]) -> Any:
+    """The mean of ``u`` over ``axes`` (kept): `ops.mean`, or for float64 the sum over the
+    count, since Keras 3 (``BIT64_TO_BIT32_DTYPE``) makes ``ops.mean`` sum a float64 tensor in
+    float32 on its JAX and torch backends (a row of 1e-200s has mean 0 there)."""
+    if keras.backend.standardize_dtype(u.dtype) != "float64":
+        return ops.mean(u, axis=axes, keepdims=True)
+    return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
+
+
+def _tanh(u: Any) -> Any:
+    """``tanh(u)`` in ``u``'s dtype: `ops.tanh`, which on Keras' JAX backend computes a float64
+    ``u`` in float32 (as `_mean`), so ``jnp.tanh`` there."""
+    if keras.backend.backend() != "jax" or keras.backend.standardize_dtype(u.dtype) != "float64":
+        return ops.tanh(u)
+    import jax.numpy as jnp
+
+    return jnp.tanh(u)
 
 
 def _maximum(a: Any, b: Any) -> Any:
@@ -888,7 +907,7 @@ class _Norm(keras.layers.Layer):
             return ops.cast(self._finish(x, y_hat, axes, dtype, param_target, work), output_dtype)
 
         if spec.kind == "dyt":
-            return finish(x, ops.tanh(ops.cast(self.alpha, work) * x))
+            return finish(x, _tanh(ops.cast(self.alpha, work) * x))
         affine = None
         if spec.variance != "fast" and not (spec.cast == "before_scale" and dtype in _HALF):
             # y = y_hat g + b: the plain rows compute it, and its gradient, in one function.
@@ -1045,8 +1064,8 @@ class _Norm(keras.layers.Layer):
         with ``m1 = mean(x)``, ``m2 = mean(x**2)``, each step in the ``x``'s dtype."""
         spec = self._spec
         assert spec.eps is not None
-        m1 = ops.mean(x, axis=axes, keepdims=True)
-        m2 = ops.mean(ops.square(x), axis=axes, keepdims=True)
+        m1 = _mean(x, axes)
+        m2 = _mean(ops.square(x), axes)
         v = m2 - m1 * m1
         v = _maximum(v, ops.zeros_like(v)) if _float_dtype(x.dtype) == "float64" else (
             ops.maximum(v, 0.0)

@@ -1,0 +1,42 @@
+"""normkit.tf at the edges of its dtypes: float64 is computed in float64. pytest runs them on
+the TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with KERAS_BACKEND=jax
+and =torch, each in its own process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+# Keras imports its backend's framework (TensorFlow unless KERAS_BACKEND names another); where
+# that is missing, the module skips with the missing module's name.
+keras = pytest.importorskip("keras")
+
+from normkit import NormSpec, reference  # noqa: E402
+from normkit.conformance.targets_keras import evaluate, keras_backend  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
+)
+JITS = [False] if keras_backend() == "torch" else [False, True]
+jits = pytest.mark.parametrize("jit", JITS, ids=lambda j: "jit" if j else "eager")
+
+
+@jits
+@pytest.mark.parametrize(
+    "spec", [NormSpec(), NormSpec("layer"), NormSpec("partial_rms", p=0.5), NormSpec("dyt")],
+    ids=lambda s: s.kind,
+)
+def test_float64_is_computed_in_float64(spec, jit):
+    """Keras 3 computes ``ops.mean`` of float64 (and ``ops.tanh`` on JAX) in float32 on its
+    JAX and torch backends: the layers' float64 results were float32's (errors 1e-8, and a
+    cotangent of 1e-200 lost 10-50 % of dx)."""
+    rng = np.random.default_rng(64)
+    x = 3 * rng.standard_normal((3, 8))
+    for scale in (1.0, 1e-200):
+        dy = scale * rng.standard_normal(x.shape)
+        y, dx, *_ = evaluate(spec, x, dy, jit=jit)
+        grads = reference.normalize_vjp(x, dy, spec)
+        want = reference.normalize(x, spec)
+        assert y.dtype == dx.dtype == np.float64
+        np.testing.assert_allclose(y, want, rtol=0, atol=1e-13 * np.abs(want).max())
+        np.testing.assert_allclose(dx, grads.dx, rtol=0, atol=1e-13 * np.abs(grads.dx).max())
