@@ -349,11 +349,8 @@ class _Rows:
                 total = ops.sum(d * y_hat, axis=self.axes, keepdims=True)
                 factor = total * (1 / count) if ratio is None else total * ratio * (1 / count)
                 _, d, y_hat, (mean, r, _, _) = applied
-                if self.head is not None:
-                    y_hat_head = ops.where(self.head, y_hat, ops.zeros_like(y_hat))
-                    dx = r * (d - y_hat_head * factor)
-                elif mean is None:
-                    dx = r * (d - y_hat * factor)
+                if mean is None:
+                    dx = r * (d - self.head_share(y_hat, factor))
                 else:
                     _, d_averaged, _, _ = averaged
                     d_mean = _mean(d_averaged, self.axes)
@@ -369,6 +366,14 @@ class _Rows:
             return y, grad
 
         return output(source, *row_stats, *present)
+
+    def head_share(self, y_hat: Any, factor: Any) -> Any:
+        """``[i < k] y_hat factor``: the statistic's share of ``dx / r``, on the first k
+        elements only. The mask comes last, so that a NaN or infinite ``factor`` (a NaN in the
+        tail enters the row's sum) stays out of the tail, as in the reference."""
+        share = y_hat * factor
+        return share if self.head is None else ops.where(self.head, share, ops.zeros_like(share))
+
 
     def param_grads(
         self,

@@ -1,6 +1,7 @@
-"""normkit.tf at the edges of its dtypes: float64 is computed in float64. pytest runs them on
-the TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with KERAS_BACKEND=jax
-and =torch, each in its own process."""
+"""normkit.tf's rows at the edges keep to themselves, as the reference's do (tests/helpers/
+edge_rows.py: a NaN in a partial RMS row's tail), and float64 is computed in float64. pytest
+runs them on the TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with
+KERAS_BACKEND=jax and =torch, each in its own process."""
 
 from __future__ import annotations
 
@@ -13,12 +14,28 @@ keras = pytest.importorskip("keras")
 
 from normkit import NormSpec, reference  # noqa: E402
 from normkit.conformance.targets_keras import evaluate, keras_backend  # noqa: E402
+from tests.helpers import edge_rows  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
 )
 JITS = [False] if keras_backend() == "torch" else [False, True]
 jits = pytest.mark.parametrize("jit", JITS, ids=lambda j: "jit" if j else "eager")
+NAN_TAILS = [(s, "float32") for s in edge_rows.NAN_TAIL_SPECS] + [
+    (edge_rows.NAN_TAIL_SPECS[0], d) for d in ("bfloat16", "float64")
+]
+
+
+def _id(case: tuple[NormSpec, str]) -> str:
+    return f"{edge_rows.spec_id(case[0])}-{case[1]}"
+
+
+@jits
+@pytest.mark.parametrize("case", NAN_TAILS, ids=_id)
+def test_a_nan_in_a_partial_rows_tail_stays_out_of_the_rest_of_the_tail(case, jit):
+    """Issue 48, defect 3: the whole row's dx was NaN (the head mask multiplied the row's NaN
+    factor); the reference's is NaN on the first k elements only."""
+    edge_rows.check_nan_tail(evaluate, *case, jit=jit)
 
 
 @jits
