@@ -1,6 +1,6 @@
 """normkit.jax's rows at the edges keep to themselves, as the reference's do (tests/helpers/
-edge_rows.py): the NaN in a partial RMS row's tail that broke normkit.tf (issue 48), held here
-too."""
+edge_rows.py): the rows beside a rescaled one and the NaN in a partial RMS row's tail that
+broke normkit.tf (issue 48), held here too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ pytest.importorskip("jax")
 
 from normkit.conformance.targets_jax import evaluate  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("spec", edge_rows.NEIGHBOUR_SPECS, ids=edge_rows.spec_id)
+def test_a_rescaled_row_leaves_its_neighbours_gradients_alone(spec):
+    edge_rows.check_neighbours(evaluate, spec, "float32", api="functional", jit=True)
 
 
 @pytest.mark.parametrize("spec", edge_rows.NAN_TAIL_SPECS, ids=edge_rows.spec_id)

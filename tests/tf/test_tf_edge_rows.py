@@ -1,7 +1,8 @@
 """normkit.tf's rows at the edges keep to themselves, as the reference's do (tests/helpers/
-edge_rows.py: a NaN in a partial RMS row's tail), and float64 is computed in float64. pytest
-runs them on the TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with
-KERAS_BACKEND=jax and =torch, each in its own process."""
+edge_rows.py: a row sent to the guarded program beside one whose ``sum(dy x)`` overflows, a NaN
+in a partial RMS row's tail), and float64 is computed in float64. pytest runs them on the
+TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with KERAS_BACKEND=jax and
+=torch, each in its own process."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.filterwarnings(
 )
 JITS = [False] if keras_backend() == "torch" else [False, True]
 jits = pytest.mark.parametrize("jit", JITS, ids=lambda j: "jit" if j else "eager")
+# Every spec in float32; one in bfloat16 and float64.
+NEIGHBOURS = [(s, "float32") for s in edge_rows.NEIGHBOUR_SPECS] + [
+    (edge_rows.NEIGHBOUR_SPECS[0], d) for d in ("bfloat16", "float64")
+]
 NAN_TAILS = [(s, "float32") for s in edge_rows.NAN_TAIL_SPECS] + [
     (edge_rows.NAN_TAIL_SPECS[0], d) for d in ("bfloat16", "float64")
 ]
@@ -28,6 +33,15 @@ NAN_TAILS = [(s, "float32") for s in edge_rows.NAN_TAIL_SPECS] + [
 
 def _id(case: tuple[NormSpec, str]) -> str:
     return f"{edge_rows.spec_id(case[0])}-{case[1]}"
+
+
+@jits
+@pytest.mark.parametrize("case", NEIGHBOURS, ids=_id)
+def test_a_row_in_the_guarded_program_leaves_its_neighbours_gradients_alone(case, jit):
+    """Issue 48, defect 2: |x| 1e9 with |dy| 1e29 beside a row of 1e20 had a dx of inf or NaN
+    (the guarded program's autodiff formed sum(dy x) apart from r'(s)); the reference's is
+    about 1e20."""
+    edge_rows.check_neighbours(evaluate, *case, jit=jit)
 
 
 @jits
