@@ -889,7 +889,7 @@ class _Norm(keras.layers.Layer):
             bias = None if self.beta is None else self._param(self.beta, work, None)
             return _gated.gated_or_grouped(
                 x, gate, spec, dtype, work, scale, bias, self._affine_dtype(dtype),
-                self._output_dtype(dtype), self._grouped,
+                self._output_dtype(dtype), self._grouped, gate is not None and _recording(gate),
             )
         if added is None:
             exact = keras.backend.standardize_dtype(inputs.dtype) == dtype

@@ -1,6 +1,6 @@
 """normkit.jax's rows at the edges keep to themselves, as the reference's do (tests/helpers/
-edge_rows.py): the rows beside a rescaled one and the NaN in a partial RMS row's tail that
-broke normkit.tf (issue 48), held here too."""
+edge_rows.py): the gate's SiLU below z = -88.7, and the rows beside a rescaled one and the NaN
+in a partial RMS row's tail that broke normkit.tf (issue 48), held here too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,23 @@ pytest.importorskip("jax")
 
 from normkit.conformance.targets_jax import evaluate  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
+
+jits = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+@jits
+@pytest.mark.parametrize("dtype", list(edge_rows.DTYPES))
+@pytest.mark.parametrize("gate", ["after", "before"])
+def test_the_gates_silu_below_minus_88_is_not_zero(gate, dtype, jit):
+    """Issue 48, defect 5: ``jax.nn.silu(-89)`` is 0 (1 / (1 + e^89) is), the reference's
+    about 1e-37; dgate too, whose derivative is formed with the value (XLA's CPU code flushes
+    the subnormal products autodiff would form)."""
+    edge_rows.check_far_gate(evaluate, gate, dtype, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_modules_gate_below_minus_88_is_not_zero(api):
+    edge_rows.check_far_gate(evaluate, "after", "float32", api=api, jit=True)
 
 
 @pytest.mark.parametrize("spec", edge_rows.NEIGHBOUR_SPECS, ids=edge_rows.spec_id)

@@ -1,8 +1,8 @@
 """normkit.tf's rows at the edges keep to themselves, as the reference's do (tests/helpers/
 edge_rows.py: a row sent to the guarded program beside one whose ``sum(dy x)`` overflows, a NaN
-in a partial RMS row's tail), and float64 is computed in float64. pytest runs them on the
-TensorFlow backend; tests/tf/test_tf_keras.py runs this file again with KERAS_BACKEND=jax and
-=torch, each in its own process."""
+in a partial RMS row's tail, the gate's SiLU below z = -88.7), and float64 is computed in
+float64. pytest runs them on the TensorFlow backend; tests/tf/test_tf_keras.py runs this file
+again with KERAS_BACKEND=jax and =torch, each in its own process."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def test_a_nan_in_a_partial_rows_tail_stays_out_of_the_rest_of_the_tail(case, ji
     """Issue 48, defect 3: the whole row's dx was NaN (the head mask multiplied the row's NaN
     factor); the reference's is NaN on the first k elements only."""
     edge_rows.check_nan_tail(evaluate, *case, jit=jit)
+
+
+@jits
+@pytest.mark.parametrize("dtype", list(edge_rows.DTYPES))
+@pytest.mark.parametrize("gate", ["after", "before"])
+def test_the_gates_silu_below_minus_88_is_not_zero(gate, dtype, jit):
+    """Issue 48, defect 5: ``z sigmoid(z)`` at z = -89 was 0 (1 / (1 + e^89) is), the
+    reference's about 1e-37; dgate there too. Keras' torch backend keeps subnormals, so dx of
+    ``gate="after"`` is checked there as well."""
+    edge_rows.check_far_gate(
+        evaluate, gate, dtype, keeps_subnormals=keras_backend() == "torch", jit=jit
+    )
 
 
 @jits
