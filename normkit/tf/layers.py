@@ -1250,10 +1250,14 @@ def _recomputed(f: Any) -> Any:
     @tf.custom_gradient  # type: ignore[misc]
     def recomputed(*args: Any) -> Any:
         def grad(*upstream: Any) -> Any:
+            # Only the floating arguments are watched: a tape warns of any other (the rows'
+            # boolean marks), and they have no gradient.
+            floating = [a for a in args if a.dtype.is_floating]
             with tf.GradientTape() as tape:
-                tape.watch(args)
+                tape.watch(floating)
                 y = f(*args)
-            return tape.gradient(y, args, output_gradients=upstream)
+            grads = iter(tape.gradient(y, floating, output_gradients=upstream))
+            return [next(grads) if a.dtype.is_floating else None for a in args]
 
         return f(*args), grad
 
