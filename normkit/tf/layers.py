@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from typing import Any
 
 import keras
@@ -699,6 +700,7 @@ class _Norm(keras.layers.Layer):
         autocast = bool(kwargs.pop("autocast", True))
         super().__init__(autocast=False, **kwargs)
         self._autocast_inputs = autocast
+        self._warned_of_policy = False  # `_warn_of_policy`
         self._spec = spec
         self._param_dtype = None if param_dtype is None else _float_dtype(param_dtype)
         self.supports_masking = True
@@ -745,7 +747,34 @@ class _Norm(keras.layers.Layer):
                 f"{self.name}: the input has dtype {dtype}; {type(self).__name__} needs a "
                 "floating input (float16, bfloat16, float32 or float64)"
             )
-        return self.compute_dtype if self._autocast_inputs else dtype
+        seen = self.compute_dtype if self._autocast_inputs else dtype
+        if dtype in _HALF and seen != dtype and not self._warned_of_policy:
+            self._warn_of_policy(dtype, seen)
+        return seen
+
+    def _warn_of_policy(self, dtype: str, seen: str) -> None:
+        """Warn (once per layer) where the policy casts a half input to another dtype and the
+        spec has steps that act on half inputs: they then act on ``seen`` values, and the layer
+        no longer computes what the reference and the other adapters compute for ``dtype``."""
+        spec = self._spec
+        steps = [f"cast={spec.cast!r}"] * (spec.cast == "before_scale")
+        steps += [f"backward={spec.backward!r}"] * (spec.backward == "autograd")
+        steps += [f"residual={spec.residual!r}"] * (spec.residual in ("rounded",
+                                                                      "float32_normalized"))
+        if not steps:
+            return
+        self._warned_of_policy = True
+        policy = f"mixed_{dtype}" if self.param_dtype == "float32" else dtype
+        warnings.warn(
+            f"{self.name}: a {dtype} input is cast to {seen} by the dtype policy "
+            f"{self.dtype_policy.name!r} (Keras' autocast), so the spec's half-precision steps "
+            f"({', '.join(steps)}) act on {seen} values, not on the {dtype} ones "
+            f"normkit.reference, normkit.torch and normkit.jax take them on: y is {seen} and "
+            f"differs from theirs by about an ulp of {dtype}. To compute the spec on {dtype} "
+            f"inputs, build the layer with dtype={policy!r} (or autocast=False).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _present(self) -> list[str]:
         """The names of the variables the spec has, in the order `build` creates them."""

@@ -1,18 +1,23 @@
 """What normkit.tf says to its user: in ``model.fit`` nothing that Keras' own layers do not
-(issue 51: a tape's warning of a watched boolean, twice per fit)."""
+(issue 51: a tape's warning of a watched boolean, twice per fit); a warning where the dtype
+policy keeps a spec's half-precision steps from the half inputs they are for (issue 51: a
+bfloat16 Llama norm under the float32 policy differed from torch and Flax by 8.6e-3)."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow", reason="these tests run TensorFlow, which is not installed")
 import keras  # noqa: E402
 
-from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm  # noqa: E402
+from normkit import NormSpec, reference, tolerances  # noqa: E402
+from normkit.tf import LayerNorm, PartialRMSNorm, RMSNorm, from_spec  # noqa: E402
 from tests.helpers.keras_backend import tensorflow_backend_only  # noqa: E402
 
 pytestmark = tensorflow_backend_only("TensorFlow's log is TensorFlow's")
@@ -65,3 +70,55 @@ def test_model_fit_logs_nothing_kerass_own_layer_does_not(make, kerass, jit_comp
     tf.bool", twice per fit."""
     ours = _fit_log(make(), jit_compile)
     assert [m for m in ours if m not in _kerass_log(kerass, jit_compile)] == []
+
+
+LLAMA_BF16 = NormSpec(eps=1e-5, cast="before_scale")  # Hugging Face Llama's RMSNorm
+
+
+def _bfloat16_rows() -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((4, 64)).astype(ml_dtypes.bfloat16)
+
+
+def test_a_half_precision_spec_under_a_wider_policy_warns_once_naming_the_remedy():
+    """Under the float32 policy Keras' autocast makes the bfloat16 input float32, where
+    cast='before_scale' rounds nothing: the layer says so, once, with the policy that computes
+    the spec on bfloat16 inputs; under that policy it is the reference's."""
+    x = _bfloat16_rows()
+    layer = from_spec(LLAMA_BF16, name="llama_norm")
+    with pytest.warns(UserWarning) as caught:
+        y = layer(x)
+        layer(x)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for part in ("llama_norm", "bfloat16 input is cast to float32", "'float32'",
+                 "cast='before_scale'", "dtype='mixed_bfloat16'", "autocast=False"):
+        assert part in message, (part, message)
+    # The warning's figures: about a bfloat16 ulp from the reference on bfloat16 inputs.
+    want = reference.normalize(x, LLAMA_BF16).astype(np.float32)
+    assert 1e-3 < np.abs(keras.ops.convert_to_numpy(y) - want).max() < 2e-2
+    advised = from_spec(LLAMA_BF16, dtype="mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = advised(x)
+    tolerances.assert_close(keras.ops.convert_to_numpy(y), reference.normalize(x, LLAMA_BF16),
+                            cast="before_scale")
+
+
+@pytest.mark.parametrize("make, x_dtype", [
+    (lambda: from_spec(LLAMA_BF16, dtype="mixed_bfloat16"), ml_dtypes.bfloat16),
+    (lambda: from_spec(LLAMA_BF16, autocast=False), ml_dtypes.bfloat16),
+    (lambda: from_spec(LLAMA_BF16), np.float32),
+    (lambda: RMSNorm(), ml_dtypes.bfloat16),  # no half-precision step: Keras' autocast alone
+], ids=["its-policy", "autocast-off", "float32-input", "after-scale"])
+def test_no_warning_where_the_spec_is_computed_as_asked(make, x_dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make()(_bfloat16_rows().astype(x_dtype))
+
+
+def test_a_functional_model_warns_when_it_is_built():
+    """A bfloat16 ``keras.Input`` reaches the layer when the model is built: the warning comes
+    then, before any data."""
+    with pytest.warns(UserWarning, match="cast='before_scale'"):
+        inputs = keras.Input((64,), dtype="bfloat16")
+        keras.Model(inputs, from_spec(LLAMA_BF16.replace(backward="autograd"))(inputs))
