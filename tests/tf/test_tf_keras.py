@@ -58,7 +58,8 @@ def test_reference_checks_pass_on_other_keras_backends(backend):
     extended fields' handful in a fresh process with KERAS_BACKEND set."""
     env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
     # Two workers where pytest-xdist is installed: this process only waits meanwhile. The run
-    # is 823 tests: 528 s alone on the 2-core machine, more beside the suite's other worker.
+    # was 823 tests, 528 s alone on the 2-core machine, before test_tf_edge_rows.py (44 more on
+    # JAX, 22 on torch); more beside the suite's other worker.
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", *EXTENDED,
