@@ -375,11 +375,13 @@ class _Rows:
         share = y_hat * factor
         return share if self.head is None else ops.where(self.head, share, ops.zeros_like(share))
 
-    def normalized(self, c: Any, r: Any, rho: Any) -> Any:
+    def normalized(self, c: Any, r: Any, w: Any) -> Any:
         """`_guarded`'s ``y_hat = c r``, whose gradient reaches ``c`` in the reference's closed
-        form, in ``c``'s units: ``dc = r (d - [i < k] y_hat sum(d c rho) / k)``, ``rho = -2
-        r'(s) / r**2`` (`r`). ``r`` and ``rho`` get no gradient of their own (the closed form
-        holds the statistic's); a second derivative reaches them through ``dc``.
+        form, in ``c``'s units: ``dc = r (d - [i < k] y_hat sum(d c rho) / k)`` with ``rho =
+        -2 r'(s) / r**2``, ``r`` inside, ``1 / sqrt(s)`` outside; ``c rho`` is formed from
+        `r`'s ``w`` as ``c w`` (inside) or ``c / w`` (outside, 0 where ``w = sqrt(s)`` is).
+        ``r`` and ``w`` get no gradient of their own (the closed form holds the statistic's); a
+        second derivative reaches them through ``dc``.
 
         Autodiff through ``r(s)`` would form ``sum(d c)`` and ``r'(s)`` apart: on an ordinary
         row beside one that sends the batch here, |x| 1e9 with a cotangent of 1e29, that sum
@@ -390,17 +392,23 @@ class _Rows:
             return c * r
 
         @ops.custom_gradient
-        def output(c: Any, r: Any, rho: Any) -> Any:
+        def output(c: Any, r: Any, w: Any) -> Any:
             y_hat = c * r
 
             def grad(*args: Any, upstream: Any = None) -> tuple[Any, Any, Any]:
                 d = args[0] if upstream is None else upstream
-                total = ops.sum(d * (c * rho), axis=self.axes, keepdims=True)
+                if self.outside:
+                    positive = w > 0
+                    c_rho = c / ops.where(positive, w, ops.ones_like(w))
+                    c_rho = ops.where(positive, c_rho, ops.zeros_like(c_rho))
+                else:
+                    c_rho = c * w
+                total = ops.sum(d * c_rho, axis=self.axes, keepdims=True)
                 return r * (d - self.head_share(y_hat, total * (1 / self.k))), None, None
 
             return y_hat, grad
 
-        return output(c, r, rho)
+        return output(c, r, w)
 
     def param_grads(
         self,
@@ -480,11 +488,12 @@ class _Rows:
         return ops.logical_or(bad, s < self.small) if self.outside else bad
 
     def r(self, s: Any, eps: Any, unit: Any = 1.0) -> tuple[Any, Any]:
-        """``(r, rho)`` of the statistic ``unit**2 s`` (``s`` given in units of ``unit**2``:
-        eps outside only; ``unit`` a constant), for `normalized`: ``rho = -2 r'(s) / r**2`` is
-        ``r`` (inside) or ``1 / sqrt(s)`` (outside; 0 at s = 0, where sqrt's infinite
-        derivative is taken as 0, as in the reference). A NaN statistic stays NaN. Both are
-        differentiable (second derivatives through `normalized`'s gradient)."""
+        """``(r, w)`` of the statistic ``unit**2 s`` (``s`` given in units of ``unit**2``:
+        eps outside only; ``unit`` a constant), ``w`` for `normalized`: ``r`` inside, ``unit
+        sqrt(s)`` outside (sqrt's infinite derivative at s = 0 taken as 0, as in the
+        reference). A NaN statistic stays NaN. Both are differentiable (second derivatives
+        through `normalized`'s gradient) with finite derivatives: where a traced ``cond``
+        passes them a zero cotangent, ``1 / sqrt(s)``'s would be 0 * inf on tiny rows."""
         if not self.outside:
             total = s + eps
             r = ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
@@ -494,14 +503,12 @@ class _Rows:
             positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), ops.stop_gradient(s)
         )
         total = unit * root + eps
-        r = 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total)
-        rho = 1.0 / (unit * ops.where(positive, root, ops.ones_like(root)))
-        return r, ops.where(positive, rho, ops.zeros_like(rho))
+        return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total), unit * root
 
     def rescaled(
-        self, x: Any, c: Any, r: Any, rho: Any, bad: Any
+        self, x: Any, c: Any, r: Any, w: Any, bad: Any
     ) -> tuple[Any, Any, Any, Any]:
-        """``(c, r, eps, rho)`` with the ``bad`` rows divided by their largest magnitude (at
+        """``(c, r, eps, w)`` with the ``bad`` rows divided by their largest magnitude (at
         least eps's: ``sqrt(eps)`` inside, ``eps`` outside), so that their s lies in [1/k, 1].
 
         LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
@@ -538,14 +545,14 @@ class _Rows:
             unit = ops.stop_gradient(
                 self.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
             )
-            scaled_r, scaled_rho = self.r(self.statistic(scaled / unit), scaled_eps, unit)
+            scaled_r, scaled_w = self.r(self.statistic(scaled / unit), scaled_eps, unit)
         else:
-            scaled_r, scaled_rho = self.r(self.statistic(scaled), scaled_eps)
+            scaled_r, scaled_w = self.r(self.statistic(scaled), scaled_eps)
         return (
             ops.where(use, scaled, c),
             ops.where(use, scaled_r, r),
             ops.where(use, scaled_eps, ops.full_like(r, eps)),
-            ops.where(use, scaled_rho, rho),
+            ops.where(use, scaled_w, w),
         )
 
     def degenerate(self, c: Any, r: Any, eps: Any, y: Any) -> Any:
@@ -1107,20 +1114,20 @@ class _Norm(keras.layers.Layer):
         n, k, head = rows.n, rows.k, rows.head
         c = rows.center(x)
         s = rows.statistic(c)
-        r, rho = rows.r(s, spec.eps)
+        r, w = rows.r(s, spec.eps)
         bad = rows.needs_rescaling(s, r)
         any_bad = ops.any(bad)
         known = _known(any_bad)
         eps: Any = spec.eps
         if known is None:
-            c, r, eps, rho = ops.cond(
+            c, r, eps, w = ops.cond(
                 any_bad,
-                lambda: rows.rescaled(x, c, r, rho, bad),
-                lambda: (c, r, ops.full_like(r, spec.eps), rho),
+                lambda: rows.rescaled(x, c, r, w, bad),
+                lambda: (c, r, ops.full_like(r, spec.eps), w),
             )
         elif known:
-            c, r, eps, rho = rows.rescaled(x, c, r, rho, bad)
-        y = rows.normalized(c, r, rho)
+            c, r, eps, w = rows.rescaled(x, c, r, w, bad)
+        y = rows.normalized(c, r, w)
         if k == 1 or (spec.kind == "layer" and n == 2):
             exact = rows.degenerate(c, r, eps, y)
             y = exact if head is None else ops.where(head, exact, y)
