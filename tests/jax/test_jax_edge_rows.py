@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from normkit.conformance.targets_jax import evaluate  # noqa: E402
+from normkit.conformance.targets_jax import devices, evaluate  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
 
 jits = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -37,3 +37,12 @@ def test_a_rescaled_row_leaves_its_neighbours_gradients_alone(spec):
 @pytest.mark.parametrize("spec", edge_rows.NAN_TAIL_SPECS, ids=edge_rows.spec_id)
 def test_a_nan_in_a_partial_rows_tail_stays_out_of_the_rest_of_the_tail(spec):
     edge_rows.check_nan_tail(evaluate, spec, "float32", api="functional", jit=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["after", "before"])
+def test_the_gates_silu_below_minus_88_is_not_zero_on_a_gpu(gate):
+    if "cuda:0" not in devices():
+        pytest.skip("JAX sees no GPU")
+    edge_rows.check_far_gate(evaluate, gate, "float32", api="functional", jit=True,
+                             device="cuda:0")
