@@ -24,9 +24,21 @@ from normkit.spec import NormSpec
 __all__ = ["gated_or_grouped"]
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def activation(z: jax.Array, name: str) -> jax.Array:
-    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``."""
-    return jax.nn.silu(z) if name == "silu" else jax.nn.sigmoid(z)
+    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``, from ``e^-|z|`` (`_gating.activation`:
+    ``jax.nn.silu`` is 0 below z = -88.7), with the derivative formed there too: XLA's CPU code
+    flushes subnormals, which autodiff's products would pass through."""
+    return _gating.activation(z, name, jnp, z.dtype == jnp.float64)[0]
+
+
+@activation.defjvp
+def _activation_jvp(
+    name: str, primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    (z,), (dz,) = primals, tangents
+    a, slope = _gating.activation(z, name, jnp, z.dtype == jnp.float64)
+    return a, slope * dz
 
 
 @jax.custom_vjp

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import keras
 from keras import ops
 
 from normkit import _gating
@@ -24,9 +25,25 @@ from normkit.tf._rounding import rounded
 __all__ = ["gated_or_grouped"]
 
 
-def activation(z: Any, name: str) -> Any:
-    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``."""
-    return z * ops.sigmoid(z) if name == "silu" else ops.sigmoid(z)
+def activation(z: Any, name: str, recording: bool) -> Any:
+    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``, from ``e^-|z|`` (`_gating.activation`:
+    ``ops.sigmoid`` is 0 below z = -88.7). Where a gradient may be taken (``recording``), it is
+    ``a'(z)`` formed there too: TensorFlow's and XLA's CPU code flush subnormals, which
+    autodiff's products would pass through."""
+    wide = keras.backend.standardize_dtype(z.dtype) == "float64"
+    if not recording:
+        return _gating.activation(z, name, ops, wide)[0]
+
+    @ops.custom_gradient
+    def activated(z: Any) -> Any:
+        a, slope = _gating.activation(z, name, ops, wide)
+
+        def grad(*args: Any, upstream: Any = None) -> Any:
+            return (args[0] if upstream is None else upstream) * slope
+
+        return a, grad
+
+    return activated(z)
 
 
 def gated_or_grouped(
@@ -40,11 +57,13 @@ def gated_or_grouped(
     affine_dtype: str,
     out: str,
     normalize: Callable[[Any], Any],
+    recording: bool = True,
 ) -> Any:
     """``spec`` on ``x`` (in ``work``, with the policy of ``dtype`` inputs) and ``gate`` (None
     without one), y in ``out``. ``scale`` is ``scale_offset + w`` and ``bias`` ``b``, both in
     ``work`` and shaped as the normalized axes, or None; ``normalize(v)`` is the norm of
-    `normkit._gating.group_spec` on ``v`` (in ``work``) over its last axis."""
+    `normkit._gating.group_spec` on ``v`` (in ``work``) over its last axis; ``recording``:
+    whether a gradient may be taken for ``gate``."""
     axes = spec.resolve_axes(len(x.shape))
     lead = [a for a in range(len(x.shape)) if a not in axes]
     order = (*lead, *axes)
@@ -56,7 +75,7 @@ def gated_or_grouped(
     a = None
     if gate is not None:
         z = ops.reshape(ops.transpose(ops.cast(gate, work), order), (*lead_shape, n))
-        a = activation(z, spec.gate_activation or "silu")
+        a = activation(z, spec.gate_activation or "silu", recording)
     if spec.gate == "before":
         v = v * a
     group = spec.group_size or n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from typing import Any
 
 import keras
@@ -194,7 +195,7 @@ class _Rows:
         """``s``: the mean of ``c**2`` over the row, or over its first k elements only."""
         c = self._bounded(c, c)
         if self.head is None:
-            return ops.mean(ops.square(c), axis=self.axes, keepdims=True)
+            return _mean(ops.square(c), self.axes)
         # The elements after the first k are masked before squaring: a NaN, an inf or a
         # 1e20 there must not enter s, nor its gradient.
         head = ops.where(self.head, c, ops.zeros_like(c))
@@ -227,16 +228,16 @@ class _Rows:
             first, second = _separately(
                 lambda v: ops.cast(ops.stop_gradient(v), self.work), (source,), 2, traced=True
             )
-            mean = ops.mean(first, axis=self.axes, keepdims=True)
-            s = ops.mean(ops.square(second - mean), axis=self.axes, keepdims=True)
+            mean = _mean(first, self.axes)
+            s = _mean(ops.square(second - mean), self.axes)
         elif self.spec.kind == "layer":
             # mean((x - mean)**2) as Keras' LayerNormalization forms it: one op on TensorFlow
             # (a squared difference), where x - mean and its square would be two passes.
             mean, s = ops.moments(x, axes=list(self.axes), keepdims=True)
         elif self.head is None:
-            s = ops.mean(ops.square(x), axis=self.axes, keepdims=True)
+            s = _mean(ops.square(x), self.axes)
         elif self.axes == (len(self.target) - 1,):
-            s = ops.mean(ops.square(x[..., : self.k]), axis=self.axes, keepdims=True)
+            s = _mean(ops.square(x[..., : self.k]), self.axes)
         else:
             head = ops.where(self.head, x, ops.zeros_like(x))
             s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
@@ -349,14 +350,11 @@ class _Rows:
                 total = ops.sum(d * y_hat, axis=self.axes, keepdims=True)
                 factor = total * (1 / count) if ratio is None else total * ratio * (1 / count)
                 _, d, y_hat, (mean, r, _, _) = applied
-                if self.head is not None:
-                    y_hat_head = ops.where(self.head, y_hat, ops.zeros_like(y_hat))
-                    dx = r * (d - y_hat_head * factor)
-                elif mean is None:
-                    dx = r * (d - y_hat * factor)
+                if mean is None:
+                    dx = r * (d - self.head_share(y_hat, factor))
                 else:
                     _, d_averaged, _, _ = averaged
-                    d_mean = ops.mean(d_averaged, axis=self.axes, keepdims=True)
+                    d_mean = _mean(d_averaged, self.axes)
                     dx = r * (d - d_mean - y_hat * factor)
                 dx = ops.cast(dx, keras.backend.standardize_dtype(source.dtype))
                 dy_scaled, _, y_hat_scaled, _ = scaled
@@ -369,6 +367,48 @@ class _Rows:
             return y, grad
 
         return output(source, *row_stats, *present)
+
+    def head_share(self, y_hat: Any, factor: Any) -> Any:
+        """``[i < k] y_hat factor``: the statistic's share of ``dx / r``, on the first k
+        elements only. The mask comes last, so that a NaN or infinite ``factor`` (a NaN in the
+        tail enters the row's sum) stays out of the tail, as in the reference."""
+        share = y_hat * factor
+        return share if self.head is None else ops.where(self.head, share, ops.zeros_like(share))
+
+    def normalized(self, c: Any, r: Any, w: Any) -> Any:
+        """`_guarded`'s ``y_hat = c r``, whose gradient reaches ``c`` in the reference's closed
+        form, in ``c``'s units: ``dc = r (d - [i < k] y_hat sum(d c rho) / k)`` with ``rho =
+        -2 r'(s) / r**2``, ``r`` inside, ``1 / sqrt(s)`` outside; ``c rho`` is formed from
+        `r`'s ``w`` as ``c w`` (inside) or ``c / w`` (outside, 0 where ``w = sqrt(s)`` is).
+        ``r`` and ``w`` get no gradient of their own (the closed form holds the statistic's); a
+        second derivative reaches them through ``dc``.
+
+        Autodiff through ``r(s)`` would form ``sum(d c)`` and ``r'(s)`` apart: on an ordinary
+        row beside one that sends the batch here, |x| 1e9 with a cotangent of 1e29, that sum
+        overflows float32 where dx is about 1e20, and the row's gradient was NaN. Here the sum
+        reads ``c rho``, of the size of ``y_hat``. LayerNorm's centering before is
+        differentiated by autodiff (``dx = dc - mean(dc)``, ``c`` having mean 0)."""
+        if not _recording(c):
+            return c * r
+
+        @ops.custom_gradient
+        def output(c: Any, r: Any, w: Any) -> Any:
+            y_hat = c * r
+
+            def grad(*args: Any, upstream: Any = None) -> tuple[Any, Any, Any]:
+                d = args[0] if upstream is None else upstream
+                if self.outside:
+                    positive = w > 0
+                    c_rho = c / ops.where(positive, w, ops.ones_like(w))
+                    c_rho = ops.where(positive, c_rho, ops.zeros_like(c_rho))
+                else:
+                    c_rho = c * w
+                total = ops.sum(d * c_rho, axis=self.axes, keepdims=True)
+                return r * (d - self.head_share(y_hat, total * (1 / self.k))), None, None
+
+            return y_hat, grad
+
+        return output(c, r, w)
 
     def param_grads(
         self,
@@ -447,24 +487,29 @@ class _Rows:
         bad = ops.logical_not(ops.logical_and(r >= 1 / self.bound, r <= self.bound))
         return ops.logical_or(bad, s < self.small) if self.outside else bad
 
-    def r(self, s: Any, eps: Any, unit: Any = 1.0) -> Any:
-        """``r(unit**2 s)``: ``s`` given in units of ``unit**2`` (eps outside only; ``unit``
-        a constant, so ``sqrt(s)``'s gradient is scale-free). For eps outside, sqrt's infinite
-        derivative at s = 0 is taken as 0 (as in the reference), and a NaN statistic stays
-        NaN."""
+    def r(self, s: Any, eps: Any, unit: Any = 1.0) -> tuple[Any, Any]:
+        """``(r, w)`` of the statistic ``unit**2 s`` (``s`` given in units of ``unit**2``:
+        eps outside only; ``unit`` a constant), ``w`` for `normalized`: ``r`` inside, ``unit
+        sqrt(s)`` outside (sqrt's infinite derivative at s = 0 taken as 0, as in the
+        reference). A NaN statistic stays NaN. Both are differentiable (second derivatives
+        through `normalized`'s gradient) with finite derivatives: where a traced ``cond``
+        passes them a zero cotangent, ``1 / sqrt(s)``'s would be 0 * inf on tiny rows."""
         if not self.outside:
             total = s + eps
-            return ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
+            r = ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
+            return r, r
         positive = s > 0
         root = ops.where(
             positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), ops.stop_gradient(s)
         )
         total = unit * root + eps
-        return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total)
+        return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total), unit * root
 
-    def rescaled(self, x: Any, c: Any, r: Any, bad: Any) -> tuple[Any, Any, Any]:
-        """``(c, r, eps)`` with the ``bad`` rows divided by their largest magnitude (at least
-        eps's: ``sqrt(eps)`` inside, ``eps`` outside), so that their s lies in [1/k, 1].
+    def rescaled(
+        self, x: Any, c: Any, r: Any, w: Any, bad: Any
+    ) -> tuple[Any, Any, Any, Any]:
+        """``(c, r, eps, w)`` with the ``bad`` rows divided by their largest magnitude (at
+        least eps's: ``sqrt(eps)`` inside, ``eps`` outside), so that their s lies in [1/k, 1].
 
         LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
         The factors are constants to autodiff (``y_hat`` does not depend on them); ``pre``, 1
@@ -500,13 +545,14 @@ class _Rows:
             unit = ops.stop_gradient(
                 self.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
             )
-            scaled_r = self.r(self.statistic(scaled / unit), scaled_eps, unit)
+            scaled_r, scaled_w = self.r(self.statistic(scaled / unit), scaled_eps, unit)
         else:
-            scaled_r = self.r(self.statistic(scaled), scaled_eps)
+            scaled_r, scaled_w = self.r(self.statistic(scaled), scaled_eps)
         return (
             ops.where(use, scaled, c),
             ops.where(use, scaled_r, r),
             ops.where(use, scaled_eps, ops.full_like(r, eps)),
+            ops.where(use, scaled_w, w),
         )
 
     def degenerate(self, c: Any, r: Any, eps: Any, y: Any) -> Any:
@@ -606,6 +652,25 @@ def _cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
     return ops.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
 
 
+def _mean(u: Any, axes: tuple[int, ...]) -> Any:
+    """The mean of ``u`` over ``axes`` (kept): `ops.mean`, or for float64 the sum over the
+    count, since Keras 3 (``BIT64_TO_BIT32_DTYPE``) makes ``ops.mean`` sum a float64 tensor in
+    float32 on its JAX and torch backends (a row of 1e-200s has mean 0 there)."""
+    if keras.backend.standardize_dtype(u.dtype) != "float64":
+        return ops.mean(u, axis=axes, keepdims=True)
+    return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
+
+
+def _tanh(u: Any) -> Any:
+    """``tanh(u)`` in ``u``'s dtype: `ops.tanh`, which on Keras' JAX backend computes a float64
+    ``u`` in float32 (as `_mean`), so ``jnp.tanh`` there."""
+    if keras.backend.backend() != "jax" or keras.backend.standardize_dtype(u.dtype) != "float64":
+        return ops.tanh(u)
+    import jax.numpy as jnp
+
+    return jnp.tanh(u)
+
+
 def _maximum(a: Any, b: Any) -> Any:
     """``max(a, b)`` elementwise in ``a``'s dtype, NaN where ``a`` is NaN: `ops.maximum` for
     float64, which Keras' torch backend computes in float32 (its dtype promotion does not read
@@ -642,6 +707,7 @@ class _Norm(keras.layers.Layer):
         autocast = bool(kwargs.pop("autocast", True))
         super().__init__(autocast=False, **kwargs)
         self._autocast_inputs = autocast
+        self._warned_of_policy = False  # `_warn_of_policy`
         self._spec = spec
         self._param_dtype = None if param_dtype is None else _float_dtype(param_dtype)
         self.supports_masking = True
@@ -688,7 +754,34 @@ class _Norm(keras.layers.Layer):
                 f"{self.name}: the input has dtype {dtype}; {type(self).__name__} needs a "
                 "floating input (float16, bfloat16, float32 or float64)"
             )
-        return self.compute_dtype if self._autocast_inputs else dtype
+        seen = self.compute_dtype if self._autocast_inputs else dtype
+        if dtype in _HALF and seen != dtype and not self._warned_of_policy:
+            self._warn_of_policy(dtype, seen)
+        return seen
+
+    def _warn_of_policy(self, dtype: str, seen: str) -> None:
+        """Warn (once per layer) where the policy casts a half input to another dtype and the
+        spec has steps that act on half inputs: they then act on ``seen`` values, and the layer
+        no longer computes what the reference and the other adapters compute for ``dtype``."""
+        spec = self._spec
+        steps = [f"cast={spec.cast!r}"] * (spec.cast == "before_scale")
+        steps += [f"backward={spec.backward!r}"] * (spec.backward == "autograd")
+        steps += [f"residual={spec.residual!r}"] * (spec.residual in ("rounded",
+                                                                      "float32_normalized"))
+        if not steps:
+            return
+        self._warned_of_policy = True
+        policy = f"mixed_{dtype}" if self.param_dtype == "float32" else dtype
+        warnings.warn(
+            f"{self.name}: a {dtype} input is cast to {seen} by the dtype policy "
+            f"{self.dtype_policy.name!r} (Keras' autocast), so the spec's half-precision steps "
+            f"({', '.join(steps)}) act on {seen} values, not on the {dtype} ones "
+            f"normkit.reference, normkit.torch and normkit.jax take them on: y is {seen} and "
+            f"differs from theirs by about an ulp of {dtype}. To compute the spec on {dtype} "
+            f"inputs, build the layer with dtype={policy!r} (or autocast=False).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _present(self) -> list[str]:
         """The names of the variables the spec has, in the order `build` creates them."""
@@ -872,7 +965,7 @@ class _Norm(keras.layers.Layer):
             bias = None if self.beta is None else self._param(self.beta, work, None)
             return _gated.gated_or_grouped(
                 x, gate, spec, dtype, work, scale, bias, self._affine_dtype(dtype),
-                self._output_dtype(dtype), self._grouped,
+                self._output_dtype(dtype), self._grouped, gate is not None and _recording(gate),
             )
         if added is None:
             exact = keras.backend.standardize_dtype(inputs.dtype) == dtype
@@ -928,7 +1021,7 @@ class _Norm(keras.layers.Layer):
             return ops.cast(self._finish(x, y_hat, axes, dtype, param_target, work), output_dtype)
 
         if spec.kind == "dyt":
-            return finish(x, ops.tanh(ops.cast(self.alpha, work) * x))
+            return finish(x, _tanh(ops.cast(self.alpha, work) * x))
         affine = None
         if spec.variance != "fast" and not (spec.cast == "before_scale" and dtype in _HALF):
             # y = y_hat g + b: the plain rows compute it, and its gradient, in one function.
@@ -1061,20 +1154,20 @@ class _Norm(keras.layers.Layer):
         n, k, head = rows.n, rows.k, rows.head
         c = rows.center(x)
         s = rows.statistic(c)
-        r = rows.r(s, spec.eps)
+        r, w = rows.r(s, spec.eps)
         bad = rows.needs_rescaling(s, r)
         any_bad = ops.any(bad)
         known = _known(any_bad)
         eps: Any = spec.eps
         if known is None:
-            c, r, eps = ops.cond(
+            c, r, eps, w = ops.cond(
                 any_bad,
-                lambda: rows.rescaled(x, c, r, bad),
-                lambda: (c, r, ops.full_like(r, spec.eps)),
+                lambda: rows.rescaled(x, c, r, w, bad),
+                lambda: (c, r, ops.full_like(r, spec.eps), w),
             )
         elif known:
-            c, r, eps = rows.rescaled(x, c, r, bad)
-        y = c * r
+            c, r, eps, w = rows.rescaled(x, c, r, w, bad)
+        y = rows.normalized(c, r, w)
         if k == 1 or (spec.kind == "layer" and n == 2):
             exact = rows.degenerate(c, r, eps, y)
             y = exact if head is None else ops.where(head, exact, y)
@@ -1085,8 +1178,8 @@ class _Norm(keras.layers.Layer):
         with ``m1 = mean(x)``, ``m2 = mean(x**2)``, each step in the ``x``'s dtype."""
         spec = self._spec
         assert spec.eps is not None
-        m1 = ops.mean(x, axis=axes, keepdims=True)
-        m2 = ops.mean(ops.square(x), axis=axes, keepdims=True)
+        m1 = _mean(x, axes)
+        m2 = _mean(ops.square(x), axes)
         v = m2 - m1 * m1
         v = _maximum(v, ops.zeros_like(v)) if _float_dtype(x.dtype) == "float64" else (
             ops.maximum(v, 0.0)
@@ -1233,10 +1326,14 @@ def _recomputed(f: Any) -> Any:
     @tf.custom_gradient  # type: ignore[misc]
     def recomputed(*args: Any) -> Any:
         def grad(*upstream: Any) -> Any:
+            # Only the floating arguments are watched: a tape warns of any other (the rows'
+            # boolean marks), and they have no gradient.
+            floating = [a for a in args if a.dtype.is_floating]
             with tf.GradientTape() as tape:
-                tape.watch(args)
+                tape.watch(floating)
                 y = f(*args)
-            return tape.gradient(y, args, output_gradients=upstream)
+            grads = iter(tape.gradient(y, floating, output_gradients=upstream))
+            return [next(grads) if a.dtype.is_floating else None for a in args]
 
         return f(*args), grad
 

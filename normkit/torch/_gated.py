@@ -25,8 +25,9 @@ from normkit.torch._spec import RowSpec
 
 
 def activation(z: torch.Tensor, name: str) -> torch.Tensor:
-    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``."""
-    return torch.nn.functional.silu(z) if name == "silu" else torch.sigmoid(z)
+    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``, from ``e^-|z|`` (`_gating.activation`:
+    torch's own are 0 below z = -88.7); autograd differentiates it (torch keeps subnormals)."""
+    return _gating.activation(z, name, torch, z.dtype == torch.float64)[0]
 
 
 def norm_rows(

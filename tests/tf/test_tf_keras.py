@@ -54,15 +54,17 @@ EXTENDED = [
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_reference_checks_pass_on_other_keras_backends(backend):
-    """tests/tf/test_tf_backend.py, test_tf_keras_extended.py and the extended fields' handful in
-    a fresh process with KERAS_BACKEND set."""
+    """tests/tf/test_tf_backend.py, test_tf_keras_extended.py, test_tf_edge_rows.py and the
+    extended fields' handful in a fresh process with KERAS_BACKEND set."""
     env = {**os.environ, "KERAS_BACKEND": backend, "JAX_ENABLE_X64": "1"}
     # Two workers where pytest-xdist is installed: this process only waits meanwhile. The run
-    # is 823 tests: 528 s alone on the 2-core machine, more beside the suite's other worker.
+    # was 823 tests, 528 s alone on the 2-core machine, before test_tf_edge_rows.py (44 more on
+    # JAX, 22 on torch); more beside the suite's other worker.
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/tf/test_tf_backend.py", *EXTENDED,
-         "tests/tf/test_tf_keras_extended.py", "-q", "-p", "no:cacheprovider",
+         "tests/tf/test_tf_keras_extended.py", "tests/tf/test_tf_edge_rows.py", "-q", "-p",
+         "no:cacheprovider",
          "-W", "ignore::DeprecationWarning", *workers],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )

@@ -1,0 +1,147 @@
+"""Rows at the edges of a dtype's range that every adapter must keep to themselves, as
+`normkit.reference` does, and the check of each row against it: the cases of issue 48's defects
+2, 3 and 5, shared by the adapters' tests (`evaluate` is a conformance hook's:
+`normkit.conformance.targets_keras`, `targets_jax`, `targets_torch`).
+
+- ``neighbours``: a row that sends the batch to the guarded program (its squares overflow)
+  beside a row whose ``sum(dy x)`` overflows (|x| 1e9, |dy| 1e29 in float32), a NaN row and a
+  unit row: each row's gradient must be its own.
+- ``nan_tail``: partial RMS with a NaN after the first k elements: it reaches ``y`` and ``dx``
+  there only, and the head's ``dx`` (through the statistic's sum), not the rest of the tail.
+- ``far_gate``: the gate's SiLU below z = -88.7, where ``1 / (1 + e^-z)`` is 0 but
+  ``z sigmoid(z)`` is a normal number (about 1e-37 in float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from normkit import NormSpec, reference, tolerances
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype(np.float64),
+}
+
+NEIGHBOUR_SPECS = [
+    NormSpec(scale=False),
+    NormSpec(bias=True),
+    NormSpec(eps_placement="outside"),
+    NormSpec("partial_rms", p=0.5),
+    NormSpec("layer"),
+]
+NAN_TAIL_SPECS = [
+    NormSpec("partial_rms", p=0.25, scale=False),
+    NormSpec("partial_rms", p=0.25, bias=True),
+    NormSpec("partial_rms", p=0.25, eps_placement="outside"),
+]
+# z with silu(z) a normal number whose sigmoid(z) is not (float32, bfloat16) or whose e^-z
+# overflows (float64); exact in bfloat16.
+FAR_Z = {"float32": -89.0, "bfloat16": -89.0, "float64": -712.0}
+
+
+def spec_id(spec: NormSpec) -> str:
+    """A test id for a spec of these cases."""
+    return "-".join(
+        [spec.kind, spec.eps_placement]
+        + ["bias"] * bool(spec.bias) + ["no-scale"] * (not spec.scale)
+    )
+
+
+def neighbours(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, dy)`` of four rows: one that the adapters rescale (its statistic overflows float32;
+    in float64 its ``r`` is below 2**-256), one whose ``sum(dy x)`` overflows float32 (large in
+    float64), one with a NaN, one of unit scale."""
+    rng = np.random.default_rng(48)
+    # float64: r below 2**-256 guards row 0, r of 1e-75 stays ordinary, and sum(dy x) stays
+    # within float64, where the reference computes it.
+    big, mid, huge = (1e80, 1e75, 1e200) if dtype == "float64" else (1e20, 1e9, 1e29)
+    x = rng.standard_normal((4, n)) * np.array([big, mid, 1.0, 1.0])[:, None]
+    x[2, 3] = np.nan
+    dy = rng.standard_normal((4, n)) * np.array([1.0, huge, 1.0, 1.0])[:, None]
+    dy[1] = np.abs(dy[1]) * np.sign(x[1])  # each d x alike in sign: their sum overflows
+    return x.astype(DTYPES[dtype]), dy.astype(DTYPES[dtype])
+
+
+def nan_tail(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, dy)`` of three unit rows, the middle one with a NaN at ``n // 2`` (after the first
+    ``k = n // 4``)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, n))
+    x[1, n // 2] = np.nan
+    return x.astype(DTYPES[dtype]), rng.standard_normal((3, n)).astype(DTYPES[dtype])
+
+
+def far_gate(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, z, dy)`` of two rows: row 0 with ``z`` at `FAR_Z` (+0.5 on every other element),
+    row 1 ordinary. ``x`` and ``dy`` have magnitudes 1 to 1.25 with alternating signs, so that
+    ``y_hat`` and each product in the gate's results stay near 1, far from the subnormals
+    that TensorFlow's and XLA's CPU arithmetic flushes."""
+    rng = np.random.default_rng(5)
+    signs = np.where(np.arange(n) % 2 == 0, 1.0, -1.0)
+    x = signs * (1 + 0.25 * rng.random((2, n)))
+    dy = -signs * (1 + 0.25 * rng.random((2, n)))
+    z = np.stack([FAR_Z[dtype] + 0.5 * (np.arange(n) % 2), rng.standard_normal(n)])
+    return tuple(a.astype(DTYPES[dtype]) for a in (x, z, dy))  # type: ignore[return-value]
+
+
+def check_rows(name: str, got: Any, want: np.ndarray, quantity: str, dtype: Any = None,
+               rows: Any = None) -> None:
+    """``got`` within the tolerance of ``want``, each row measured on its own (a row's error
+    relative to its own largest value), NaN and infinity exactly where ``want`` has them."""
+    got = np.asarray(got)
+    for i in range(want.shape[0]) if rows is None else rows:
+        tolerances.assert_close(
+            got[i], want[i], dtype, quantity,  # type: ignore[arg-type]
+            what=f"{name}, row {i}",
+        )
+
+
+Evaluate = Callable[..., tuple[Any, ...]]
+
+
+def check_neighbours(evaluate: Evaluate, spec: NormSpec, dtype: str, **variant: Any) -> None:
+    """`neighbours` through ``evaluate``: y, dx and the parameters' gradients per row."""
+    x, dy = neighbours(dtype)
+    scale = (1 + 0.5 * np.linspace(-1, 1, x.shape[1])).astype(np.float32) if spec.scale else None
+    bias = np.linspace(-1, 1, x.shape[1]).astype(np.float32) if spec.bias else None
+    y, dx, *_ = evaluate(spec, x, dy, scale, bias, **variant)
+    grads = reference.normalize_vjp(x, dy, spec, scale, bias)
+    check_rows(f"y of {spec}", y, reference.normalize(x, spec, scale, bias), "forward")
+    check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+
+
+def check_nan_tail(evaluate: Evaluate, spec: NormSpec, dtype: str, **variant: Any) -> None:
+    """`nan_tail` through ``evaluate``: y, dx, and the scale's and bias's gradients."""
+    x, dy = nan_tail(dtype)
+    n = x.shape[1]
+    scale = (1 + 0.5 * np.linspace(-1, 1, n)).astype(np.float32) if spec.scale else None
+    bias = np.linspace(-1, 1, n).astype(np.float32) if spec.bias else None
+    y, dx, dscale, dbias = evaluate(spec, x, dy, scale, bias, **variant)[:4]
+    grads = reference.normalize_vjp(x, dy, spec, scale, bias)
+    check_rows(f"y of {spec}", y, reference.normalize(x, spec, scale, bias), "forward")
+    check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+    for name, got, want in (("dscale", dscale, grads.dscale), ("dbias", dbias, grads.dbias)):
+        if want is not None:
+            tolerances.assert_close(got, want, quantity="grad", what=f"{name} of {spec}")
+
+
+def check_far_gate(evaluate: Evaluate, gate: str, dtype: str, keeps_subnormals: bool = False,
+                   **variant: Any) -> None:
+    """`far_gate` through ``evaluate`` with ``NormSpec(gate=gate)`` (SiLU): y and dgate per
+    row, and dx with ``gate="before"``. With ``gate="after"`` dx is the norm's backward of
+    ``dy a(z)``, about 1e-37, whose intermediate sums are subnormal where arithmetic flushes
+    them: checked only where the adapter ``keeps_subnormals``."""
+    spec = NormSpec(gate=gate)  # type: ignore[arg-type]
+    x, z, dy = far_gate(dtype)
+    y, dx, _, _, dz = evaluate(spec, x, dy, gate=z, **variant)[:5]
+    grads = reference.gated_normalize_vjp(x, z, dy, spec)
+    check_rows(f"y of {spec}", y, reference.gated_normalize(x, z, spec), "forward")
+    check_rows(f"dgate of {spec}", dz, grads.dgate, "grad")
+    if gate == "before" or keeps_subnormals:
+        check_rows(f"dx of {spec}", dx, grads.dx, "grad")

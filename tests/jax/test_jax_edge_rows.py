@@ -1,0 +1,48 @@
+"""normkit.jax's rows at the edges keep to themselves, as the reference's do (tests/helpers/
+edge_rows.py): the gate's SiLU below z = -88.7, and the rows beside a rescaled one and the NaN
+in a partial RMS row's tail that broke normkit.tf (issue 48), held here too."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("jax")
+
+from normkit.conformance.targets_jax import devices, evaluate  # noqa: E402
+from tests.helpers import edge_rows  # noqa: E402
+
+jits = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+@jits
+@pytest.mark.parametrize("dtype", list(edge_rows.DTYPES))
+@pytest.mark.parametrize("gate", ["after", "before"])
+def test_the_gates_silu_below_minus_88_is_not_zero(gate, dtype, jit):
+    """Issue 48, defect 5: ``jax.nn.silu(-89)`` is 0 (1 / (1 + e^89) is), the reference's
+    about 1e-37; dgate too, whose derivative is formed with the value (XLA's CPU code flushes
+    the subnormal products autodiff would form)."""
+    edge_rows.check_far_gate(evaluate, gate, dtype, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_modules_gate_below_minus_88_is_not_zero(api):
+    edge_rows.check_far_gate(evaluate, "after", "float32", api=api, jit=True)
+
+
+@pytest.mark.parametrize("spec", edge_rows.NEIGHBOUR_SPECS, ids=edge_rows.spec_id)
+def test_a_rescaled_row_leaves_its_neighbours_gradients_alone(spec):
+    edge_rows.check_neighbours(evaluate, spec, "float32", api="functional", jit=True)
+
+
+@pytest.mark.parametrize("spec", edge_rows.NAN_TAIL_SPECS, ids=edge_rows.spec_id)
+def test_a_nan_in_a_partial_rows_tail_stays_out_of_the_rest_of_the_tail(spec):
+    edge_rows.check_nan_tail(evaluate, spec, "float32", api="functional", jit=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["after", "before"])
+def test_the_gates_silu_below_minus_88_is_not_zero_on_a_gpu(gate):
+    if "cuda:0" not in devices():
+        pytest.skip("JAX sees no GPU")
+    edge_rows.check_far_gate(evaluate, gate, "float32", api="functional", jit=True,
+                             device="cuda:0")
