@@ -608,7 +608,7 @@ class _CpuRoute:
         self.direct = not _shape_only(x)
         # the parameters a norm without them reads, shared by its calls where direct
         self.ones = cpu.effective_scale(None, rows, x) if self.direct else None
-        self.no_bias = cpu.float32_bias(None, x) if self.direct else None
+        self.no_bias = cpu.float32_bias(None, rows, x) if self.direct else None
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None,
@@ -622,7 +622,7 @@ class _CpuRoute:
             if rows.scale_offset != 0:
                 g = g + rows.scale_offset
         if bias is None:
-            b = self.no_bias if self.no_bias is not None else cpu.float32_bias(None, x)
+            b = self.no_bias if self.no_bias is not None else cpu.float32_bias(None, rows, x)
         else:
             b = bias if bias.dtype == torch.float32 else bias.to(torch.float32)
         if self.gated or not self.direct:

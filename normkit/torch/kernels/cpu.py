@@ -990,10 +990,10 @@ def effective_scale(weight: torch.Tensor | None, rows: RowSpec, x: torch.Tensor)
     return g + rows.scale_offset if rows.scale_offset != 0 else g
 
 
-def float32_bias(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """The float32 bias the kernels read: without one -0.0, whose addition changes no float
-    (+0.0 would turn -0.0 into +0.0); the kernel's common loop then skips it."""
-    return _filled(x.shape[-1], -0.0, x) if bias is None else _float32(bias)
+def float32_bias(bias: torch.Tensor | None, rows: RowSpec, x: torch.Tensor) -> torch.Tensor:
+    """The float32 bias the kernels read, (n,): without one -0.0, whose addition changes no
+    float (+0.0 would turn -0.0 into +0.0); the kernel's common loop then skips it."""
+    return _filled(rows.n, -0.0, x) if bias is None else _float32(bias)
 
 
 def degenerate(rows: RowSpec) -> bool:
@@ -1024,7 +1024,7 @@ def norm_rows(
     if (gate is None) != (rows.gate == ""):
         raise ValueError(f"gate={rows.gate or None!r} needs gate rows, and only it")
     g = effective_scale(weight, rows, x)
-    b = float32_bias(bias, x)
+    b = float32_bias(bias, rows, x)
     if degenerate(rows):
         return _composite_gated(x, gate, g, b, rows, round_affine)
     return launch(x, gate, g, b, rows, round_affine, strict, _eager(x),
