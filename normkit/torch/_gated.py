@@ -16,6 +16,7 @@ import functools
 import typing
 
 import torch
+import torch.nn.functional as F
 
 from normkit import _gating
 from normkit.spec import NormSpec
@@ -23,11 +24,19 @@ from normkit.torch import _eager
 from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to, apply
 from normkit.torch._spec import RowSpec
 
+#: Below these z, torch's own ``F.silu`` and ``torch.sigmoid`` lose their value (``e^-z``
+#: overflows at -88.7 in float32, -709.8 in float64); above them they are accurate.
+_OWN_ABOVE = {torch.float32: -80.0, torch.float64: -700.0}
+
 
 def activation(z: torch.Tensor, name: str) -> torch.Tensor:
-    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``, from ``e^-|z|`` (`_gating.activation`:
-    torch's own are 0 below z = -88.7); autograd differentiates it (torch keeps subnormals)."""
-    return _gating.activation(z, name, torch, z.dtype == torch.float64)[0]
+    """``silu(z) = z sigmoid(z)`` or ``sigmoid(z)``: torch's own where they are accurate, so
+    that gated norms keep the bits of model code that calls them (Hugging Face's gated
+    classes), and below from ``e^-|z|`` (`_gating.activation`), where torch's are 0. Autograd
+    differentiates both (torch keeps subnormals)."""
+    own = F.silu(z) if name == "silu" else torch.sigmoid(z)
+    far = _gating.activation(z, name, torch, z.dtype == torch.float64)[0]
+    return torch.where(z < _OWN_ABOVE.get(z.dtype, -80.0), far, own)
 
 
 def norm_rows(
