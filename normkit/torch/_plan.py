@@ -366,7 +366,7 @@ class Plan:
         n = self.n
         if self.axes is None and self.layout is None:
             shape = x.shape
-            if x.dim() != 2:
+            if x.dim() != 2 or shape[1] != n:  # rows of several axes: one row per (a, b) too
                 x = x.reshape(-1, n)
                 residual = None if residual is None else residual.reshape(-1, n)
                 gate = None if gate is None else gate.reshape(-1, n)

@@ -23,6 +23,7 @@ SPECS = [
     for axis in ((-2, -1), (1,))
     for bias in (False, True)
 ] + [NormSpec("partial_rms", p=0.25, axis=(-2, -1)), NormSpec("layer", axis=(-2, -1))]
+TWO_D = (5, 48)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -41,3 +42,12 @@ def test_rows_over_several_or_moved_axes_match_the_reference(spec, dtype, kernel
         to_numpy(x), spec, weight.numpy(), None if bias is None else bias.numpy()
     )
     tolerances.assert_close(to_numpy(y), want, cast=spec.cast)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "composite"])
+@pytest.mark.parametrize("spec", [NormSpec("rms", axis=(0, 1), scale=False),
+                                  NormSpec("layer", axis=(0, 1))], ids=repr)
+def test_a_two_dimensional_x_normalized_over_both_axes_is_one_row(spec, kernel):
+    x = torch.tensor(np.random.default_rng(1).standard_normal(TWO_D), dtype=torch.float32)
+    y = normalize(x, spec, kernel=kernel)
+    tolerances.assert_close(to_numpy(y), reference.normalize(to_numpy(x), spec))
