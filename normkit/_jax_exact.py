@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["mean", "product"]
+__all__ = ["fast_moments", "mean", "product"]
 
 _LOW_HALF = np.int32(-(1 << 12))  # clears the 12 low bits of a float32's 23-bit fraction
 
@@ -85,3 +85,24 @@ def mean(
     q = hi / n
     p, e = _exact_product(q, jnp.full_like(q, n))
     return q + (((hi - p) - e) + lo) / n
+
+
+def fast_moments(
+    values: jax.Array,
+    axes: tuple[int, ...],
+    n: int | jax.Array,
+    axis_name: str | None = None,
+    where: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``variance="fast"``'s ``(m1, v)`` of float32 ``values`` over ``axes`` (keepdims), each
+    step rounded once to float32 as `normkit.reference` says::
+
+        m1 = c(mean(x))    m2 = c(mean(c(x^2)))    v = max(0, c(m2 - c(m1^2)))
+
+    ``n`` and ``axis_name`` as in `mean`; ``where`` (broadcastable to ``values``): the elements
+    read, the others not (NaN or not)."""
+    if where is not None:
+        values = jnp.where(where, values, 0)
+    m1 = mean(values, axes, n, axis_name)
+    variance = mean(product(values, values), axes, n, axis_name) - product(m1, m1)
+    return m1, jnp.maximum(variance, 0)

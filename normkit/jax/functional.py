@@ -904,18 +904,9 @@ def _fast_moments(plan: _Plan, v: jax.Array, reads: _Reads) -> tuple[jax.Array, 
     (`normkit._jax_exact`; float64 inputs in plain float64). Differentiated as the two-pass
     variance: ``dv = 2 mean(c dx)``."""
     if v.dtype == jnp.float32:
-
-        def mean(value: jax.Array) -> jax.Array:
-            if reads.where is not None:
-                value = jnp.where(reads.where, value, 0)
-            return _exact.mean(value, plan.axes, reads.size, plan.axis_name)
-
-        m1 = mean(v)
-        variance = mean(_exact.product(v, v)) - _exact.product(m1, m1)
-    else:
-        m1 = _read_mean(v, plan, reads)
-        variance = _read_mean(v * v, plan, reads) - m1 * m1
-    return m1, jnp.maximum(variance, 0)
+        return _exact.fast_moments(v, plan.axes, reads.size, plan.axis_name, reads.where)
+    m1 = _read_mean(v, plan, reads)
+    return m1, jnp.maximum(_read_mean(v * v, plan, reads) - m1 * m1, 0)
 
 
 @_fast_moments.defjvp

@@ -661,6 +661,36 @@ def _mean(u: Any, axes: tuple[int, ...]) -> Any:
     return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
 
 
+def _fast_moments(x: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """``variance="fast"``'s ``(m1, v)`` over ``axes`` (kept), each step rounded once to ``x``'s
+    dtype ``c`` as `normkit.reference` says::
+
+        m1 = c(mean(x))    m2 = c(mean(c(x^2)))    v = max(0, c(m2 - c(m1^2)))
+
+    A float32 ``x`` cannot take these as written where a compiler reorders them: XLA (under
+    ``jit_compile`` and ``jax.jit``) divides by ``n`` as a product by ``1 / n`` and may fuse
+    ``m1 * m1`` into the subtraction, which moved ``v`` by an ulp of ``m2`` (float16 rows of a
+    large mean came out 32 ulps off). On JAX the steps are `normkit._jax_exact`'s; elsewhere
+    the float32 squares are summed in float64 and each mean and ``m1^2`` is rounded from
+    float64 (correct but within about ``2**-29`` ulp of a halfway point), where no fusion
+    can change a float32 rounding. float64 inputs take the steps as written."""
+    n = math.prod(x.shape[a] for a in axes)
+    if _float_dtype(x.dtype) == "float64":
+        m1 = _mean(x, axes)
+        v = _mean(ops.square(x), axes) - m1 * m1
+        return m1, _maximum(v, ops.zeros_like(v))
+    if keras.backend.backend() == "jax":
+        from normkit import _jax_exact
+
+        return _jax_exact.fast_moments(x, axes, n)
+    wide = ops.cast(x, "float64")
+    m1 = ops.cast(_mean(wide, axes), x.dtype)
+    m2 = ops.cast(_mean(ops.cast(x * x, "float64"), axes), x.dtype)
+    m1_wide = ops.cast(m1, "float64")
+    v = m2 - ops.cast(m1_wide * m1_wide, x.dtype)
+    return m1, _maximum(v, ops.zeros_like(v))
+
+
 def _tanh(u: Any) -> Any:
     """``tanh(u)`` in ``u``'s dtype: `ops.tanh`, which on Keras' JAX backend computes a float64
     ``u`` in float32 (as `_mean`), so ``jnp.tanh`` there."""
@@ -1174,21 +1204,17 @@ class _Norm(keras.layers.Layer):
         return y
 
     def _fast_normalized(self, x: Any, axes: tuple[int, ...]) -> Any:
-        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(max(0, m2 - m1**2))``
-        with ``m1 = mean(x)``, ``m2 = mean(x**2)``, each step in the ``x``'s dtype."""
+        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(v)`` with the moments of
+        `_fast_moments`."""
         spec = self._spec
         assert spec.eps is not None
-        m1 = _mean(x, axes)
-        m2 = _mean(ops.square(x), axes)
-        v = m2 - m1 * m1
-        v = _maximum(v, ops.zeros_like(v)) if _float_dtype(x.dtype) == "float64" else (
-            ops.maximum(v, 0.0)
-        )
+        x = ops.stop_gradient(x)
+        m1, v = _fast_moments(x, axes)
         if spec.eps_placement == "inside":
             r = ops.rsqrt(v + spec.eps)
         else:
             r = 1.0 / (ops.sqrt(v) + spec.eps)
-        return ops.stop_gradient((x - m1) * r)
+        return (x - m1) * r
 
     def _param(self, v: Any, dtype: str, target: list[int] | None) -> Any:
         v = ops.cast(v, dtype)
