@@ -183,25 +183,19 @@ def centered(v: jax.Array, valid: jax.Array, st: Stats, m: RowMath) -> jax.Array
     return jnp.where(valid, (u - st.mean) - st.correction, 0) if m.layer else u
 
 
-def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a b`` rounded once to float32 (infinity where it overflows), whatever the compiler
-    contracts or keeps in excess precision (`normkit._jax_exact.product`)."""
-    plain = a * b
-    return jnp.where(jnp.isinf(plain), plain, _jax_exact.product(a, b))
-
-
 def fast_y_hat(v: jax.Array, read: jax.Array, m: RowMath) -> jax.Array:
     """``variance="fast"``'s ``y_hat = (x - m1) r(v)`` with the reference's roundings,
     ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums of
     float32 values in float64 (exact but within about 2**-29 ulp of a halfway point), each
-    product and difference a float32 operation rounded once (`rounded_product`). Needs 64-bit
-    mode at trace time (`normkit._pallas` enables it for this kernel)."""
+    product and difference a float32 operation rounded once (`normkit._jax_exact.product`,
+    infinity where it overflows). Needs 64-bit mode at trace time (`normkit._pallas` enables it
+    for this kernel)."""
     f64 = jnp.float64
     x = jnp.where(read, v, 0)
     count = row_sum(read.astype(f64)) if m.masked else m.size
     m1 = (row_sum(x.astype(f64)) / count).astype(F32)
-    m2 = (row_sum(rounded_product(x, x).astype(f64)) / count).astype(F32)
-    difference = m2 - rounded_product(m1, m1)
+    m2 = (row_sum(_jax_exact.product(x, x).astype(f64)) / count).astype(F32)
+    difference = m2 - _jax_exact.product(m1, m1)
     variance = jnp.where(difference < 0, 0, difference)  # max(0, .), keeping a NaN
     return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
 

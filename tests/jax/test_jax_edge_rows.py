@@ -8,7 +8,9 @@ import pytest
 
 pytest.importorskip("jax")
 
+from normkit import NormSpec  # noqa: E402
 from normkit.conformance.targets_jax import devices, evaluate  # noqa: E402
+from normkit.jax import pallas  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
 
 jits = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -46,3 +48,25 @@ def test_the_gates_silu_below_minus_88_is_not_zero_on_a_gpu(gate):
         pytest.skip("JAX sees no GPU")
     edge_rows.check_far_gate(evaluate, gate, "float32", api="functional", jit=True,
                              device="cuda:0")
+
+
+FAST_SPECS = [NormSpec("layer", variance="fast", bias=True),
+              NormSpec("layer", variance="fast", eps=1e-5, eps_placement="outside")]
+
+
+@jits
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=["inside", "outside"])
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does(spec, rows, jit):
+    """The XLA program's exactly rounded fast moments gave NaN on rows whose squares overflow
+    (``inf - inf`` in the pair sums), where the reference's ``v`` is infinite (``y = b``), and on
+    rows whose squares' sum alone overflows, where the reference's ``m2`` is finite."""
+    edge_rows.check_fast_rows(evaluate, spec, rows, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=["inside", "outside"])
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does_in_the_kernels(spec, rows):
+    with pallas.interpreted():
+        edge_rows.check_fast_rows(evaluate, spec, rows, api="functional", jit=True,
+                                  implementation="pallas")

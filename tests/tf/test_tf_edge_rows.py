@@ -100,3 +100,16 @@ def test_the_fast_variance_rounds_each_step_once_under_xla(spec, shape, jit):
     under jit_compile and jax.jit (eager TensorFlow, JAX and torch were right)."""
     inputs = Case(spec, shape, "float16", rows="large_mean").arrays()
     check(VARIANTS["tf[jit]" if jit else "tf"], spec, inputs)
+
+
+@jits
+@pytest.mark.parametrize(
+    "spec", [NormSpec("layer", variance="fast", bias=True),
+             NormSpec("layer", variance="fast", eps=1e-5, eps_placement="outside")],
+    ids=["inside", "outside"],
+)
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does(spec, rows, jit):
+    """Rows whose squares overflow float32 (the reference's v is infinite: y = b; or NaN where
+    m1^2 overflows too), and whose squares' sum alone overflows (an ordinary row there)."""
+    edge_rows.check_fast_rows(evaluate, spec, rows, jit=jit)
