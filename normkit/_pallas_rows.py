@@ -88,6 +88,15 @@ class RowMath:
         return 2 if self.layer else 1
 
     @property
+    def cotangent_units(self) -> int:
+        """How far below 1 the scaled cotangent's largest magnitude is put: ``2**-u`` with
+        ``2**u >= size**2``, so that no term of ``r' sum_j d'_j c'_j`` (an element the
+        statistic does not read, a mask's, is unbounded by the row's scale: ``c'`` up to
+        float32's largest; ``r'`` at most ``sqrt(size)``), no partial sum and no product by a
+        ``y_hat_i`` read (at most ``sqrt(size)``) overflows."""
+        return 2 * math.ceil(math.log2(max(self.size, 2)))
+
+    @property
     def highest(self) -> int:
         """The largest exponent a row is scaled by: a row smaller than ``floor`` (``sqrt(eps)``
         inside, where eps dominates it; ``eps 2**-64`` outside, where rows far below eps still
@@ -320,8 +329,9 @@ def backward(
 
         dx_i = 2**(t - t_d) r' (d'_i - [i read] ([layer] sum_j d'_j + z_i sum_j d'_j y_hat_j) / k)
 
-    with ``d' = dy g 2**t_d`` scaled by the power of two of its largest magnitude (so that
-    the row sums of large cotangents stay finite) and ``z = y_hat`` (inside) or
+    with ``d' = dy g 2**t_d`` scaled by a power of two below its largest magnitude
+    (`RowMath.cotangent_units`: so that the row sums of large cotangents, and of huge values a
+    mask leaves out, stay finite) and ``z = y_hat`` (inside) or
     ``c' / sqrt(s')`` (outside, 0 where s' = 0). Rows of one element read (RMS kinds) or two
     (LayerNorm) take the closed form of `normkit.jax.functional._input_grad`:
     ``d' eps' r'^2`` (inside; ``eps' r'`` outside), less the sums over the elements not read.
@@ -346,7 +356,7 @@ def backward(
         slope = 1 - normalized * normalized
         dv = alpha * slope * d
         return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
-    terms = _terms(d, normalized, valid, read, st.reads, m) if rows is None else rows[1]
+    terms = _terms(d, c, normalized, st, valid, read, m) if rows is None else rows[1]
     dv = _input_grad(d, c, normalized, st, terms, valid, read, m)
     if m.gate == "before":
         assert z is not None
@@ -372,24 +382,40 @@ def row_terms(
     if m.gate == "after" and a is not None:
         dy = dy * a
     d = dy if g is None else dy * g
-    return st, _terms(d, normalized, valid, read, st.reads, m)
+    return st, _terms(d, c, normalized, st, valid, read, m)
 
 
-def _terms(d: jax.Array, normalized: jax.Array, valid: jax.Array, read: jax.Array,
-           count: jax.Array, m: RowMath) -> Terms:
+def _terms(d: jax.Array, c: jax.Array, normalized: jax.Array, st: Stats, valid: jax.Array,
+           read: jax.Array, m: RowMath) -> Terms:
+    """The row sums of `Terms`. The projections ``sum_j d'_j y_hat_j`` are taken as
+    ``r' sum_j d'_j c'_j``: an element the statistic does not read (a mask's) is unbounded by
+    the row's scale, and its ``y_hat`` may exceed float32's range where these terms do not;
+    but for the elements not read of a row scaled up, whose ``c'`` may overflow where their
+    ``y_hat`` (`y_hat`'s unscaled form) does not."""
     largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
-    t_d = scale_exponent(largest, _HIGHEST)
+    t_d = jnp.maximum(scale_exponent(largest, _HIGHEST) - m.cotangent_units, _LOWEST)
     scaled = jnp.where(valid, d * pow2(t_d), 0)
+    own_scale = read | (st.t <= 0) if m.unread else read
+
+    def projected(where: jax.Array | None = None) -> jax.Array:
+        """``sum_j d'_j y_hat_j`` over ``where`` (all of the row for None)."""
+        with_c = own_scale if where is None else own_scale & where
+        total = row_sum(jnp.where(with_c, scaled * c, 0)) * st.r
+        if not m.unread:
+            return total
+        unscaled = ~own_scale if where is None else ~own_scale & where
+        return total + row_sum(jnp.where(unscaled, scaled * normalized, 0))
+
     zero = jnp.zeros(largest.shape, F32)
     layer_sum = row_sum(scaled) if m.layer else zero
     projection = own = others = others_sum = zero
     closed = m.degenerate or m.masked
     if not m.degenerate:
-        projection = row_sum(scaled * normalized)
+        projection = projected()
     if closed and m.layer:
-        own = row_sum(jnp.where(read, scaled, 0)) / count
+        own = row_sum(jnp.where(read, scaled, 0)) / st.reads
     if closed and m.unread:
-        others = row_sum(jnp.where(read, 0, scaled * normalized))
+        others = projected(~read)
         if m.layer:
             others_sum = row_sum(jnp.where(read, 0, scaled))
     return Terms(t_d, layer_sum, projection, own, others, others_sum)

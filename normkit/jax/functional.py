@@ -1200,13 +1200,15 @@ def _norm_bwd(
         projected, d_summed, scaled, biased, applied = each
         d_sum = None
         if plain.mean is None:
-            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j. Rows where it overflows (|x| and
-            # dy both large) go to the careful program, which sums d y_hat.
+            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j.
             projection = r * _row_sum(projected.d * projected.v, plan)
-            careful |= ~jnp.isfinite(projection)
         else:
             projection = _row_sum(projected.d * projected.y_hat, plan)
             d_sum = _row_sum(d_summed.d, plan)
+        # Rows where it overflows (|x| and dy both large; a huge value a mask leaves out,
+        # unbounded by the row's scale), or where its products by y_hat_i may, go to the
+        # careful program, which sums it in units of d's size.
+        careful |= ~(jnp.abs(projection) < _PROJECTION_LIMIT)
         dv, _ = _input_grad(plan, applied.rows, applied.d, reads, projection, d_sum)
         dyf_bias = biased.dyf
 
@@ -1231,6 +1233,22 @@ def _norm_bwd(
         )
     dbias = None if bias is None else jnp.sum(dyf_bias, axis=batch).astype(bias.dtype)
     return dx, dresidual, dscale, dbias, dalpha, None
+
+
+# The largest projection sum_j d_j y_hat_j the common program uses: its products by y_hat_i
+# (at most sqrt(n) on the elements read) stay finite.
+_PROJECTION_LIMIT = 2.0**100
+
+
+def _cotangent_unit(d: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    """Per row, the power of two ``2**-e`` that puts ``d``'s largest magnitude below
+    ``n**-2``: in those units no term of ``r sum_j d_j c_j`` (``|c_j|`` up to float32's
+    largest, ``r`` up to ``sqrt(n)`` in scaled units), no partial sum and no product by a
+    ``y_hat_i`` read (at most ``sqrt(n)``) overflows. ``e`` is clamped to [-125, 125], so that
+    ``2**-e`` and ``2**e`` are normal."""
+    _, exponent = jnp.frexp(_row_max(jnp.abs(d), plan))
+    e = jnp.clip(exponent + 2 * math.ceil(math.log2(max(n, 2))), -125, 125)
+    return jnp.ldexp(jnp.ones(e.shape, d.dtype), -e)
 
 
 def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) -> _Scaled:
@@ -1262,11 +1280,17 @@ def _input_grad(
     mean_R(d))`` with ``rest = 1 - z_i y_hat_i = eps r**2`` (inside) or ``eps r`` (outside),
     taken in that closed form; the part over the other elements is added as it is.
     ``projection`` is ``sum_j d_j y_hat_j`` per row and ``d_sum`` LayerNorm's ``sum_j d_j``,
-    where the caller has formed them.
+    where the caller has formed them (the common program, whose rows keep ``projection``
+    below `_PROJECTION_LIMIT`); without them (the careful program) ``d`` is taken in units of
+    `_cotangent_unit`, where no sum or product overflows that the result does not.
     """
     spec = plan.spec
     r = _r(rows.s, rows.eps, spec)
     y_hat = rows.c * r
+    unit = None
+    if projection is None:
+        unit = _cotangent_unit(d, plan, _row_size(d, plan))
+        d = d * unit
     if spec.eps_placement == "outside":
         positive = rows.s > 0
         z = rows.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, rows.s, 1)), 0)
@@ -1275,8 +1299,17 @@ def _input_grad(
         z = y_hat
         rest = rows.eps * r * r
     layer = spec.kind == "layer"
+
+    def projected(where: jax.Array | None = None) -> jax.Array:
+        """``sum_j d_j y_hat_j`` (over ``where``); in the careful program's units as
+        ``r sum_j d_j c_j``: a value the statistic does not read (a mask's) is unbounded by the
+        row's scale, and its ``y_hat`` may exceed float32's range where its terms do not."""
+        if unit is None:
+            return _row_sum(d * y_hat, plan, where)
+        return r * _row_sum(d * rows.c, plan, where)
+
     if projection is None:
-        projection = _row_sum(d * y_hat, plan)
+        projection = projected()
     k = reads.size
 
     def on_reads(value: jax.Array) -> jax.Array:
@@ -1292,7 +1325,7 @@ def _input_grad(
         if reads.where is not None:  # the part of the sums over the other elements
             others = ~reads.where
             d_others = _row_sum(d, plan, others) if layer else 0
-            value -= (d_others + z * _row_sum(d * y_hat, plan, others)) / k
+            value -= (d_others + z * projected(others)) / k
         return on_reads(value)
 
     degenerate = k == (2 if layer else 1)
@@ -1300,6 +1333,8 @@ def _input_grad(
         inner = closed() if degenerate else general()
     else:
         inner = jnp.where(degenerate, closed(), general())
+    if unit is not None:
+        inner = inner * (1 / unit)
     return r * inner * rows.sigma * rows.pre, y_hat
 
 
