@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from normkit import _jax_exact
+from normkit import _dyt, _jax_exact
 from normkit._jax_rounding import round_bits
 
 F32 = jnp.float32
@@ -301,7 +301,7 @@ def forward(
 class Grads(NamedTuple):
     """The backward pass of a tile, in float32: ``dv`` (the input's gradient, before any
     residual's ``dh``), ``dgate`` (None without a gate) and the tile's terms of the parameters'
-    gradients (``dy y_hat``, ``dy``, DyT's ``d x (1 - y_hat^2)``)."""
+    gradients (``dy y_hat``, ``dy``, DyT's ``d x sech(alpha x)^2``)."""
 
     dv: jax.Array
     dgate: jax.Array | None
@@ -352,10 +352,10 @@ def backward(
         dgate = dy * affine(normalized, g, b, m, rounded=False) * z[1]
         dy = dy * z[0]
     d = dy if g is None else dy * g
-    if alpha is not None:
-        slope = 1 - normalized * normalized
-        dv = alpha * slope * d
-        return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
+    if alpha is not None:  # the slope sech(alpha x)^2 from e^-2|alpha x| (normkit._dyt)
+        slope, unit = _dyt.tanh_slope(alpha * gated, jnp)
+        sloped = (d * slope) * unit
+        return Grads(alpha * sloped, dgate, dy * normalized, dy, sloped * gated)
     terms = _terms(d, c, normalized, st, valid, read, m) if rows is None else rows[1]
     dv = _input_grad(d, c, normalized, st, terms, valid, read, m)
     if m.gate == "before":

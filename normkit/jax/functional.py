@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit import _dyt
 from normkit import _jax_exact as _exact
 from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
@@ -1022,7 +1023,7 @@ def _forward(
     spec = plan.spec
     plain = None
     if alpha is not None:  # dyt
-        y = _affine(plan, jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
+        y = _affine(plan, _tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
     else:
         assert spec.eps is not None
         reads = _reads(v, plan, _row_size(v, plan), mask)
@@ -1046,6 +1047,28 @@ def _forward(
 
             y = _patched(careful, _affine(plan, y_hat, scale, bias, eager), fix)
     return (y if h is None else (y, h)), plain
+
+def _tanh_slope_times(u: jax.Array, d: jax.Array) -> jax.Array:
+    """``d sech(u)^2``, DyT's slope from ``e^-2|u|`` (`normkit._dyt`: ``1 - tanh(u)^2`` is 0 in
+    float32 from |u| = 9 on), times ``d`` before its unit, so that a normal result stays one
+    where XLA flushes subnormals."""
+    slope, unit = _dyt.tanh_slope(u, jnp, u.dtype == jnp.float64)
+    return (d * slope) * unit
+
+
+@jax.custom_jvp
+def _tanh(u: jax.Array) -> jax.Array:
+    """``tanh(u)``, differentiated as `_tanh_slope_times` (jnp.tanh's derivative is
+    ``1 - tanh(u)^2``): DyT's ``backward="autograd"``, which JAX differentiates."""
+    return jnp.tanh(u)
+
+
+@_tanh.defjvp
+def _tanh_jvp(
+    primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    return jnp.tanh(primals[0]), _tanh_slope_times(primals[0], tangents[0])
+
 
 def _run(
     plan: _Plan,
@@ -1163,12 +1186,13 @@ def _norm_bwd(
     v, dyf, d = prepared()
     dalpha = None
     dyf_bias = dyf
-    if alpha is not None:  # dyt: y_hat = tanh(alpha v)
+    if alpha is not None:  # dyt: y_hat = tanh(alpha v), whose slope is sech(alpha v)^2
         a = alpha.astype(compute).reshape(())
-        y_hat = jnp.tanh(a * v)
-        slope = 1 - y_hat * y_hat
-        dx, dresidual = rounded(a * slope * d)
-        dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
+        u = a * v
+        y_hat = jnp.tanh(u)
+        sloped = _tanh_slope_times(u, d)
+        dx, dresidual = rounded(a * sloped)
+        dalpha = jnp.sum(sloped * v).reshape(alpha.shape).astype(alpha.dtype)
         dscale = scale_grad(dyf, y_hat)
     elif s_saved is None:  # rows of two: the careful program only
         reads = _reads(v, plan, _row_size(v, plan), mask)

@@ -15,6 +15,8 @@
   nowhere else.
 - ``fast_large_mean``: ``variance="fast"`` on float32 rows of mean 1000 and spread 1, where
   ``m2 - m1^2`` keeps about 4 bits and each of its roundings shows.
+- ``far_dyt``: DyT where ``|alpha x|`` is large: ``1 - tanh(u)^2`` is 0 in float32 from
+  ``|u| = 9`` on, where the slope ``sech(u)^2`` is not.
 """
 
 from __future__ import annotations
@@ -120,6 +122,20 @@ def fast_large_mean(n: int = 8) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), rng.standard_normal((4, n)).astype(np.float32)
 
 
+def far_dyt(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, dy)`` for DyT with alpha 0.5: rows ``30 + N(0, 1)`` (u about 15, slope 4e-13;
+    float64: ``40 + N(0, 1)``, slope 8e-18, which ``1 - tanh(u)^2`` made 0 there),
+    ``-(24 + N(0, 1))``, ``100 + N(0, 1)`` with a cotangent of 1e10 (u about 50: the slope,
+    1.5e-43, is subnormal in float32, ``dx`` about 1e-33 is not; float64: ``700 + N(0, 1)``,
+    slope about 1e-304), and a unit row."""
+    rng = np.random.default_rng(9)
+    wide = dtype == "float64"
+    x = rng.standard_normal((4, n)) + np.array([40.0 if wide else 30.0, -24.0,
+                                                700.0 if wide else 100.0, 0.0])[:, None]
+    dy = rng.standard_normal((4, n)) * np.array([1.0, 1.0, 1.0 if wide else 1e10, 1.0])[:, None]
+    return x.astype(DTYPES[dtype]), dy.astype(DTYPES[dtype])
+
+
 def check_rows(name: str, got: Any, want: np.ndarray, quantity: str, dtype: Any = None,
                rows: Any = None) -> None:
     """``got`` within the tolerance of ``want``, each row measured on its own (a row's error
@@ -194,3 +210,17 @@ def check_fast_rows(evaluate: Evaluate, spec: NormSpec, rows: str = "overflowing
     for name, got, expected in (("dscale", dscale, grads.dscale), ("dbias", dbias, grads.dbias)):
         if expected is not None:
             tolerances.assert_close(got, expected, quantity="grad", what=f"{name} of {spec}")
+
+
+def check_far_dyt(evaluate: Evaluate, dtype: str, keeps_subnormals: bool = True,
+                  **variant: Any) -> None:
+    """`far_dyt` through ``evaluate`` (``NormSpec("dyt")``, alpha 0.5): y and dx per row,
+    and dalpha."""
+    spec = NormSpec("dyt")
+    x, dy = far_dyt(dtype)
+    alpha = np.array([0.5], DTYPES[dtype] if dtype == "float64" else np.float32)
+    y, dx, *_, dalpha = evaluate(spec, x, dy, alpha=alpha, **variant)
+    grads = reference.normalize_vjp(x, dy, spec, alpha=alpha)
+    check_rows(f"y of {spec}", y, reference.normalize(x, spec, alpha=alpha), "forward")
+    check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+    tolerances.assert_close(dalpha, grads.dalpha, quantity="grad", what=f"dalpha of {spec}")

@@ -70,3 +70,29 @@ def test_the_fast_variance_rounds_as_the_references_does_in_the_kernels(spec, ro
     with pallas.interpreted():
         edge_rows.check_fast_rows(evaluate, spec, rows, api="functional", jit=True,
                                   implementation="pallas")
+
+
+@jits
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dyts_slope_is_kept_where_tanh_rounds_to_one(dtype, jit):
+    """DyT's ``1 - tanh(u)^2`` is 0 in float32 from |u| = 9 on: dx was 0 on rows of 30 + N(0, 1)
+    with alpha 0.5, the reference's about 1e-12; its slope is now sech(u)^2 from e^-2|u|."""
+    edge_rows.check_far_dyt(evaluate, dtype, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("backward", ["exact", "autograd"])
+def test_dyts_slope_through_the_modules_and_jax_autodiff(backward):
+    """The modules' DyT, and ``backward="autograd"``, which JAX differentiates (jnp.tanh's
+    derivative is ``1 - tanh(u)^2``)."""
+    from normkit.conformance import targets_jax
+
+    def evaluate_spec(spec, *args, **kwargs):
+        return targets_jax.evaluate(spec.replace(backward=backward), *args, **kwargs)
+
+    edge_rows.check_far_dyt(evaluate_spec, "float32", api="linen", jit=True)
+
+
+def test_dyts_slope_in_the_kernels():
+    with pallas.interpreted():
+        edge_rows.check_far_dyt(evaluate, "float32", api="functional", jit=True,
+                                implementation="pallas")

@@ -113,3 +113,11 @@ def test_the_fast_variance_rounds_as_the_references_does(spec, rows, jit):
     """Rows whose squares overflow float32 (the reference's v is infinite: y = b; or NaN where
     m1^2 overflows too), and whose squares' sum alone overflows (an ordinary row there)."""
     edge_rows.check_fast_rows(evaluate, spec, rows, jit=jit)
+
+
+@jits
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dyts_slope_is_kept_where_tanh_rounds_to_one(dtype, jit):
+    """DyT's ``1 - tanh(u)^2`` (every backend's derivative of tanh) is 0 in float32 from
+    |u| = 9 on: dx was 0 on rows of 30 + N(0, 1) with alpha 0.5, the reference's about 1e-12."""
+    edge_rows.check_far_dyt(evaluate, dtype, jit=jit)
