@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from normkit import _jax_exact
+from normkit import _dyt, _jax_exact
 from normkit._jax_rounding import round_bits
 
 F32 = jnp.float32
@@ -86,6 +86,15 @@ class RowMath:
     @property
     def closed_count(self) -> int:
         return 2 if self.layer else 1
+
+    @property
+    def cotangent_units(self) -> int:
+        """How far below 1 the scaled cotangent's largest magnitude is put: ``2**-u`` with
+        ``2**u >= size**2``, so that no term of ``r' sum_j d'_j c'_j`` (an element the
+        statistic does not read, a mask's, is unbounded by the row's scale: ``c'`` up to
+        float32's largest; ``r'`` at most ``sqrt(size)``), no partial sum and no product by a
+        ``y_hat_i`` read (at most ``sqrt(size)``) overflows."""
+        return 2 * math.ceil(math.log2(max(self.size, 2)))
 
     @property
     def highest(self) -> int:
@@ -183,25 +192,19 @@ def centered(v: jax.Array, valid: jax.Array, st: Stats, m: RowMath) -> jax.Array
     return jnp.where(valid, (u - st.mean) - st.correction, 0) if m.layer else u
 
 
-def rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a b`` rounded once to float32 (infinity where it overflows), whatever the compiler
-    contracts or keeps in excess precision (`normkit._jax_exact.product`)."""
-    plain = a * b
-    return jnp.where(jnp.isinf(plain), plain, _jax_exact.product(a, b))
-
-
 def fast_y_hat(v: jax.Array, read: jax.Array, m: RowMath) -> jax.Array:
     """``variance="fast"``'s ``y_hat = (x - m1) r(v)`` with the reference's roundings,
     ``m1 = c(mean(x))``, ``m2 = c(mean(c(x^2)))``, ``v = max(0, c(m2 - c(m1^2)))``: the sums of
     float32 values in float64 (exact but within about 2**-29 ulp of a halfway point), each
-    product and difference a float32 operation rounded once (`rounded_product`). Needs 64-bit
-    mode at trace time (`normkit._pallas` enables it for this kernel)."""
+    product and difference a float32 operation rounded once (`normkit._jax_exact.product`,
+    infinity where it overflows). Needs 64-bit mode at trace time (`normkit._pallas` enables it
+    for this kernel)."""
     f64 = jnp.float64
     x = jnp.where(read, v, 0)
     count = row_sum(read.astype(f64)) if m.masked else m.size
     m1 = (row_sum(x.astype(f64)) / count).astype(F32)
-    m2 = (row_sum(rounded_product(x, x).astype(f64)) / count).astype(F32)
-    difference = m2 - rounded_product(m1, m1)
+    m2 = (row_sum(_jax_exact.product(x, x).astype(f64)) / count).astype(F32)
+    difference = m2 - _jax_exact.product(m1, m1)
     variance = jnp.where(difference < 0, 0, difference)  # max(0, .), keeping a NaN
     return (v - m1) * rsqrt_or_inverse(variance, jnp.asarray(m.eps, F32), m.outside)
 
@@ -298,7 +301,7 @@ def forward(
 class Grads(NamedTuple):
     """The backward pass of a tile, in float32: ``dv`` (the input's gradient, before any
     residual's ``dh``), ``dgate`` (None without a gate) and the tile's terms of the parameters'
-    gradients (``dy y_hat``, ``dy``, DyT's ``d x (1 - y_hat^2)``)."""
+    gradients (``dy y_hat``, ``dy``, DyT's ``d x sech(alpha x)^2``)."""
 
     dv: jax.Array
     dgate: jax.Array | None
@@ -326,8 +329,9 @@ def backward(
 
         dx_i = 2**(t - t_d) r' (d'_i - [i read] ([layer] sum_j d'_j + z_i sum_j d'_j y_hat_j) / k)
 
-    with ``d' = dy g 2**t_d`` scaled by the power of two of its largest magnitude (so that
-    the row sums of large cotangents stay finite) and ``z = y_hat`` (inside) or
+    with ``d' = dy g 2**t_d`` scaled by a power of two below its largest magnitude
+    (`RowMath.cotangent_units`: so that the row sums of large cotangents, and of huge values a
+    mask leaves out, stay finite) and ``z = y_hat`` (inside) or
     ``c' / sqrt(s')`` (outside, 0 where s' = 0). Rows of one element read (RMS kinds) or two
     (LayerNorm) take the closed form of `normkit.jax.functional._input_grad`:
     ``d' eps' r'^2`` (inside; ``eps' r'`` outside), less the sums over the elements not read.
@@ -348,11 +352,11 @@ def backward(
         dgate = dy * affine(normalized, g, b, m, rounded=False) * z[1]
         dy = dy * z[0]
     d = dy if g is None else dy * g
-    if alpha is not None:
-        slope = 1 - normalized * normalized
-        dv = alpha * slope * d
-        return Grads(dv, dgate, dy * normalized, dy, d * gated * slope)
-    terms = _terms(d, normalized, valid, read, st.reads, m) if rows is None else rows[1]
+    if alpha is not None:  # the slope sech(alpha x)^2 from e^-2|alpha x| (normkit._dyt)
+        slope, unit = _dyt.tanh_slope(alpha * gated, jnp)
+        sloped = (d * slope) * unit
+        return Grads(alpha * sloped, dgate, dy * normalized, dy, sloped * gated)
+    terms = _terms(d, c, normalized, st, valid, read, m) if rows is None else rows[1]
     dv = _input_grad(d, c, normalized, st, terms, valid, read, m)
     if m.gate == "before":
         assert z is not None
@@ -378,24 +382,40 @@ def row_terms(
     if m.gate == "after" and a is not None:
         dy = dy * a
     d = dy if g is None else dy * g
-    return st, _terms(d, normalized, valid, read, st.reads, m)
+    return st, _terms(d, c, normalized, st, valid, read, m)
 
 
-def _terms(d: jax.Array, normalized: jax.Array, valid: jax.Array, read: jax.Array,
-           count: jax.Array, m: RowMath) -> Terms:
+def _terms(d: jax.Array, c: jax.Array, normalized: jax.Array, st: Stats, valid: jax.Array,
+           read: jax.Array, m: RowMath) -> Terms:
+    """The row sums of `Terms`. The projections ``sum_j d'_j y_hat_j`` are taken as
+    ``r' sum_j d'_j c'_j``: an element the statistic does not read (a mask's) is unbounded by
+    the row's scale, and its ``y_hat`` may exceed float32's range where these terms do not;
+    but for the elements not read of a row scaled up, whose ``c'`` may overflow where their
+    ``y_hat`` (`y_hat`'s unscaled form) does not."""
     largest = jnp.max(jnp.where(valid, jnp.abs(d), 0), axis=-1, keepdims=True)
-    t_d = scale_exponent(largest, _HIGHEST)
+    t_d = jnp.maximum(scale_exponent(largest, _HIGHEST) - m.cotangent_units, _LOWEST)
     scaled = jnp.where(valid, d * pow2(t_d), 0)
+    own_scale = read | (st.t <= 0) if m.unread else read
+
+    def projected(where: jax.Array | None = None) -> jax.Array:
+        """``sum_j d'_j y_hat_j`` over ``where`` (all of the row for None)."""
+        with_c = own_scale if where is None else own_scale & where
+        total = row_sum(jnp.where(with_c, scaled * c, 0)) * st.r
+        if not m.unread:
+            return total
+        unscaled = ~own_scale if where is None else ~own_scale & where
+        return total + row_sum(jnp.where(unscaled, scaled * normalized, 0))
+
     zero = jnp.zeros(largest.shape, F32)
     layer_sum = row_sum(scaled) if m.layer else zero
     projection = own = others = others_sum = zero
     closed = m.degenerate or m.masked
     if not m.degenerate:
-        projection = row_sum(scaled * normalized)
+        projection = projected()
     if closed and m.layer:
-        own = row_sum(jnp.where(read, scaled, 0)) / count
+        own = row_sum(jnp.where(read, scaled, 0)) / st.reads
     if closed and m.unread:
-        others = row_sum(jnp.where(read, 0, scaled * normalized))
+        others = projected(~read)
         if m.layer:
             others_sum = row_sum(jnp.where(read, 0, scaled))
     return Terms(t_d, layer_sum, projection, own, others, others_sum)

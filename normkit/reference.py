@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from normkit import dtypes
+from normkit import _dyt, dtypes
 from normkit.spec import NormSpec
 
 __all__ = [
@@ -591,8 +591,9 @@ def _grads(
         d = dy_rows * g
         dscale = np.sum(dy_rows * normalized, axis=0)
         dbias = np.sum(dy_rows, axis=0)
-    if stat is None:  # dyt: y_hat = tanh(alpha x)
-        slope = 1.0 - normalized**2
+    if stat is None:  # dyt: y_hat = tanh(alpha x), whose slope is sech(alpha x)^2
+        slope, unit = _dyt.tanh_slope(float(p.alpha.reshape(())) * rows, np, wide=True)
+        slope = slope * unit
         dx = float(p.alpha.reshape(())) * slope * d
         dalpha = np.asarray(np.sum(d * rows * slope)).reshape(p.alpha.shape)
     else:
@@ -683,6 +684,9 @@ def normalize_vjp(
         layer:             dx_i = r (d_i - mean(d)) + (2 c_i / n) r'(s) sum_j d_j c_j
         dyt:               dx_i = alpha (1 - y_hat_i^2) d_i
                            dalpha = sum over all elements of x_i (1 - y_hat_i^2) d_i
+
+    with ``1 - y_hat^2 = sech(alpha x)^2`` taken as ``4 e^-2|u| / (1 + e^-2|u|)^2``
+    (`normkit._dyt`: the difference loses its digits where |alpha x| is large).
 
     with ``r'(s) = -r^3 / 2`` (inside) or ``-r^2 / (2 sqrt(s))`` (outside, 0 at s = 0).
     With a ``mask`` (`normalize`'s) the statistic reads the K masked-in elements R: ``k`` is K

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from normkit import _dyt
 from normkit import _jax_exact as _exact
 from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
@@ -904,18 +905,9 @@ def _fast_moments(plan: _Plan, v: jax.Array, reads: _Reads) -> tuple[jax.Array, 
     (`normkit._jax_exact`; float64 inputs in plain float64). Differentiated as the two-pass
     variance: ``dv = 2 mean(c dx)``."""
     if v.dtype == jnp.float32:
-
-        def mean(value: jax.Array) -> jax.Array:
-            if reads.where is not None:
-                value = jnp.where(reads.where, value, 0)
-            return _exact.mean(value, plan.axes, reads.size, plan.axis_name)
-
-        m1 = mean(v)
-        variance = mean(_exact.product(v, v)) - _exact.product(m1, m1)
-    else:
-        m1 = _read_mean(v, plan, reads)
-        variance = _read_mean(v * v, plan, reads) - m1 * m1
-    return m1, jnp.maximum(variance, 0)
+        return _exact.fast_moments(v, plan.axes, reads.size, plan.axis_name, reads.where)
+    m1 = _read_mean(v, plan, reads)
+    return m1, jnp.maximum(_read_mean(v * v, plan, reads) - m1 * m1, 0)
 
 
 @_fast_moments.defjvp
@@ -1031,7 +1023,7 @@ def _forward(
     spec = plan.spec
     plain = None
     if alpha is not None:  # dyt
-        y = _affine(plan, jnp.tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
+        y = _affine(plan, _tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
     else:
         assert spec.eps is not None
         reads = _reads(v, plan, _row_size(v, plan), mask)
@@ -1055,6 +1047,28 @@ def _forward(
 
             y = _patched(careful, _affine(plan, y_hat, scale, bias, eager), fix)
     return (y if h is None else (y, h)), plain
+
+def _tanh_slope_times(u: jax.Array, d: jax.Array) -> jax.Array:
+    """``d sech(u)^2``, DyT's slope from ``e^-2|u|`` (`normkit._dyt`: ``1 - tanh(u)^2`` is 0 in
+    float32 from |u| = 9 on), times ``d`` before its unit, so that a normal result stays one
+    where XLA flushes subnormals."""
+    slope, unit = _dyt.tanh_slope(u, jnp, u.dtype == jnp.float64)
+    return (d * slope) * unit
+
+
+@jax.custom_jvp
+def _tanh(u: jax.Array) -> jax.Array:
+    """``tanh(u)``, differentiated as `_tanh_slope_times` (jnp.tanh's derivative is
+    ``1 - tanh(u)^2``): DyT's ``backward="autograd"``, which JAX differentiates."""
+    return jnp.tanh(u)
+
+
+@_tanh.defjvp
+def _tanh_jvp(
+    primals: tuple[jax.Array], tangents: tuple[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    return jnp.tanh(primals[0]), _tanh_slope_times(primals[0], tangents[0])
+
 
 def _run(
     plan: _Plan,
@@ -1172,12 +1186,13 @@ def _norm_bwd(
     v, dyf, d = prepared()
     dalpha = None
     dyf_bias = dyf
-    if alpha is not None:  # dyt: y_hat = tanh(alpha v)
+    if alpha is not None:  # dyt: y_hat = tanh(alpha v), whose slope is sech(alpha v)^2
         a = alpha.astype(compute).reshape(())
-        y_hat = jnp.tanh(a * v)
-        slope = 1 - y_hat * y_hat
-        dx, dresidual = rounded(a * slope * d)
-        dalpha = jnp.sum(d * v * slope).reshape(alpha.shape).astype(alpha.dtype)
+        u = a * v
+        y_hat = jnp.tanh(u)
+        sloped = _tanh_slope_times(u, d)
+        dx, dresidual = rounded(a * sloped)
+        dalpha = jnp.sum(sloped * v).reshape(alpha.shape).astype(alpha.dtype)
         dscale = scale_grad(dyf, y_hat)
     elif s_saved is None:  # rows of two: the careful program only
         reads = _reads(v, plan, _row_size(v, plan), mask)
@@ -1209,13 +1224,15 @@ def _norm_bwd(
         projected, d_summed, scaled, biased, applied = each
         d_sum = None
         if plain.mean is None:
-            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j. Rows where it overflows (|x| and
-            # dy both large) go to the careful program, which sums d y_hat.
+            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j.
             projection = r * _row_sum(projected.d * projected.v, plan)
-            careful |= ~jnp.isfinite(projection)
         else:
             projection = _row_sum(projected.d * projected.y_hat, plan)
             d_sum = _row_sum(d_summed.d, plan)
+        # Rows where it overflows (|x| and dy both large; a huge value a mask leaves out,
+        # unbounded by the row's scale), or where its products by y_hat_i may, go to the
+        # careful program, which sums it in units of d's size.
+        careful |= ~(jnp.abs(projection) < _PROJECTION_LIMIT)
         dv, _ = _input_grad(plan, applied.rows, applied.d, reads, projection, d_sum)
         dyf_bias = biased.dyf
 
@@ -1240,6 +1257,22 @@ def _norm_bwd(
         )
     dbias = None if bias is None else jnp.sum(dyf_bias, axis=batch).astype(bias.dtype)
     return dx, dresidual, dscale, dbias, dalpha, None
+
+
+# The largest projection sum_j d_j y_hat_j the common program uses: its products by y_hat_i
+# (at most sqrt(n) on the elements read) stay finite.
+_PROJECTION_LIMIT = 2.0**100
+
+
+def _cotangent_unit(d: jax.Array, plan: _Plan, n: int) -> jax.Array:
+    """Per row, the power of two ``2**-e`` that puts ``d``'s largest magnitude below
+    ``n**-2``: in those units no term of ``r sum_j d_j c_j`` (``|c_j|`` up to float32's
+    largest, ``r`` up to ``sqrt(n)`` in scaled units), no partial sum and no product by a
+    ``y_hat_i`` read (at most ``sqrt(n)``) overflows. ``e`` is clamped to [-125, 125], so that
+    ``2**-e`` and ``2**e`` are normal."""
+    _, exponent = jnp.frexp(_row_max(jnp.abs(d), plan))
+    e = jnp.clip(exponent + 2 * math.ceil(math.log2(max(n, 2))), -125, 125)
+    return jnp.ldexp(jnp.ones(e.shape, d.dtype), -e)
 
 
 def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) -> _Scaled:
@@ -1271,11 +1304,17 @@ def _input_grad(
     mean_R(d))`` with ``rest = 1 - z_i y_hat_i = eps r**2`` (inside) or ``eps r`` (outside),
     taken in that closed form; the part over the other elements is added as it is.
     ``projection`` is ``sum_j d_j y_hat_j`` per row and ``d_sum`` LayerNorm's ``sum_j d_j``,
-    where the caller has formed them.
+    where the caller has formed them (the common program, whose rows keep ``projection``
+    below `_PROJECTION_LIMIT`); without them (the careful program) ``d`` is taken in units of
+    `_cotangent_unit`, where no sum or product overflows that the result does not.
     """
     spec = plan.spec
     r = _r(rows.s, rows.eps, spec)
     y_hat = rows.c * r
+    unit = None
+    if projection is None:
+        unit = _cotangent_unit(d, plan, _row_size(d, plan))
+        d = d * unit
     if spec.eps_placement == "outside":
         positive = rows.s > 0
         z = rows.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, rows.s, 1)), 0)
@@ -1284,8 +1323,17 @@ def _input_grad(
         z = y_hat
         rest = rows.eps * r * r
     layer = spec.kind == "layer"
+
+    def projected(where: jax.Array | None = None) -> jax.Array:
+        """``sum_j d_j y_hat_j`` (over ``where``); in the careful program's units as
+        ``r sum_j d_j c_j``: a value the statistic does not read (a mask's) is unbounded by the
+        row's scale, and its ``y_hat`` may exceed float32's range where its terms do not."""
+        if unit is None:
+            return _row_sum(d * y_hat, plan, where)
+        return r * _row_sum(d * rows.c, plan, where)
+
     if projection is None:
-        projection = _row_sum(d * y_hat, plan)
+        projection = projected()
     k = reads.size
 
     def on_reads(value: jax.Array) -> jax.Array:
@@ -1301,7 +1349,7 @@ def _input_grad(
         if reads.where is not None:  # the part of the sums over the other elements
             others = ~reads.where
             d_others = _row_sum(d, plan, others) if layer else 0
-            value -= (d_others + z * _row_sum(d * y_hat, plan, others)) / k
+            value -= (d_others + z * projected(others)) / k
         return on_reads(value)
 
     degenerate = k == (2 if layer else 1)
@@ -1309,6 +1357,8 @@ def _input_grad(
         inner = closed() if degenerate else general()
     else:
         inner = jnp.where(degenerate, closed(), general())
+    if unit is not None:
+        inner = inner * (1 / unit)
     return r * inner * rows.sigma * rows.pre, y_hat
 
 

@@ -12,7 +12,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from normkit import _gating, dtypes, reference
+from normkit import _dyt as _dyt_math
+from normkit import _float_pairs, _gating, dtypes, reference
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -661,6 +662,53 @@ def _mean(u: Any, axes: tuple[int, ...]) -> Any:
     return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
 
 
+def _fast_moments(x: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """``variance="fast"``'s ``(m1, v)`` over ``axes`` (kept), each step rounded once to ``x``'s
+    dtype ``c`` as `normkit.reference` says::
+
+        m1 = c(mean(x))    m2 = c(mean(c(x^2)))    v = max(0, c(m2 - c(m1^2)))
+
+    A float32 ``x`` cannot take these as written where a compiler reorders them: XLA (under
+    ``jit_compile`` and ``jax.jit``) divides by ``n`` as a product by ``1 / n`` (float16 rows of
+    a large mean came out 32 ulps off) and contracts ``m2 - m1 * m1`` into one fused
+    multiply-add, which leaves ``m1^2`` unrounded (and turned ``inf - inf`` into ``inf``). On
+    JAX the steps are normkit.jax's (`normkit._jax_exact`); elsewhere the float32 squares are
+    summed in float64, each mean is rounded from float64 (correct but within about ``2**-29``
+    ulp of a halfway point), and ``m1^2`` is `_rounded_square`. float64 inputs take the steps
+    as written."""
+    if _float_dtype(x.dtype) == "float64":
+        m1 = _mean(x, axes)
+        v = _mean(ops.square(x), axes) - m1 * m1
+        return m1, _maximum(v, ops.zeros_like(v))
+    if keras.backend.backend() == "jax":
+        from normkit import _jax_exact
+
+        return _jax_exact.fast_moments(x, axes, math.prod(x.shape[a] for a in axes))
+    m1 = ops.cast(_mean(ops.cast(x, "float64"), axes), x.dtype)
+    m2 = ops.cast(_mean(ops.cast(x * x, "float64"), axes), x.dtype)
+    v = m2 - _rounded_square(m1)
+    return m1, _maximum(v, ops.zeros_like(v))
+
+
+def _rounded_square(m: Any) -> Any:
+    """``m * m`` of float32 ``m``, rounded once: on TensorFlow from halves of 12 bits
+    (`normkit._float_pairs`), whose products XLA's contraction into a following subtraction
+    cannot change (a float64 square cast to float32 becomes the float32 product it equals);
+    on torch, whose eager ops are not fused, the float64 square rounded to float32."""
+    if keras.backend.backend() != "tensorflow":
+        wide = ops.cast(m, "float64")
+        return ops.cast(wide * wide, m.dtype)
+    import tensorflow as tf
+
+    def split(a: Any) -> tuple[Any, Any]:
+        bits = tf.bitwise.bitwise_and(tf.bitcast(a, tf.int32), _float_pairs.LOW_HALF)
+        high = tf.bitcast(bits, a.dtype)
+        return high, a - high
+
+    plain = m * m
+    return tf.where(tf.math.is_inf(plain), plain, _float_pairs.exact_product(m, m, split)[0])
+
+
 def _tanh(u: Any) -> Any:
     """``tanh(u)`` in ``u``'s dtype: `ops.tanh`, which on Keras' JAX backend computes a float64
     ``u`` in float32 (as `_mean`), so ``jnp.tanh`` there."""
@@ -669,6 +717,27 @@ def _tanh(u: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.tanh(u)
+
+
+def _dyt(alpha: Any, x: Any, recording: bool) -> Any:
+    """DyT's ``tanh(alpha x)``; where a gradient may be taken (``recording``), differentiated
+    with the slope ``sech(alpha x)^2`` from ``e^-2|alpha x|`` (`normkit._dyt`), times the
+    cotangent before its unit: the backends' ``1 - tanh(u)^2`` is 0 in float32 from
+    ``|u| = 9`` on (dx was 0 on rows of 30 with alpha 0.5, the reference's 1e-12)."""
+    u = alpha * x
+    if not recording:
+        return _tanh(u)
+    wide = keras.backend.standardize_dtype(u.dtype) == "float64"
+
+    @ops.custom_gradient
+    def activated(u: Any) -> Any:
+        def grad(*args: Any, upstream: Any = None) -> Any:
+            slope, unit = _dyt_math.tanh_slope(u, ops, wide)
+            return ((args[0] if upstream is None else upstream) * slope) * unit
+
+        return _tanh(u), grad
+
+    return activated(u)
 
 
 def _maximum(a: Any, b: Any) -> Any:
@@ -1021,7 +1090,8 @@ class _Norm(keras.layers.Layer):
             return ops.cast(self._finish(x, y_hat, axes, dtype, param_target, work), output_dtype)
 
         if spec.kind == "dyt":
-            return finish(x, _tanh(ops.cast(self.alpha, work) * x))
+            alpha = ops.cast(self.alpha, work)
+            return finish(x, _dyt(alpha, x, _recording(x, alpha)))
         affine = None
         if spec.variance != "fast" and not (spec.cast == "before_scale" and dtype in _HALF):
             # y = y_hat g + b: the plain rows compute it, and its gradient, in one function.
@@ -1174,21 +1244,17 @@ class _Norm(keras.layers.Layer):
         return y
 
     def _fast_normalized(self, x: Any, axes: tuple[int, ...]) -> Any:
-        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(max(0, m2 - m1**2))``
-        with ``m1 = mean(x)``, ``m2 = mean(x**2)``, each step in the ``x``'s dtype."""
+        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(v)`` with the moments of
+        `_fast_moments`."""
         spec = self._spec
         assert spec.eps is not None
-        m1 = _mean(x, axes)
-        m2 = _mean(ops.square(x), axes)
-        v = m2 - m1 * m1
-        v = _maximum(v, ops.zeros_like(v)) if _float_dtype(x.dtype) == "float64" else (
-            ops.maximum(v, 0.0)
-        )
+        x = ops.stop_gradient(x)
+        m1, v = _fast_moments(x, axes)
         if spec.eps_placement == "inside":
             r = ops.rsqrt(v + spec.eps)
         else:
             r = 1.0 / (ops.sqrt(v) + spec.eps)
-        return ops.stop_gradient((x - m1) * r)
+        return (x - m1) * r
 
     def _param(self, v: Any, dtype: str, target: list[int] | None) -> Any:
         v = ops.cast(v, dtype)

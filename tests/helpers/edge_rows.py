@@ -10,6 +10,13 @@
   there only, and the head's ``dx`` (through the statistic's sum), not the rest of the tail.
 - ``far_gate``: the gate's SiLU below z = -88.7, where ``1 / (1 + e^-z)`` is 0 but
   ``z sigmoid(z)`` is a normal number (about 1e-37 in float32).
+- ``overflowing_squares``: ``variance="fast"`` on float32 rows whose squares, or only their
+  sum, overflow float32: its steps overflow where the reference's float32 roundings do, and
+  nowhere else.
+- ``fast_large_mean``: ``variance="fast"`` on float32 rows of mean 1000 and spread 1, where
+  ``m2 - m1^2`` keeps about 4 bits and each of its roundings shows.
+- ``far_dyt``: DyT where ``|alpha x|`` is large: ``1 - tanh(u)^2`` is 0 in float32 from
+  ``|u| = 9`` on, where the slope ``sech(u)^2`` is not.
 """
 
 from __future__ import annotations
@@ -90,6 +97,45 @@ def far_gate(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return tuple(a.astype(DTYPES[dtype]) for a in (x, z, dy))  # type: ignore[return-value]
 
 
+def overflowing_squares(n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``(x, dy)`` of four rows, for ``variance="fast"``: row 0's squares overflow
+    (about 1e40) and its mean's square does not (the reference's ``m2`` is infinite, ``v`` too:
+    ``y = b``); row 1's squares and mean's square overflow (``inf - inf``: NaN, as in float32);
+    row 2's squares fit but their sum overflows (the reference's ``m2``, a mean, is finite: an
+    ordinary row); row 3 of unit scale. Rows 0 and 2 hold pairs ``(a, -1.01 a)``, their mean
+    far below their size."""
+    rng = np.random.default_rng(20)
+    a = 1 + 0.25 * rng.random((4, n // 2))
+    pairs = np.stack([a, -1.01 * a], axis=-1).reshape(4, n)
+    x = pairs * np.array([1e20, 1.0, 1e19, 1.0])[:, None]
+    x[1] = 1e20 * (1 + 0.25 * rng.random(n))
+    x[3] = rng.standard_normal(n)
+    return x.astype(np.float32), rng.standard_normal((4, n)).astype(np.float32)
+
+
+def fast_large_mean(n: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``(x, dy)``: four rows ``1000 + N(0, 1)`` (``m1^2`` about 1e6, whose ulp 0.0625
+    is 6 % of the variance: an unrounded ``m1^2``, as a fused multiply-add leaves it, moves
+    ``y`` by about 1 %)."""
+    rng = np.random.default_rng(21)
+    x = 1000 + rng.standard_normal((4, n))
+    return x.astype(np.float32), rng.standard_normal((4, n)).astype(np.float32)
+
+
+def far_dyt(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, dy)`` for DyT with alpha 0.5: rows ``30 + N(0, 1)`` (u about 15, slope 4e-13;
+    float64: ``40 + N(0, 1)``, slope 8e-18, which ``1 - tanh(u)^2`` made 0 there),
+    ``-(24 + N(0, 1))``, ``100 + N(0, 1)`` with a cotangent of 1e10 (u about 50: the slope,
+    1.5e-43, is subnormal in float32, ``dx`` about 1e-33 is not; float64: ``700 + N(0, 1)``,
+    slope about 1e-304), and a unit row."""
+    rng = np.random.default_rng(9)
+    wide = dtype == "float64"
+    x = rng.standard_normal((4, n)) + np.array([40.0 if wide else 30.0, -24.0,
+                                                700.0 if wide else 100.0, 0.0])[:, None]
+    dy = rng.standard_normal((4, n)) * np.array([1.0, 1.0, 1.0 if wide else 1e10, 1.0])[:, None]
+    return x.astype(DTYPES[dtype]), dy.astype(DTYPES[dtype])
+
+
 def check_rows(name: str, got: Any, want: np.ndarray, quantity: str, dtype: Any = None,
                rows: Any = None) -> None:
     """``got`` within the tolerance of ``want``, each row measured on its own (a row's error
@@ -145,3 +191,36 @@ def check_far_gate(evaluate: Evaluate, gate: str, dtype: str, keeps_subnormals: 
     check_rows(f"dgate of {spec}", dz, grads.dgate, "grad")
     if gate == "before" or keeps_subnormals:
         check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+
+
+def check_fast_rows(evaluate: Evaluate, spec: NormSpec, rows: str = "overflowing_squares",
+                    **variant: Any) -> None:
+    """`overflowing_squares` (or `fast_large_mean`) through ``evaluate`` (a spec with
+    ``variance="fast"``): y, dx and the parameters' gradients per row."""
+    x, dy = {"overflowing_squares": overflowing_squares, "large_mean": fast_large_mean}[rows]()
+    n = x.shape[1]
+    scale = (1 + 0.5 * np.linspace(-1, 1, n)).astype(np.float32) if spec.scale else None
+    bias = np.linspace(-1, 1, n).astype(np.float32) if spec.bias else None
+    y, dx, dscale, dbias = evaluate(spec, x, dy, scale, bias, **variant)[:4]
+    grads = reference.normalize_vjp(x, dy, spec, scale, bias)
+    with np.errstate(invalid="ignore"):
+        want = reference.normalize(x, spec, scale, bias)
+    check_rows(f"y of {spec}", y, want, "forward")
+    check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+    for name, got, expected in (("dscale", dscale, grads.dscale), ("dbias", dbias, grads.dbias)):
+        if expected is not None:
+            tolerances.assert_close(got, expected, quantity="grad", what=f"{name} of {spec}")
+
+
+def check_far_dyt(evaluate: Evaluate, dtype: str, keeps_subnormals: bool = True,
+                  **variant: Any) -> None:
+    """`far_dyt` through ``evaluate`` (``NormSpec("dyt")``, alpha 0.5): y and dx per row,
+    and dalpha."""
+    spec = NormSpec("dyt")
+    x, dy = far_dyt(dtype)
+    alpha = np.array([0.5], DTYPES[dtype] if dtype == "float64" else np.float32)
+    y, dx, *_, dalpha = evaluate(spec, x, dy, alpha=alpha, **variant)
+    grads = reference.normalize_vjp(x, dy, spec, alpha=alpha)
+    check_rows(f"y of {spec}", y, reference.normalize(x, spec, alpha=alpha), "forward")
+    check_rows(f"dx of {spec}", dx, grads.dx, "grad")
+    tolerances.assert_close(dalpha, grads.dalpha, quantity="grad", what=f"dalpha of {spec}")

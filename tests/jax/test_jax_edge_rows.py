@@ -8,7 +8,9 @@ import pytest
 
 pytest.importorskip("jax")
 
+from normkit import NormSpec  # noqa: E402
 from normkit.conformance.targets_jax import devices, evaluate  # noqa: E402
+from normkit.jax import pallas  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
 
 jits = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -46,3 +48,51 @@ def test_the_gates_silu_below_minus_88_is_not_zero_on_a_gpu(gate):
         pytest.skip("JAX sees no GPU")
     edge_rows.check_far_gate(evaluate, gate, "float32", api="functional", jit=True,
                              device="cuda:0")
+
+
+FAST_SPECS = [NormSpec("layer", variance="fast", bias=True),
+              NormSpec("layer", variance="fast", eps=1e-5, eps_placement="outside")]
+
+
+@jits
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=["inside", "outside"])
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does(spec, rows, jit):
+    """The XLA program's exactly rounded fast moments gave NaN on rows whose squares overflow
+    (``inf - inf`` in the pair sums), where the reference's ``v`` is infinite (``y = b``), and on
+    rows whose squares' sum alone overflows, where the reference's ``m2`` is finite."""
+    edge_rows.check_fast_rows(evaluate, spec, rows, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=["inside", "outside"])
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does_in_the_kernels(spec, rows):
+    with pallas.interpreted():
+        edge_rows.check_fast_rows(evaluate, spec, rows, api="functional", jit=True,
+                                  implementation="pallas")
+
+
+@jits
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dyts_slope_is_kept_where_tanh_rounds_to_one(dtype, jit):
+    """DyT's ``1 - tanh(u)^2`` is 0 in float32 from |u| = 9 on: dx was 0 on rows of 30 + N(0, 1)
+    with alpha 0.5, the reference's about 1e-12; its slope is now sech(u)^2 from e^-2|u|."""
+    edge_rows.check_far_dyt(evaluate, dtype, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("backward", ["exact", "autograd"])
+def test_dyts_slope_through_the_modules_and_jax_autodiff(backward):
+    """The modules' DyT, and ``backward="autograd"``, which JAX differentiates (jnp.tanh's
+    derivative is ``1 - tanh(u)^2``)."""
+    from normkit.conformance import targets_jax
+
+    def evaluate_spec(spec, *args, **kwargs):
+        return targets_jax.evaluate(spec.replace(backward=backward), *args, **kwargs)
+
+    edge_rows.check_far_dyt(evaluate_spec, "float32", api="linen", jit=True)
+
+
+def test_dyts_slope_in_the_kernels():
+    with pallas.interpreted():
+        edge_rows.check_far_dyt(evaluate, "float32", api="functional", jit=True,
+                                implementation="pallas")

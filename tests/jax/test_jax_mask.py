@@ -206,3 +206,53 @@ def test_other_arguments_that_are_no_arrays_name_themselves(name: str) -> None:
     for module in (nkjax.RMSNorm(), nkjax.nnx.RMSNorm(4)):
         with pytest.raises(TypeError, match="^x must be an array of numbers or bools"):
             module.init(jax.random.key(0), "abc") if isinstance(module, nn.Module) else module("abc")
+
+
+def _huge_masked_out() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """float32 ``(x, mask, dy, scale)``: four rows, the first three each with one value masked
+    out near float32's largest (3e38, -3.3e38, 3e38; in columns of their own, so that the
+    scale's gradient sums one of them per column). Rows 0 and 1 read values of size 1.5
+    (``r`` about 0.7: ``y_hat`` about 2e38 there); row 2 reads values of size 0.6, so that the
+    huge value's ``y_hat`` (about 5e38) exceeds float32, as the reference's ``y`` does there.
+    The masked-in elements' ``dx`` (``z_i sum_j d_j y_hat_j / K``) is about 1e37, finite."""
+    rng = np.random.default_rng(38)
+    x = rng.standard_normal((4, 16)) * np.array([1.5, 1.5, 0.6, 1.0])[:, None]
+    mask = np.ones(x.shape, bool)
+    for row, (column, value) in enumerate(((5, 3e38), (9, -3.3e38), (13, 3e38))):
+        x[row, column], mask[row, column] = value, False
+    dy = rng.standard_normal(x.shape)
+    scale = 1 + 0.1 * rng.standard_normal(16)
+    return x.astype(np.float32), mask, dy.astype(np.float32), scale.astype(np.float32)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla-eager", "pallas"])
+@pytest.mark.parametrize("spec", [
+    NormSpec(), NormSpec(eps_placement="outside"), NormSpec("layer"),
+    NormSpec("layer", eps=1e-5, eps_placement="outside"), NormSpec("layer", variance="fast"),
+], ids=["rms", "rms-outside", "layer", "layer-outside", "layer-fast"])
+def test_a_huge_value_masked_out_keeps_the_gradients_finite(spec, implementation) -> None:
+    """A value near 3e38 masked out: the masked-in elements' dx overflowed (the Pallas kernels
+    and the XLA program formed ``z_i sum_j d_j y_hat_j`` before dividing by K, and the huge
+    value's ``y_hat`` itself where it exceeds float32), where the reference's is about 1e37."""
+    from normkit.jax import pallas
+
+    x, mask, dy, scale = _huge_masked_out()
+
+    def run(x, scale):
+        return F.normalize(x, spec, scale, mask=mask,
+                           implementation="pallas" if implementation == "pallas" else "xla")
+
+    fn = run if implementation == "xla-eager" else jax.jit(run)
+    with pallas.interpreted():
+        y, vjp = jax.vjp(fn, x, scale)
+        dx, dscale = vjp(jnp.asarray(dy))
+    want = reference.normalize(x, spec, scale, mask=mask)
+    grads = reference.normalize_vjp(x, dy, spec, scale, mask=mask)
+    for row in range(4):
+        tolerances.assert_close(np.asarray(y)[row], want[row], what=f"y, row {row}")
+        tolerances.assert_close(np.asarray(dx)[row], grads.dx[row], quantity="grad",
+                                what=f"dx, row {row}")
+    # Column 13's dy y_hat is beyond float32 in row 2, where the reference sums it in float64.
+    columns = np.arange(16) != 13
+    tolerances.assert_close(np.asarray(dscale)[columns], grads.dscale[columns], quantity="grad",
+                            what="dscale")

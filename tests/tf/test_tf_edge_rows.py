@@ -14,8 +14,10 @@ import pytest
 keras = pytest.importorskip("keras")
 
 from normkit import NormSpec, reference  # noqa: E402
+from normkit.conformance.cases import Case  # noqa: E402
 from normkit.conformance.targets_keras import evaluate, keras_backend  # noqa: E402
 from tests.helpers import edge_rows  # noqa: E402
+from tests.helpers.targets import VARIANTS, check  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning"
@@ -83,3 +85,39 @@ def test_float64_is_computed_in_float64(spec, jit):
         assert y.dtype == dx.dtype == np.float64
         np.testing.assert_allclose(y, want, rtol=0, atol=1e-13 * np.abs(want).max())
         np.testing.assert_allclose(dx, grads.dx, rtol=0, atol=1e-13 * np.abs(grads.dx).max())
+
+
+@jits
+@pytest.mark.parametrize("shape", [(5, 7), (3, 16)], ids=lambda s: f"n{s[1]}")
+@pytest.mark.parametrize(
+    "spec", [NormSpec("layer", variance="fast"),
+             NormSpec("layer", variance="fast", eps=1e-5, eps_placement="outside")],
+    ids=["inside", "outside"],
+)
+def test_the_fast_variance_rounds_each_step_once_under_xla(spec, shape, jit):
+    """The conformance probe's float16 rows of a large mean, whose squares and sums are exact in
+    float32: XLA divided by n as a product by 1/n (an ulp of m2 off), so that y was 32 ulps off
+    under jit_compile and jax.jit (eager TensorFlow, JAX and torch were right)."""
+    inputs = Case(spec, shape, "float16", rows="large_mean").arrays()
+    check(VARIANTS["tf[jit]" if jit else "tf"], spec, inputs)
+
+
+@jits
+@pytest.mark.parametrize(
+    "spec", [NormSpec("layer", variance="fast", bias=True),
+             NormSpec("layer", variance="fast", eps=1e-5, eps_placement="outside")],
+    ids=["inside", "outside"],
+)
+@pytest.mark.parametrize("rows", ["overflowing_squares", "large_mean"])
+def test_the_fast_variance_rounds_as_the_references_does(spec, rows, jit):
+    """Rows whose squares overflow float32 (the reference's v is infinite: y = b; or NaN where
+    m1^2 overflows too), and whose squares' sum alone overflows (an ordinary row there)."""
+    edge_rows.check_fast_rows(evaluate, spec, rows, jit=jit)
+
+
+@jits
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dyts_slope_is_kept_where_tanh_rounds_to_one(dtype, jit):
+    """DyT's ``1 - tanh(u)^2`` (every backend's derivative of tanh) is 0 in float32 from
+    |u| = 9 on: dx was 0 on rows of 30 + N(0, 1) with alpha 0.5, the reference's about 1e-12."""
+    edge_rows.check_far_dyt(evaluate, dtype, jit=jit)
