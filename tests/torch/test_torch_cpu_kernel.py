@@ -22,7 +22,7 @@ import torch
 from normkit import dtypes, reference, tolerances
 from normkit.bridges import TorchBridge
 from normkit.spec import Kind, NormSpec
-from normkit.torch import _plan, kernels
+from normkit.torch import _memory, _plan, kernels
 from normkit.torch._spec import row_spec
 from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
 from normkit.torch.kernels import cpu
@@ -209,8 +209,8 @@ def test_large_outputs_are_advised_onto_huge_pages() -> None:
                     return "hg" in line.split()[1:]
         raise AssertionError("no mapping holds the tensor")
 
-    big = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
-    assert advised(cpu._output_like(big))
+    big = torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
+    assert advised(_memory.empty_like(big))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,17 +218,17 @@ def test_large_outputs_start_on_a_huge_page(dtype: torch.dtype) -> None:
     """A large output starts on a 2 MiB boundary, so that all of it can be huge pages, and is
     an ordinary contiguous tensor of ``t``'s shape and dtype (not a view) whose storage is at
     most 2 MiB larger. A 3-d input of 2 MiB and 32 bytes more keeps its shape."""
-    count = (cpu.HUGE_PAGE_MIN_BYTES + 32) // torch.empty((), dtype=dtype).element_size()
+    count = (_memory.HUGE_PAGE_MIN_BYTES + 32) // torch.empty((), dtype=dtype).element_size()
     like = torch.empty(2, count // 2, 1, dtype=dtype)
-    out = cpu._output_like(like)
-    assert out.data_ptr() % cpu.HUGE_PAGE == 0
+    out = _memory.empty_like(like)
+    assert out.data_ptr() % _memory.HUGE_PAGE == 0
     assert (out.shape, out.dtype, out.is_contiguous(), out._base) == (
         like.shape, dtype, True, None)
     size = like.numel() * like.element_size()
     storage = out.untyped_storage()
     assert storage.data_ptr() <= out.data_ptr()
     assert out.data_ptr() + size <= storage.data_ptr() + storage.nbytes() <= (
-        out.data_ptr() + size + cpu.HUGE_PAGE)
+        out.data_ptr() + size + _memory.HUGE_PAGE)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -237,7 +237,7 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
     ``dx`` hold, row for row, the bits the same rows give in small batches, whose outputs are
     plain allocations: nothing is shifted or left unwritten."""
     n = 4096
-    rows = cpu.HUGE_PAGE_MIN_BYTES // (n * dtypes.DTYPE_NAMES[dtype].itemsize) + 3
+    rows = _memory.HUGE_PAGE_MIN_BYTES // (n * dtypes.DTYPE_NAMES[dtype].itemsize) + 3
     x, dy = (to_torch(a) for a in _arrays((rows, n), dtype, 5))
     module = from_spec(NormSpec(kind="rms"), n, dtype=x.dtype, kernel="cpu")
 
@@ -249,7 +249,7 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
         return y.detach(), xs.grad
 
     y, dx = run(x, dy)
-    assert y.data_ptr() % cpu.HUGE_PAGE == 0 and dx.data_ptr() % cpu.HUGE_PAGE == 0
+    assert y.data_ptr() % _memory.HUGE_PAGE == 0 and dx.data_ptr() % _memory.HUGE_PAGE == 0
     for part in (slice(0, 5), slice(rows // 2 - 1, rows // 2 + 2), slice(rows - 4, rows)):
         y_part, dx_part = run(x[part], dy[part])
         for whole, alone in ((y[part], y_part), (dx[part], dx_part)):
@@ -262,11 +262,11 @@ def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
     mapping an earlier large one had advised); a large output's new storage is advised once."""
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(cpu, "_madvise", lambda: lambda *args: calls.append(args) or 0)
-    monkeypatch.setattr(cpu, "_kept", {})
-    cpu._output_like(torch.empty(1024))
+    monkeypatch.setattr(_memory, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(_memory, "_kept", {})
+    _memory.empty_like(torch.empty(1024))
     assert calls == []
-    cpu._output_like(torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4))
+    _memory.empty_like(torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4))
     assert len(calls) == 1
 
 
@@ -278,25 +278,25 @@ def test_a_dropped_large_output_is_reused_and_a_used_one_is_not(
     already mapped (no page fault, no huge-page advice, whatever the machine gives); while a
     view of it lives, it is not handed out. `empty_cache` gives back the idle ones; at most
     `KEPT_BYTES` are kept."""
-    monkeypatch.setattr(cpu, "_kept", {})
-    like = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4)
-    first = cpu._output_like(like)
+    monkeypatch.setattr(_memory, "_kept", {})
+    like = torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4)
+    first = _memory.empty_like(like)
     address = first.data_ptr()
     view = first[1:]
     del first
-    second = cpu._output_like(like)  # the view still uses the first storage
+    second = _memory.empty_like(like)  # the view still uses the first storage
     assert second.data_ptr() != address
     del view, second
-    third = cpu._output_like(like)
+    third = _memory.empty_like(like)
     assert third.data_ptr() == address  # the first of the two idle storages
-    kept = sum(len(held) for held in cpu._kept.values())
+    kept = sum(len(held) for held in _memory._kept.values())
     assert kept == 2
     del third
-    nbytes = cpu.HUGE_PAGE_MIN_BYTES + cpu.HUGE_PAGE
-    assert cpu.empty_cache() == 2 * nbytes
-    monkeypatch.setattr(cpu, "KEPT_BYTES", nbytes)
-    held = [cpu._output_like(like) for _ in range(2)]  # the second is not kept
-    assert sum(len(h) for h in cpu._kept.values()) == 1 and len(held) == 2
+    nbytes = _memory.HUGE_PAGE_MIN_BYTES + _memory.HUGE_PAGE
+    assert _memory.empty_cache() == 2 * nbytes
+    monkeypatch.setattr(_memory, "KEPT_BYTES", nbytes)
+    held = [_memory.empty_like(like) for _ in range(2)]  # the second is not kept
+    assert sum(len(h) for h in _memory._kept.values()) == 1 and len(held) == 2
 
 
 def test_a_loop_dropping_its_outputs_writes_into_the_same_memory() -> None:
