@@ -18,7 +18,6 @@ functional whole-tensor ops, which compilers fuse.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from normkit.torch._cached import cached
 from normkit.torch._spec import RowSpec
 
 
@@ -112,7 +112,7 @@ def _unit_exponent(values: torch.Tensor, most: int) -> torch.Tensor:
     return (2 * bias - field).clamp_(1, most)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _largest_exponent(eps: float, outside: bool, dtype: torch.dtype) -> int:
     """The largest sigma's biased exponent: sigma stays below ``1 / sqrt(eps)`` (``1 / eps``
     outside), so that ``eps sigma**2`` (``eps sigma``) stays below 1: a row far below eps is

@@ -21,6 +21,7 @@ from normkit import _gating
 from normkit.spec import NormSpec
 from normkit.torch import _eager
 from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to, apply
+from normkit.torch._cached import cached
 from normkit.torch._spec import RowSpec
 
 
@@ -75,7 +76,7 @@ def norm_rows(
     return apply(WithValue, affine_and_gate(), value).to(out)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _statistic(rows: RowSpec) -> RowSpec:
     """The per-group normalization of ``rows``: its statistic on rows of one group, without
     the before-scale rounding (applied after the affine step's inputs are formed)."""
