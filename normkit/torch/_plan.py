@@ -41,6 +41,7 @@ from normkit.torch._autograd import (
 )
 from normkit.torch._checks import check_param, check_tensor, dtype_name
 from normkit.torch._spec import RowSpec, row_spec
+from normkit.torch._stacklevel import user_stacklevel
 from normkit.torch.kernels import HALF_DTYPES, KERNEL_DTYPES, Kernel, cpu
 
 __all__ = ["Plan", "Plans", "check_trailing", "choose", "output_dtype"]
@@ -220,10 +221,10 @@ def choose(kernel: str, x: torch.Tensor, spec: NormSpec, rows: RowSpec) -> str:
         if not _warned["auto"] and not torch.compiler.is_compiling():
             _warned["auto"] = True
             warnings.warn(
-                "normkit's CPU kernel needs numba, which is not installed; using the composite "
-                "path. Install it with pip install 'normkit[torch]'.",
+                "normkit.torch: numba is not installed, so the CPU kernel is unavailable and "
+                f"this process runs the slower composite path; {cpu.INSTALL}",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=user_stacklevel(),
             )
         return "composite"
     else:

@@ -857,8 +857,9 @@ def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(_plan._warned, "auto", False)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     module = RMSNorm(8)
-    with pytest.warns(RuntimeWarning, match=r"needs numba, which is not installed.*normkit\[torch\]"):
+    with pytest.warns(RuntimeWarning, match=r"numba is not installed.*normkit\[torch\]") as seen:
         y = module(x)
+    assert seen[0].filename == __file__  # the user's call, not normkit's or torch's frames
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RMSNorm(8)(x)
@@ -959,6 +960,7 @@ def undecided(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[tuple[torc
     monkeypatch.delenv(cpu.COMPILE, raising=False)
     monkeypatch.setitem(cpu._state, "ready", {})
     monkeypatch.setitem(cpu._state, "compiled", {})
+    monkeypatch.setitem(cpu._state, "warned_cold", False)
     started: list[tuple[torch.dtype, bool]] = []
     monkeypatch.setattr(cpu, "_compile_in_background", lambda *key: started.append(key))
     return started
@@ -973,17 +975,24 @@ def test_auto_takes_the_composite_path_until_the_kernel_is_compiled(
     undecided: list[tuple[torch.dtype, bool]],
 ) -> None:
     """No call waits for numba: where the kernel is not compiled, ``kernel="auto"`` runs the
-    composite path (one warning, the kernel compiled by a process of its own) and keeps it for
-    the whole process, even once the cache holds the kernel (a layer's bits do not change
-    mid-run); a new decision (a new process) then loads the kernel."""
+    composite path (the kernel compiled by a process of its own) and keeps it for the whole
+    process, even once the cache holds the kernel (a layer's bits do not change mid-run); a new
+    decision (a new process) then loads the kernel. One warning in the process, of a category
+    of its own, one line naming the command that avoids it, pointing at the user's call."""
     x = torch.randn(3, 64, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match=r"not compiled on this machine yet.*warmup\(\)"):
+    with pytest.warns(cpu.KernelNotCompiledWarning) as seen:
         y = RMSNorm(64)(x)
+    assert len(seen) == 1 and issubclass(cpu.KernelNotCompiledWarning, RuntimeWarning)
+    message = str(seen[0].message)
+    assert "\n" not in message and "composite path" in message and "`normkit warmup`" in message
+    assert seen[0].filename == __file__
     assert _node(y) == "NormFunctionBackward"
     assert undecided == [(torch.float32, False)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _node(LayerNorm(64)(x)) == "NormFunctionBackward"  # decided: no warning
+        assert _node(RMSNorm(64)(x.bfloat16())) == "NormFunctionBackward"  # warned once only
+    assert undecided == [(torch.float32, False), (torch.bfloat16, False)]
     cpu.load(torch.float32)  # compiled (marked) meanwhile, as the background process would
     assert os.path.exists(cpu._mark(torch.float32, False))
     assert _node(RMSNorm(64)(x)) == "NormFunctionBackward"
@@ -1033,7 +1042,7 @@ def test_the_background_compile_starts_once_and_leaves_its_lock(
     assert len(started) == 1
     command = started[0]
     assert command[1:5] == ["-m", "normkit.torch.warmup", "--background", "--lock"]
-    assert command[-3:] == ["--dtype", "bfloat16", "--gated"]
+    assert command[-4:] == ["--dtype", "bfloat16", "--family", "gated"]
     assert os.path.exists(command[5])
 
 
@@ -1041,5 +1050,35 @@ def test_the_warmup_command_compiles_and_removes_its_lock(tmp_path: Any) -> None
     module = importlib.import_module("normkit.torch.warmup")  # the module, not the function
     lock = tmp_path / "lock"
     lock.write_text("1\n")
-    assert module.main(["--dtype", "float32", "--lock", str(lock)]) == 0
+    assert module.main(["--dtype", "float32", "--family", "plain", "--lock", str(lock)]) == 0
     assert not lock.exists()
+
+
+def test_normkit_warmup_says_what_it_compiled_and_what_it_loaded(
+    undecided: list[tuple[torch.dtype, bool]], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``normkit warmup``: the cache folder, then per dtype and family whether the kernels were
+    compiled (announced first: it takes seconds) or loaded from the cache, and in how long;
+    a bad dtype is a usage error; without numba it says so, naming the extra, and fails."""
+    import re
+
+    from normkit import cli
+
+    assert cli.main(["warmup", "--dtype", "float32", "--no-gated"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("normkit's CPU kernel (numba), cached in ")
+    assert lines[1] == "float32: compiling (once per machine: 10-30 s)"
+    assert re.fullmatch(r"float32: compiled in \d+\.\d s", lines[2]), lines
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    assert cli.main(["warmup", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"float32: loaded from the cache in \d+\.\d s", lines[1]), lines
+    assert lines[2:4] == ["float32, gated and grouped norms: compiling (once per machine: "
+                          "10-30 s)", lines[3]] and "compiled in" in lines[3]
+    assert cli.main(["warmup", "--dtype", "half"]) == 2
+    assert "normkit warmup: error: unknown dtype names ['half']" in capsys.readouterr().err
+    monkeypatch.setattr(kernels, "NUMBA", False)
+    assert cli.main(["warmup"]) == 1
+    assert "numba is not installed" in capsys.readouterr().out
+    assert undecided == []

@@ -43,17 +43,18 @@ from normkit.torch._autograd import (
 )
 from normkit.torch._memory import empty_cache
 from normkit.torch._spec import RowSpec, decode, encode
+from normkit.torch._stacklevel import user_stacklevel
 
 __all__ = [
-    "CpuGatedNormFunction", "CpuNormFunction", "empty_cache", "load", "norm_rows",
-    "unavailable_reason",
+    "CpuGatedNormFunction", "CpuNormFunction", "KernelNotCompiledWarning", "empty_cache", "load",
+    "norm_rows", "unavailable_reason",
 ]
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 64
 """Rows per parallel task and per partial sum of the weight and bias gradients: fixed, so that
 the results are the same bit for bit whatever the thread count."""
-INSTALL = "pip install 'normkit[torch]' (numba)"
+INSTALL = "pip install 'normkit[torch]' (its torch extra includes numba)"
 SERIAL = 2**20
 """Inputs of fewer elements run on the calling thread (`_serial`), on numba's workqueue layer:
 starting its parallel region takes 60-130 us. On the 2-core CI machine one thread did better
@@ -66,8 +67,14 @@ CLAIM_BYTES = 2**22
 _lock = threading.Lock()
 _state: dict[str, Any] = {
     "module": None, "reason": None, "warned": False, "compiled": {}, "forked": False,
-    "openmp": False, "ready": {},
+    "openmp": False, "ready": {}, "warned_cold": False,
 }
+
+
+class KernelNotCompiledWarning(RuntimeWarning):
+    """Warned once per process that finds normkit's CPU kernel not compiled on the machine yet:
+    ``kernel="auto"`` runs the composite path in it while the kernel compiles in the background
+    (``normkit warmup`` compiles it beforehand). Filter it by this category."""
 
 
 def _after_fork_in_child() -> None:
@@ -196,15 +203,14 @@ def ready(dtype: torch.dtype, gated: bool = False) -> bool:
         load(dtype, gated)  # from the cache; a failure warns on the first launch
     else:
         _compile_in_background(dtype, gated)
-        warnings.warn(
-            f"normkit's CPU kernel for {_NAMES[dtype]} rows{' (gated or grouped)' if gated else ''}"
-            " is not compiled on this machine yet: this process runs the composite path for "
-            "them (torch ops, within normkit's tolerances of the kernel, not bit-identical to "
-            "it), and the kernel is being compiled in the background for the processes that "
-            "start later. To run it from the first call, call normkit.torch.warmup() first or "
-            f"set {COMPILE}=wait.",
-            RuntimeWarning, stacklevel=6,
-        )
+        if not _state["warned_cold"]:
+            _state["warned_cold"] = True
+            warnings.warn(
+                "normkit.torch: the CPU kernel is not compiled on this machine yet, so this "
+                "process runs the slower composite path while it compiles in the background; "
+                "run `normkit warmup` once to avoid this",
+                KernelNotCompiledWarning, stacklevel=user_stacklevel(),
+            )
     _state["ready"][key] = decided
     return decided
 
@@ -282,7 +288,7 @@ def _compile_in_background(dtype: torch.dtype, gated: bool) -> None:
     except OSError:
         return
     command = [sys.executable, "-m", "normkit.torch.warmup", "--background", "--lock", lock,
-               "--dtype", _NAMES[dtype]] + (["--gated"] if gated else [])
+               "--dtype", _NAMES[dtype], "--family", "gated" if gated else "plain"]
     # this normkit, wherever it was imported from
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -307,7 +313,7 @@ def _kernels(
             raise RuntimeError(message)
         if not _state["warned"]:
             _state["warned"] = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
     return found
 
 
