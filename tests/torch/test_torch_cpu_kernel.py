@@ -990,7 +990,7 @@ def test_auto_takes_the_composite_path_until_the_kernel_is_compiled(
     assert undecided == [(torch.float32, False)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _node(LayerNorm(64)(x)) == "NormFunctionBackward"  # decided: no warning
+        assert _node(LayerNorm(64)(x)) == "FusedNormBackward"  # decided: no warning
         assert _node(RMSNorm(64)(x.bfloat16())) == "NormFunctionBackward"  # warned once only
     assert undecided == [(torch.float32, False), (torch.bfloat16, False)]
     cpu.load(torch.float32)  # compiled (marked) meanwhile, as the background process would
