@@ -8,6 +8,7 @@ import importlib
 import inspect
 import itertools
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -1081,4 +1082,27 @@ def test_normkit_warmup_says_what_it_compiled_and_what_it_loaded(
     monkeypatch.setattr(kernels, "NUMBA", False)
     assert cli.main(["warmup"]) == 1
     assert "numba is not installed" in capsys.readouterr().out
+    assert undecided == []
+
+
+def test_the_harness_compiles_the_kernel_before_it_measures_or_checks(
+    undecided: list[tuple[torch.dtype, bool]],
+) -> None:
+    """On a machine that has not compiled the kernel, the benchmark's and conformance's torch
+    workers must not time or check the composite path in its place: their environment has
+    ``NORMKIT_CPU_COMPILE=wait``, and the benchmark compiles first and says so in its
+    versions."""
+    from normkit import backends
+    from normkit.bench import torch as bench
+
+    assert backends.get("torch").env[cpu.COMPILE] == "wait"
+    bench.cpu_kernel.cache_clear()
+    try:
+        assert re.fullmatch(r"compiled by this run \(\d+ s\)", bench.versions()["CPU kernel"])
+        assert _node(RMSNorm(64)(torch.randn(3, 64, requires_grad=True))) == (
+            "CpuNormFunctionBackward")
+        bench.cpu_kernel.cache_clear()
+        assert bench.cpu_kernel() == "compiled (cached)"
+    finally:
+        bench.cpu_kernel.cache_clear()
     assert undecided == []
