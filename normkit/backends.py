@@ -109,7 +109,10 @@ def _missing(packages: Iterable[str]) -> list[str]:
 
 
 BACKENDS: tuple[Backend, ...] = (
-    Backend("torch", "normkit.torch", "torch", ("torch",), "TorchBridge"),
+    # normkit's CPU kernel compiled in the worker's first call that needs it, never the
+    # composite path measured or checked in its place on a machine that has not compiled it
+    Backend("torch", "normkit.torch", "torch", ("torch",), "TorchBridge",
+            {"NORMKIT_CPU_COMPILE": "wait"}),
     Backend(
         "tf", "normkit.tf", "tf", ("tensorflow", "keras"), "TensorFlowBridge",
         {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},

@@ -334,6 +334,21 @@ def _identify_own(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_warmup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", action="append", metavar="DTYPE",
+                        help="compile for inputs of this dtype only: float32, bfloat16 or float16 "
+                             "(repeatable; default: all three)")
+    parser.add_argument("--no-gated", action="store_true",
+                        help="leave out the kernels of gated and grouped norms (default: compile "
+                             "them too)")
+
+
+def _run_warmup(args: argparse.Namespace) -> int:
+    from normkit.torch.warmup import DTYPES, compile_now
+
+    return compile_now(args.dtype or tuple(DTYPES), gated=not args.no_gated)
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 COMMANDS: list[Command] = [
@@ -344,6 +359,7 @@ COMMANDS: list[Command] = [
     ("info", _add_info, _run_info),
     ("port", port_cli.add_arguments, port_cli.run),
     ("reference", _add_reference, _run_reference),
+    ("warmup", _add_warmup, _run_warmup),
 ]
 HELP = {
     "bench": bench_cli.HELP,
@@ -359,6 +375,10 @@ HELP = {
     "port": port_cli.HELP,
     "reference": (
         "apply the numpy reference to one row of numbers (a quick way to see the semantics)"
+    ),
+    "warmup": (
+        "compile normkit.torch's CPU kernel (numba) on this machine now, so that no process "
+        "runs the slower composite path while it compiles"
     ),
 }
 

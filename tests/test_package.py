@@ -106,7 +106,8 @@ def test_cli_reports_invalid_spec_as_an_error(capsys):
 
 def test_every_subcommand_is_registered_with_help(capsys):
     names = [name for name, _, _ in cli.COMMANDS]
-    assert names == ["bench", "conformance", "doctor", "identify", "info", "port", "reference"]
+    assert names == ["bench", "conformance", "doctor", "identify", "info", "port", "reference",
+                     "warmup"]
     for name in names:
         with pytest.raises(SystemExit) as done:
             cli.main([name, "--help"])

@@ -11,8 +11,10 @@ by CUDA events (`CudaEvents`), a latency sample by the host's clock after a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +25,9 @@ from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, tim
 from normkit.bridges import TorchBridge
 from normkit.torch.modules import LayerNorm, PartialRMSNorm, RMSNorm
 
-__all__ = ["CudaEvents", "LlamaRMSNorm", "measure", "plan", "saved_bytes", "versions"]
+__all__ = [
+    "CudaEvents", "LlamaRMSNorm", "cpu_kernel", "measure", "plan", "saved_bytes", "versions",
+]
 
 EAGER, COMPILED = "eager", "torch.compile"
 devices = TorchBridge().devices
@@ -165,13 +169,30 @@ def _peak_bytes(fn: Callable[[], object], device: str) -> int:
 
 
 def versions() -> dict[str, str]:
-    """The versions and threads this benchmark ran with."""
+    """The versions and threads this benchmark ran with, and how normkit's CPU kernel was
+    made ready (`cpu_kernel`)."""
     found = {"torch": torch.__version__, "threads": str(torch.get_num_threads())}
     try:
         import numba
     except ImportError:
         return found
-    return {**found, "numba": numba.__version__}
+    return {**found, "numba": numba.__version__, "CPU kernel": cpu_kernel()}
+
+
+@functools.cache
+def cpu_kernel() -> str:
+    """normkit's CPU kernel compiled (or loaded from the cache) before any group is timed, and
+    how: ``kernel="auto"`` runs it only in a process that finds it compiled, and on a machine
+    that has not compiled it would time the composite path in its place."""
+    from normkit.torch.warmup import compile_now
+
+    said: list[str] = []
+    began = time.perf_counter()
+    if compile_now(say=said.append) != 0:
+        return f"not compiled ({said[-1]})"
+    if any(": compiled in " in line for line in said):
+        return f"compiled by this run ({time.perf_counter() - began:.0f} s)"
+    return "compiled (cached)"
 
 
 def plan(sweep: Sweep) -> list[Group]:

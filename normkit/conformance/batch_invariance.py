@@ -4,9 +4,12 @@ Deterministic serving asks that a row's output not depend on how many rows are c
 it, their order, or its position among them. `check` runs one forward function on the same rows
 in batches of several sizes, reversed, and with one row moved through the positions of a batch,
 and compares the bits; with a way to set the thread count, it also computes the rows on one
-thread and on two. It needs only ``forward(x) -> y`` on numpy rows, so every framework's
-target is checked the same way: `probe` runs a conformance hook's forward on the `PROBES`,
-which is what the conformance report's batch-invariance column states.
+thread and on two. The largest batch holds unusual rows beside the compared ones (a NaN, values
+whose squares overflow, a mean far above the spread): an implementation that takes a careful
+program for a whole batch where one row needs it changes the other rows' bits there, which
+ordinary rows alone never show. It needs only ``forward(x) -> y`` on numpy rows, so every
+framework's target is checked the same way: `probe` runs a conformance hook's forward on the
+`PROBES`, which is what the conformance report's batch-invariance column states.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from normkit import dtypes
@@ -64,6 +68,24 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def _with_unusual_rows(x: np.ndarray, compared: set[int]) -> np.ndarray:
+    """``x`` with up to three rows that no check compares made unusual: one with a NaN, one
+    whose squares overflow the dtype (float64: 1e100, where the reference still computes its
+    statistic), one whose mean is 1e6 beside a spread of about 1 (in float16, 4094)."""
+    free = [i for i in range(x.shape[0]) if i not in compared]
+    if not free:
+        return x
+    x = x.copy()
+    info = ml_dtypes.finfo(x.dtype)  # numpy's knows no bfloat16
+    chosen = [free[len(free) * k // 3] for k in range(3)]
+    huge = min(float(np.sqrt(float(info.max))) * 16, 1e100)
+    x[chosen[0], min(3, x.shape[1] - 1)] = np.nan
+    x[chosen[1]] = (x[chosen[1]].astype(np.float64) * huge).astype(x.dtype)
+    x[chosen[2]] = (x[chosen[2]].astype(np.float64) + min(1e6, float(info.max) / 16)).astype(
+        x.dtype)
+    return x
+
+
 def check(
     forward: Callable[[np.ndarray], np.ndarray],
     x: np.ndarray,
@@ -76,20 +98,33 @@ def check(
     ``batch_rows`` (the first rows of ``x``). ``order``: the outputs of the reversed batch are
     the reversed outputs. ``position``: row 0 alone gives the bits it gives at the second, the
     middle and the last position of the largest batch. ``threads`` (with ``set_threads(count)
-    -> previous count``): the largest batch gives the same bits on one thread and on two.
+    -> previous count``): the largest batch gives the same bits on one thread and on two. The
+    largest batch's rows past the smaller batches, other than those positions, are made unusual
+    (`_with_unusual_rows`).
     """
     largest = max(batch_rows)
     if x.shape[0] < largest or largest < 2:
         raise ValueError(
             f"batch invariance needs at least {max(largest, 2)} rows, got {x.shape[0]}"
         )
-    x = x[:largest]
+    smaller = max((m for m in batch_rows if m < largest), default=1)
+    positions = (1, largest // 2, largest - 1)
+    x = _with_unusual_rows(x[:largest], set(range(smaller)) | set(positions))
+    with np.errstate(all="ignore"):  # a numpy forward on the unusual rows
+        return _check(forward, x, batch_rows, positions, set_threads)
+
+
+def _check(
+    forward: Callable[[np.ndarray], np.ndarray], x: np.ndarray, batch_rows: tuple[int, ...],
+    positions: tuple[int, ...], set_threads: Callable[[int], int] | None,
+) -> BatchInvariance:
+    largest = x.shape[0]
     full = np.asarray(forward(x))
     rows = all(_same_bits(np.asarray(forward(x[:m])), full[:m]) for m in batch_rows if m < largest)
     order = _same_bits(np.asarray(forward(x[::-1].copy())), full[::-1])
     alone = np.asarray(forward(x[:1]))[0]
     position = True
-    for at in (1, largest // 2, largest - 1):
+    for at in positions:
         moved = x.copy()
         moved[[0, at]] = moved[[at, 0]]
         if not _same_bits(np.asarray(forward(moved))[at], alone):

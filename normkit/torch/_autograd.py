@@ -18,7 +18,6 @@ functional whole-tensor ops, which compilers fuse.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import Any, TypeVar
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from normkit.torch import _memory
+from normkit.torch._cached import cached
 from normkit.torch._spec import RowSpec
 
 
@@ -84,9 +85,14 @@ def _shape_only(t: torch.Tensor) -> bool:
 # of 1e30 or 1e-30 the reference's values, and the result of a row depends on that row alone.
 # No value is read back: the same ops run for every row, eager or traced.
 
-_MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
-_EXPONENT_BIAS = {torch.float32: 127, torch.float64: 1023}
-_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}
+_MANTISSA_BITS = {torch.float32: 23, torch.float64: 52, torch.bfloat16: 7, torch.float16: 10}
+_EXPONENT_BIAS = {torch.float32: 127, torch.float64: 1023, torch.bfloat16: 127, torch.float16: 15}
+_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+           torch.float16: torch.int16}
+#: From this many elements on, a CPU input's extremes are read by ``amax`` and ``amin``, two
+#: reductions each faster than the one ``aminmax`` (8192 x 4096 float32: 3.5 ms each against
+#: 36 ms); below, ``aminmax`` is one op instead of two.
+_AMINMAX_MOST = 2**16
 
 
 def _power_of_two(biased: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,24 +101,35 @@ def _power_of_two(biased: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (biased << _MANTISSA_BITS[dtype]).view(dtype)
 
 
-def _unit_exponent(values: torch.Tensor, most: int) -> torch.Tensor:
-    """Per row of ``values`` (rows, m), the biased exponent of the power of two that brings its
-    largest magnitude into [1, 2), at most ``most`` (a biased exponent) and at least the least
-    normal one. (rows, 1), an int. A row holding an infinity or a NaN gets the least: its
-    values are NaN, zero or infinite whatever the scale, as the reference's."""
-    dtype = values.dtype
-    bias = _EXPONENT_BIAS[dtype]
+def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, min)`` of each row of ``values`` (rows, m), (rows, 1) each, read without
+    autograd: max and min are exact, so the way they are read changes no bit."""
     if values.requires_grad:
         values = values.detach()
-    # max |v| as max(max v, -min v): two reductions that read the rows once each, where abs()
-    # writes a copy and the inf-norm reduction took three times as long
-    largest = torch.maximum(values.amax(dim=-1, keepdim=True),
-                            values.amin(dim=-1, keepdim=True).neg_())
+    if _traced() or values.device.type == "cpu" and values.numel() >= _AMINMAX_MOST:
+        return values.amax(dim=-1, keepdim=True), values.amin(dim=-1, keepdim=True)
+    lo, hi = torch.aminmax(values, dim=-1, keepdim=True)
+    return hi, lo
+
+
+def _unit_exponent(values: torch.Tensor, most: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per row of ``values`` (rows, m), the biased exponent in ``dtype`` (float32 or float64)
+    of the power of two that brings its largest magnitude into [1, 2), at most ``most`` (a
+    biased exponent) and at least the least normal one. (rows, 1), an int. A row holding an
+    infinity or a NaN gets the least: its values are NaN, zero or infinite whatever the scale,
+    as the reference's."""
+    bias = _EXPONENT_BIAS[dtype]
+    # max |v| as max(max v, -min v): reductions that read the rows, where abs() writes a copy
+    # and the inf-norm reduction took three times as long
+    hi, lo = _extremes(values)
+    largest = torch.maximum(hi, lo.neg_())
+    if largest.dtype != dtype:
+        largest = largest.to(dtype)
     field = largest.view(_INT_OF[dtype]) >> _MANTISSA_BITS[dtype]  # the exponent's field
-    return (2 * bias - field).clamp_(1, most)
+    return (2 * bias - field).clamp(1, most)  # clamp_ has no batching rule (torch.func.vmap)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _largest_exponent(eps: float, outside: bool, dtype: torch.dtype) -> int:
     """The largest sigma's biased exponent: sigma stays below ``1 / sqrt(eps)`` (``1 / eps``
     outside), so that ``eps sigma**2`` (``eps sigma``) stays below 1: a row far below eps is
@@ -124,14 +141,60 @@ def _largest_exponent(eps: float, outside: bool, dtype: torch.dtype) -> int:
 
 
 def _mean_square(head: torch.Tensor) -> torch.Tensor:
-    """``mean(head**2)`` per row, (rows, 1). Compiled for the CPU it is summed in float64:
-    Inductor's CPU code sums a row into a few running float32 totals, whose roundings add up
-    (2e-6 to 3e-5 of the sum on rows of 4096 where torch's own sum is within 2.4e-7)."""
-    if _traced() and head.device.type == "cpu" and head.dtype == torch.float32:
-        total = (head * head).sum(dim=-1, keepdim=True, dtype=torch.float64).to(head.dtype)
+    """``mean(head**2)`` per row, (rows, 1), of rows scaled so that no square overflows.
+
+    In eager code it is the square of torch's 2-norm, which reads a row once without writing
+    its squares (8192 x 4096 float32: 4 ms, where ``vecdot`` took 44 ms) and gives a row the
+    same bits in a batch of any size (``sum`` and ``vecdot`` on the CPU sum a row of 40000 in
+    another order in a batch of 16 than alone). Its error grows with the row's length (2.8e-5 of
+    the sum on rows of 2**20): a row of more than `_NORM_BLOCK` elements is taken in blocks of
+    it, the norm of the blocks' norms. Compiled, the ops are those Inductor fuses; for the CPU
+    summed in float64 (its CPU code sums a row into a few running float32 totals, whose
+    roundings add up to 2e-6 to 3e-5 of the sum on rows of 4096)."""
+    k = head.shape[-1]
+    if _traced():
+        if head.device.type == "cpu" and head.dtype == torch.float32:
+            total = (head * head).sum(dim=-1, keepdim=True, dtype=torch.float64).to(head.dtype)
+        else:
+            total = torch.linalg.vecdot(head, head).unsqueeze(-1)
+        return total / k
+    if k <= _NORM_BLOCK:
+        norm = torch.linalg.vector_norm(head, dim=-1, keepdim=True)
     else:
-        total = torch.linalg.vecdot(head, head).unsqueeze(-1)
-    return total / head.shape[-1]
+        whole = k // _NORM_BLOCK * _NORM_BLOCK
+        parts = torch.linalg.vector_norm(head[:, :whole].reshape(head.shape[0], -1, _NORM_BLOCK),
+                                         dim=-1)
+        if whole < k:
+            parts = torch.cat([parts, torch.linalg.vector_norm(head[:, whole:], dim=-1,
+                                                               keepdim=True)], dim=-1)
+        norm = torch.linalg.vector_norm(parts, dim=-1, keepdim=True)
+    return norm.square().div_(k)
+
+
+#: The longest row `_mean_square` and `_row_sum` take in one piece (the 2-norm's error there:
+#: 2.7e-7 of the sum).
+_NORM_BLOCK = 4096
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``t`` (rows, m), (rows, 1). In eager code a row longer than
+    `_NORM_BLOCK` is summed in blocks of it, then their sums: torch's CPU sum splits a long row
+    among threads in some batch sizes and not in others (a row of 40000 alone and in a batch
+    of 16), which changed its bits; a block is always summed on one thread. Traced, the plain
+    sum, which compilers fuse."""
+    m = t.shape[-1]
+    if _traced() or m <= _NORM_BLOCK:
+        return t.sum(dim=-1, keepdim=True)
+    whole = m // _NORM_BLOCK * _NORM_BLOCK
+    parts = t[:, :whole].reshape(t.shape[0], -1, _NORM_BLOCK).sum(dim=-1)
+    if whole < m:
+        parts = torch.cat([parts, t[:, whole:].sum(dim=-1, keepdim=True)], dim=-1)
+    return parts.sum(dim=-1, keepdim=True)
+
+
+def _row_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of ``t``, (rows, 1), as `_row_sum` sums it."""
+    return t.mean(dim=-1, keepdim=True) if _traced() else _row_sum(t) / t.shape[-1]
 
 
 def _center(xf: torch.Tensor) -> torch.Tensor:
@@ -140,8 +203,8 @@ def _center(xf: torch.Tensor) -> torch.Tensor:
     if xf.shape[-1] == 2:
         # x - mean(x) = (x - x_other) / 2: one rounding, relative to the centered values.
         return (xf - xf.flip(-1)) / 2
-    centered = xf - xf.mean(dim=-1, keepdim=True)
-    return centered - centered.mean(dim=-1, keepdim=True)
+    centered = xf - _row_mean(xf)
+    return centered - _row_mean(centered)
 
 
 @dataclass(frozen=True)
@@ -171,26 +234,35 @@ def _scaled(
     empty tensor).
     """
     acc = _acc_dtype(x.dtype)
-    xf = x.to(acc)
     most = _largest_exponent(rows.eps, rows.outside, acc)
     layer = rows.kind == "layer"
-    e = _unit_exponent(xf if layer else xf[:, : rows.k], most)
-    sigma = _power_of_two(e, acc)
-    c = xf * sigma  # a buffer of this call's: x is never written
+    whole = layer or rows.k == x.shape[-1]  # the statistic reads every element
+    if in_place:  # the extremes read from x as it is, c written in one pass of its own
+        e = _unit_exponent(x if whole else x[:, : rows.k], most, acc)
+        sigma = _power_of_two(e, acc)
+        c = _converted(x, acc).mul_(sigma) if x.dtype != acc else torch.mul(
+            x, sigma, out=_memory.empty_like(x))
+    else:
+        xf = x.to(acc)
+        e = _unit_exponent(xf if layer else xf[:, : rows.k], most, acc)
+        sigma = _power_of_two(e, acc)
+        c = xf * sigma  # x is never written
     if layer:
         bias = _EXPONENT_BIAS[acc]
         if in_place and c.shape[-1] > 2:
             # the second centering and the second scaling in one pass: (c - m2) sigma2 =
             # c sigma2 - m2 sigma2, each product exact
-            c = c.sub_(c.mean(dim=-1, keepdim=True))
-            sigma2 = _power_of_two(torch.minimum(_unit_exponent(c, most), most + bias - e), acc)
-            c = torch.addcmul(c.mean(dim=-1, keepdim=True).mul_(-sigma2), c, sigma2, out=c)
+            c = c.sub_(_row_mean(c))
+            sigma2 = _power_of_two(
+                torch.minimum(_unit_exponent(c, most, acc), most + bias - e), acc)
+            c = torch.addcmul(_row_mean(c).mul_(-sigma2), c, sigma2, out=c)
         else:
             c = _center(c)
-            sigma2 = _power_of_two(torch.minimum(_unit_exponent(c, most), most + bias - e), acc)
+            sigma2 = _power_of_two(
+                torch.minimum(_unit_exponent(c, most, acc), most + bias - e), acc)
             c = c * sigma2
         sigma = sigma * sigma2  # exact: powers of two whose product is at most 2**most
-    s = _mean_square(c[:, : rows.k]) if statistic else c.new_empty(0)
+    s = _mean_square(c if whole else c[:, : rows.k]) if statistic else c.new_empty(0)
     eps = sigma * rows.eps if rows.outside else sigma * sigma * rows.eps
     return _Scaled(c, s, eps, sigma)
 
@@ -207,7 +279,7 @@ def _direction(head: torch.Tensor) -> torch.Tensor:
     of two that brings its largest magnitude into [1, 2), uncapped, where no square
     underflows."""
     uncapped = 2 * _EXPONENT_BIAS[head.dtype]
-    unit = head * _power_of_two(_unit_exponent(head, uncapped), head.dtype)
+    unit = head * _power_of_two(_unit_exponent(head, uncapped, head.dtype), head.dtype)
     s = _mean_square(unit)
     return torch.where(s > 0, unit / torch.sqrt(torch.where(s > 0, s, 1.0)), 0.0)
 
@@ -216,22 +288,36 @@ def _fast_statistic(x: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, to
     """``variance="fast"``: ``(x - m1, max(0, m2 - m1^2))`` per row, each step in ``acc``, with
     ``m1 = mean(x)`` and ``m2 = mean(x^2)``."""
     xf = x.to(acc)
-    m1 = xf.mean(dim=-1, keepdim=True)
-    m2 = (xf * xf).mean(dim=-1, keepdim=True)
+    m1 = _row_mean(xf)
+    m2 = _row_mean(xf * xf)
     return xf - m1, torch.clamp_min(m2 - m1 * m1, 0.0)
 
 
+def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, in eager code a buffer of the call's (``t`` itself where it has that
+    dtype): on the CPU an op that reads one dtype and writes another is 8-10 times slower than
+    a conversion followed by ops in one dtype (8192 x 4096 bfloat16 into float32: 84 ms against
+    10 ms)."""
+    return t if t.dtype == dtype else _memory.empty_like(t, dtype).copy_(t)
+
+
 def _affine(
-    y: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None, in_place: bool = False
+    y: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None, in_place: bool = False,
+    out: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``y * g + b`` (either absent); ``in_place``: written over ``y``."""
-    if g is not None and b is not None:
-        return torch.addcmul(b, y, g, out=y) if in_place else torch.addcmul(b, y, g)
-    if g is not None:
-        return y.mul_(g) if in_place else y * g
-    if b is not None:
-        return y.add_(b) if in_place else y + b
-    return y
+    """``y * g + b`` (either absent) in ``out`` (default y's dtype); ``in_place``: written over
+    ``y`` (then converted)."""
+    if out is None or out == y.dtype:
+        if g is not None and b is not None:
+            return torch.addcmul(b, y, g, out=y) if in_place else torch.addcmul(b, y, g)
+        if g is not None:
+            return y.mul_(g) if in_place else y * g
+        if b is not None:
+            return y.add_(b) if in_place else y + b
+        return y
+    if not in_place:
+        return _affine(y, g, b).to(out)
+    return _converted(_affine(y, g, b, in_place=True), out)
 
 
 def _rounded_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -260,21 +346,30 @@ def _backward(
     it is taken in the closed form ``1 - u_0 y_hat_0 = eps r**2`` (inside) or ``eps r``
     (outside). ``r``, the forward's true r per row, saves recomputing r(s); None (the forward's
     r was that of ``variance="fast"``, or a second derivative is being recorded, which needs r's
-    dependence on x): it is recomputed.
+    dependence on x): it is recomputed. In plain eager code an RMS row with eps inside takes
+    ``y_hat = x r`` from the saved r (a product that neither overflows nor underflows where
+    y_hat does not), without the scaled rows.
     """
     n, k = x.shape[-1], rows.k
     in_place = not torch.is_grad_enabled() and not _traced()
+    layer = rows.kind == "layer"
+    if in_place and r is not None and not rows.outside and not layer and k > 1:
+        r_row = r.unsqueeze(-1)
+        y_hat = _converted(x, r.dtype).mul_(r_row) if x.dtype != r.dtype else torch.mul(
+            x, r_row, out=_memory.empty_like(x))
+        return _backward_in_place(y_hat, r_row, g, dy, rows, x.dtype, need_g, need_b)
     scaled = _scaled(x, rows, in_place, statistic=r is None or rows.outside)
     if r is None:
         r_scaled = _rstd(scaled.s, scaled.eps, rows.outside)
     else:
         r_scaled = r.unsqueeze(-1).to(scaled.sigma.dtype) / scaled.sigma  # exact: a power of two
-    if in_place and not rows.outside and (k > 2 if rows.kind == "layer" else k > 1):
-        return _backward_in_place(scaled, r_scaled, g, dy, rows, x.dtype, need_g, need_b)
+    if in_place and not rows.outside and (k > 2 if layer else k > 1):
+        y_hat = scaled.c.mul_(r_scaled)
+        return _backward_in_place(y_hat, r_scaled * scaled.sigma, g, dy, rows, x.dtype,
+                                  need_g, need_b)
     acc = r_scaled.dtype
     dyf = dy.to(acc)
     d = dyf * g if g is not None else dyf
-    layer = rows.kind == "layer"
     u = _direction(scaled.c if layer else scaled.c[:, :k]) if rows.outside else None
     y_hat = scaled.c * r_scaled
     if rows.outside:
@@ -284,18 +379,18 @@ def _backward(
         rest = scaled.eps * r_scaled * r_scaled
     assert u is not None
     if layer:
-        centered_d = d - d.mean(dim=-1, keepdim=True)
+        centered_d = d - _row_mean(d)
         if n == 2:
             inner = rest * centered_d
         else:
-            dot = torch.sum(d * y_hat, dim=-1, keepdim=True)
+            dot = _row_sum(d * y_hat)
             inner = centered_d - u * (dot / n)
     elif k == 1:
-        others = torch.sum(d[:, 1:] * y_hat[:, 1:], dim=-1, keepdim=True)
+        others = _row_sum(d[:, 1:] * y_hat[:, 1:])
         head = d[:, :1] * rest - u[:, :1] * others
         inner = torch.cat([head, d[:, 1:]], dim=-1)
     else:
-        dot = torch.sum(d * y_hat, dim=-1, keepdim=True)
+        dot = _row_sum(d * y_hat)
         inner = d - u * (dot / k) if k == n else torch.cat(
             [d[:, :k] - u * (dot / k), d[:, k:]], dim=-1
         )
@@ -306,30 +401,30 @@ def _backward(
 
 
 def _backward_in_place(
-    scaled: _Scaled, r_scaled: torch.Tensor, g: torch.Tensor | None, dy: torch.Tensor,
+    y_hat: torch.Tensor, r: torch.Tensor, g: torch.Tensor | None, dy: torch.Tensor,
     rows: RowSpec, dtype: torch.dtype, need_g: bool, need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`_backward` with eps inside (``u = y_hat``), for LayerNorm rows and RMS rows with
-    ``k > 1``, in plain eager code: in two buffers, c (then y_hat) and ``p = dy * y_hat`` (then
+    ``k > 1``, in plain eager code, from ``y_hat`` (a buffer of the call's, in the acc dtype)
+    and the true ``r`` per row (rows, 1): in two buffers, y_hat and ``p = dy * y_hat`` (then
     dx). ``p`` gives ``dg`` (its column sums) and the rows' ``sum_j d_j y_hat_j`` (the row sums
-    of ``p g``), then becomes ``dx = r sigma (d - mean(d) - y_hat dot / k)``."""
-    n, k = scaled.c.shape[-1], rows.k
-    y_hat = scaled.c.mul_(r_scaled)
-    dyf = dy.to(y_hat.dtype)
-    p = torch.mul(dyf, y_hat)
+    of ``p g``), then becomes ``dx = r (d - mean(d) - y_hat dot / k)``, written in x's
+    ``dtype``."""
+    n, k = y_hat.shape[-1], rows.k
+    dy = _converted(dy, y_hat.dtype)
+    p = torch.mul(dy, y_hat, out=_memory.empty_like(y_hat))
     dg = p.sum(dim=0) if need_g else None
-    db = dyf.sum(dim=0) if need_b else None
+    db = dy.sum(dim=0) if need_b else None
     # sum_j d_j y_hat_j as a row sum of p g (a matrix-vector product, BLAS's gemv, sums a
     # batch of one row in another order than a row of a larger batch)
-    dot = (p.mul_(g) if g is not None else p).sum(dim=-1, keepdim=True)
-    d = torch.mul(dyf, g, out=p) if g is not None else p.copy_(dyf)
+    dot = _row_sum(p.mul_(g) if g is not None else p)
+    d = torch.mul(dy, g, out=p) if g is not None else p.copy_(dy)
     if rows.kind == "layer":
-        d.sub_(d.mean(dim=-1, keepdim=True))
+        d.sub_(_row_mean(d))
         d.addcmul_(y_hat, dot.div_(-n))
     else:
         d[:, :k].addcmul_(y_hat[:, :k], dot.div_(-k))
-    dx = d.mul_(r_scaled * scaled.sigma)  # the true r: (d r_scaled) sigma, exactly
-    return dx.to(dtype), dg, db
+    return _converted(d.mul_(r), dtype), dg, db
 
 
 _F = TypeVar("_F", bound=type[torch.autograd.Function])
@@ -408,7 +503,7 @@ class NormFunction(torch.autograd.Function):
             y = scaled.c * r_scaled if _traced() else scaled.c.mul_(r_scaled)
         if dtype != acc and rows.before_scale:
             y = _rounded_to(y, dtype)
-        return _affine(y, g, b, in_place=not _traced()).to(out), r.squeeze(-1)
+        return _affine(y, g, b, in_place=not _traced(), out=out), r.squeeze(-1)
 
     @staticmethod
     def setup_context(
@@ -433,6 +528,167 @@ class NormFunction(torch.autograd.Function):
         return (dx if need_x else None), dg, db, None, None, None
 
 
+# ---- torch's fused kernels on rows preconditioned one by one -----------------------------------
+# torch's LayerNorm kernel (``native_layer_norm``) and, on CUDA, its RMSNorm kernel
+# (``_fused_rms_norm``) neither rescale nor recenter a row: one whose squares overflow comes
+# back NaN, and a LayerNorm row whose mean dwarfs its spread loses digits to the mean. Before
+# them each row is preconditioned, by the same ops for every row (nothing is read back): a
+# LayerNorm row that does not cross zero and whose range is at most its least magnitude is
+# shifted by that value (the row minus it is exact: Sterbenz), and a row whose (shifted)
+# magnitude reaches 2**L is scaled down by a power of two to below it (`_FUSED_LIMIT`). An
+# ordinary row is multiplied by 1 and shifted by 0: the kernel reads it as it is and gives it
+# torch's bits. eps needs no correction: it decides r only where a row is far below 1, which
+# is never scaled, and is negligible beside a row large enough to be (`_FUSED_EPS`).
+
+#: Rows whose magnitude (a LayerNorm row's: its range) reaches 2**L are scaled to below it,
+#: where no sum of the kernels' squares overflows (``n 2**(2L+2)`` below the largest float for
+#: n < 2**30); the statistic of a row so scaled is at least 2**(2L-3) / n.
+_FUSED_LIMIT = {torch.float32: 48, torch.bfloat16: 48, torch.float16: 48, torch.float64: 300}
+#: The eps (in the acc dtype) with which torch's kernels get every row right, preconditioned:
+#: at least the least with which a row too small to scale is right as it is (where its squares
+#: underflow, |x| < 2**-63 in float32, s < 2**-126 is below 2**-26 eps: eps alone decides r to
+#: float32's precision whatever the squares lost), at most the largest beside which a scaled
+#: row's statistic (`_FUSED_LIMIT`) leaves eps negligible (below 2**-30 of it for n < 2**28 in
+#: float32), as it is beside the row's own.
+_FUSED_EPS = {torch.float32: (2.0**-100, 2.0**16), torch.float64: (2.0**-968, 2.0**500)}
+
+
+def fused_computes(rows: RowSpec, dtype: torch.dtype, values: torch.dtype, out: torch.dtype,
+                   device: str, bias: bool) -> bool:
+    """Whether `FusedNorm` computes ``rows`` on rows of ``values`` whose dtype policy is
+    ``dtype``'s (y in ``out``) on ``device`` (a device type; ``bias``: whether there is one):
+    LayerNorm with eps inside and the two-pass variance (n > 2: smaller rows take the closed
+    form) on float32, float64 and, cast after the scale, half inputs; on CUDA, RMSNorm with eps
+    inside and no bias on float32 and float64 (torch's CPU RMSNorm is slower than the
+    composite path's, and it has no CPU backward)."""
+    least, most = _FUSED_EPS[_acc_dtype(dtype)]
+    acc = _acc_dtype(dtype)
+    if values != dtype or out != dtype or rows.outside or not least <= rows.eps <= most:
+        return False
+    if rows.kind == "layer":
+        return rows.n > 2 and not rows.fast_variance and not (rows.before_scale and dtype != acc)
+    return rows.kind == "rms" and device == "cuda" and dtype == acc and rows.n > 1 and not bias
+
+
+def _preconditioner(x: torch.Tensor, shift: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(sigma, offset)`` per row of ``x`` (rows, 1), in x's dtype: the preconditioned row is
+    ``x sigma + offset = (x - t) sigma``, exactly. sigma is a power of two, 1 below
+    `_FUSED_LIMIT`; with ``shift`` (LayerNorm), ``t`` is the row's value nearest zero where the
+    row does not cross zero and its range is at most that value's magnitude, else 0 (offset None
+    without ``shift``). A row with an infinity or a NaN is scaled by the least factor: it stays
+    what it was."""
+    hi, lo = _extremes(x)
+    dtype = x.dtype
+    offset = None
+    if shift:
+        spread = hi - lo  # after the shift the row's magnitude, else within a factor 2 of it
+        near = torch.minimum(lo.clamp_min(0), hi)  # the value of [lo, hi] nearest zero
+        t = torch.where(near.abs() >= spread, near, 0.0)
+        magnitude = spread
+    else:
+        magnitude = torch.maximum(hi, lo.neg_())
+    bias, bits = _EXPONENT_BIAS[dtype], _MANTISSA_BITS[dtype]
+    field = magnitude.view(_INT_OF[dtype]) >> bits  # infinite or NaN: the largest field
+    sigma = _power_of_two((2 * bias + _FUSED_LIMIT[dtype] - 1 - field).clamp_(max=bias), dtype)
+    if shift:
+        offset = torch.mul(t, sigma).neg_()
+    return sigma, offset
+
+
+_rms_norm_backward = torch.ops.aten._fused_rms_norm_backward
+"""torch's RMSNorm backward kernel (CUDA's; it has none on the CPU, where a test puts torch's
+decomposition of it in its place)."""
+
+
+class FusedNorm(torch.autograd.Function):
+    """``y = normalize(x)`` by torch's fused LayerNorm or (CUDA) RMSNorm kernels, forward and
+    backward, on rows preconditioned one by one (`_preconditioner`): an ordinary row gets torch's
+    bits (``torch.nn.LayerNorm``'s, and on CUDA ``torch.nn.RMSNorm``'s), a row whose squares
+    overflow or whose mean dwarfs its spread the reference's values. Plain eager code only
+    (`fused_computes` says for which specs); ``apply(x, g, b, rows, dtype, out)`` as
+    `NormFunction`'s, ``g`` and ``b`` in the acc dtype.
+
+    The backward gives torch's backward kernel each row scaled by the power of two at or below
+    its r (so that ``x`` and ``dy x`` stay far from overflow, whatever the row's size, and the
+    kernel's ``r**3`` too), its mean and r scaled alike: the kernel's every rounding scales
+    exactly, so an ordinary row's gradients keep torch's bits; dx is scaled back. Half inputs
+    take it in float32, whose weight and bias gradients torch's kernels sum in float32 (in
+    half precision, which they sum in otherwise, they were 3e-2 of their largest off). A second
+    derivative takes `_backward`'s differentiable formulas.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None,
+        rows: RowSpec, dtype: torch.dtype, out: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = rows.kind == "layer"
+        n = x.shape[-1]
+        sigma, offset = _preconditioner(x, layer)
+        pre = torch.mul(x, sigma, out=_memory.empty_like(x))
+        if offset is not None:  # (x - t) sigma, exact (Sterbenz) in any dtype
+            pre.add_(offset)  # in half precision mul and add take a sixth of addcmul's time
+        if layer:
+            y, mean, rstd = torch.native_layer_norm(pre, (n,), g, b, rows.eps)
+        else:
+            y, rstd = torch.ops.aten._fused_rms_norm(pre, [n], g, rows.eps)
+            mean = None
+        r = rstd.mul_(sigma).squeeze(-1)  # the true r: rstd in the rows' own units
+        ctx.save_for_backward(x, g, b, r, mean, sigma, offset)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(r)
+        return y, r
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dr: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, g, b, r, mean, sigma, offset = ctx.saved_tensors
+        rows: RowSpec = ctx.rows
+        need_x, need_g, need_b = ctx.needs_input_grad[:3]
+        need_g, need_b = need_g and g is not None, need_b and b is not None
+        if torch.is_grad_enabled():  # a second derivative: the differentiable formulas
+            grads = _backward(x, None, g, dy, rows, need_g, need_b)
+            return (grads[0] if need_x else None), grads[1], grads[2], None, None, None
+        acc, n = r.dtype, x.shape[-1]
+        r = r.unsqueeze(-1)
+        bias = _EXPONENT_BIAS[acc]
+        field = r.view(_INT_OF[acc]) >> _MANTISSA_BITS[acc]
+        scale = _power_of_two(field.clamp_(1, 2 * bias), acc)  # 2**floor(log2 r)
+        ratio = scale / sigma  # exact: powers of two
+        if offset is None:
+            rows_b = _converted(x, acc).mul_(scale) if x.dtype != acc else torch.mul(
+                x, scale, out=_memory.empty_like(x))
+        else:  # the forward's rows, then scaled: x scale itself can overflow (a constant row)
+            rows_b = _converted(x, acc)
+            rows_b = torch.addcmul(offset.to(acc), rows_b, sigma.to(acc),
+                                   out=rows_b if rows_b is not x else _memory.empty_like(x))
+            rows_b.mul_(ratio)
+        dy = _converted(dy.contiguous(), acc)
+        db = None
+        if rows.kind == "layer":
+            dx_b, dg, db = torch.ops.aten.native_layer_norm_backward(
+                dy, rows_b, (n,), mean * ratio, r / scale, g, b, [need_x, need_g, need_b])
+        else:
+            dx_b, dg = _rms_norm_backward(dy, rows_b, [n], r / scale, g, [need_x, need_g])
+        dx = None
+        if need_x:
+            dx = _converted(dx_b.mul_(scale), x.dtype)
+        return dx, dg, db, None, None, None
+
+
+def _sech_squared_times(d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``d tanh'(u) = d sech(u)**2``, taken as ``(d sech(u)) sech(u)`` with ``sech(u) = 2
+    e**-|u| / (1 + e**-2|u|)``: no cancellation where |tanh(u)| is near 1 (``1 - tanh**2`` is
+    0 past |u| = 9 in float32), no overflow (``cosh(u)**2`` overflows float32 past |u| = 44.4,
+    where ``d sech(u)**2`` is 1.5e-13 at u = 50 for d = 1e30), and ``sech(u)``, not its
+    square, is what must stay within range (to |u| = 87)."""
+    e = torch.exp(-u.abs())
+    sech = 2 * e / (1 + e * e)
+    return d * sech * sech
+
+
 @signature_once
 class DytFunction(torch.autograd.Function):
     """DyT on ``x``: ``y = tanh(alpha x) * g + b``, with an analytic backward.
@@ -441,7 +697,7 @@ class DytFunction(torch.autograd.Function):
     in the acc dtype of ``dtype`` or None, ``alpha`` a tensor of shape () or (1,); ``dtype`` the
     input dtype whose policy applies (tanh in float32 for half inputs; ``before_scale`` rounds
     ``tanh`` to it first), ``out`` y's dtype. The gradients (`normkit.reference.normalize_vjp`),
-    with ``d = dy g`` and ``tanh'(u) = 1 / cosh(u)^2`` (no cancellation near |tanh| = 1)::
+    with ``d = dy g`` and ``tanh'(u) = sech(u)^2`` (`_sech_squared_times`)::
 
         dx = alpha tanh'(alpha x) d      dalpha = sum(x tanh'(alpha x) d)
         dg = sum over rows of dy tanh(alpha x)      db = sum over rows of dy
@@ -480,7 +736,7 @@ class DytFunction(torch.autograd.Function):
         u = a * xf
         dyf = dy.to(ctx.acc)
         d = dyf * g if g is not None else dyf
-        slope_d = d / torch.cosh(u).square()
+        slope_d = _sech_squared_times(d, u)
         dx = (a * slope_d).to(x.dtype) if need_x else None
         dg = torch.sum(dyf * torch.tanh(u), dim=0) if need_g and g is not None else None
         db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None

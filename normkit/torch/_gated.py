@@ -22,6 +22,7 @@ from normkit import _gating
 from normkit.spec import NormSpec
 from normkit.torch import _eager
 from normkit.torch._autograd import NormFunction, WithValue, _acc_dtype, _rounded_to, apply
+from normkit.torch._cached import cached
 from normkit.torch._spec import RowSpec
 
 #: Below these z, torch's own ``F.silu`` and ``torch.sigmoid`` lose their value (``e^-z``
@@ -85,7 +86,7 @@ def norm_rows(
     return apply(WithValue, affine_and_gate(), value).to(out)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _statistic(rows: RowSpec) -> RowSpec:
     """The per-group normalization of ``rows``: its statistic on rows of one group, without
     the before-scale rounding (applied after the affine step's inputs are formed)."""

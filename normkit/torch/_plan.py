@@ -30,6 +30,7 @@ from normkit.spec import NormSpec
 from normkit.torch import _eager, _gated, kernels
 from normkit.torch._autograd import (
     DytFunction,
+    FusedNorm,
     GradInFormat,
     NormFunction,
     RoundThrough,
@@ -38,9 +39,11 @@ from normkit.torch._autograd import (
     _without_data,
     apply,
     apply_eager,
+    fused_computes,
 )
 from normkit.torch._checks import check_param, check_tensor, dtype_name
 from normkit.torch._spec import RowSpec, row_spec
+from normkit.torch._stacklevel import user_stacklevel
 from normkit.torch.kernels import HALF_DTYPES, KERNEL_DTYPES, Kernel, cpu
 
 __all__ = ["Plan", "Plans", "check_trailing", "choose", "output_dtype"]
@@ -220,10 +223,10 @@ def choose(kernel: str, x: torch.Tensor, spec: NormSpec, rows: RowSpec) -> str:
         if not _warned["auto"] and not torch.compiler.is_compiling():
             _warned["auto"] = True
             warnings.warn(
-                "normkit's CPU kernel needs numba, which is not installed; using the composite "
-                "path. Install it with pip install 'normkit[torch]'.",
+                "normkit.torch: numba is not installed, so the CPU kernel is unavailable and "
+                f"this process runs the slower composite path; {cpu.INSTALL}",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=user_stacklevel(),
             )
         return "composite"
     else:
@@ -582,7 +585,10 @@ def _route(
     if (spec.backward == "autograd" or recorded) and spec.gate is None:
         return _EagerRoute(spec, rows, x.dtype, out)
     affine = _affine_dtype(x.dtype, spec, weight, bias)
-    return _CompositeRoute(spec, rows, x.dtype, out, affine, eager=recorded)
+    values = x.dtype if residual is None else _acc_dtype(x.dtype)  # a residual sum: the acc dtype
+    fused = not recorded and not _shape_only(x) and fused_computes(
+        rows, x.dtype, values, out, x.device.type, bias is not None)
+    return _CompositeRoute(spec, rows, x.dtype, out, affine, eager=recorded, fused=fused)
 
 
 def _needs_graph(*tensors: torch.Tensor | None) -> bool:
@@ -678,16 +684,18 @@ class _EagerRoute:
 
 
 class _CompositeRoute:
-    """torch ops: `NormFunction`, `DytFunction` and the gated norms of `normkit.torch._gated`,
-    the residual added in the compute dtype."""
+    """torch ops: `NormFunction` (`FusedNorm` where torch's fused kernels compute the spec, in
+    plain eager code), `DytFunction` and the gated norms of `normkit.torch._gated`, the
+    residual added in the compute dtype."""
 
-    __slots__ = ("acc", "affine", "alpha_init", "dtype", "eager", "out", "rows")
+    __slots__ = ("acc", "affine", "alpha_init", "dtype", "eager", "function", "out", "rows")
 
     def __init__(self, spec: NormSpec, rows: RowSpec, dtype: torch.dtype, out: torch.dtype,
-                 affine: torch.dtype, eager: bool) -> None:
+                 affine: torch.dtype, eager: bool, fused: bool = False) -> None:
         self.rows, self.dtype, self.out, self.affine, self.eager = rows, dtype, out, affine, eager
         self.acc = _acc_dtype(dtype)
         self.alpha_init = spec.alpha_init
+        self.function = FusedNorm if fused else NormFunction
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, gate: torch.Tensor | None,
@@ -707,7 +715,7 @@ class _CompositeRoute:
                 alpha = _default_alpha(x, self.alpha_init)
             y = apply(DytFunction, values, g, b, alpha, rows.before_scale, self.dtype, self.out)
         else:
-            y = apply(NormFunction, values, g, b, rows, self.dtype, self.out)[0]
+            y = apply(self.function, values, g, b, rows, self.dtype, self.out)[0]
         return y, h
 
 

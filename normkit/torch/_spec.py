@@ -12,6 +12,7 @@ import functools
 from typing import NamedTuple
 
 from normkit.spec import NormSpec
+from normkit.torch._cached import cached
 
 __all__ = ["RowSpec", "decode", "encode", "row_spec"]
 
@@ -52,7 +53,7 @@ class RowSpec(NamedTuple):
     residual: str
 
 
-@functools.lru_cache(maxsize=512)
+@cached(512)
 def row_spec(spec: NormSpec, n: int) -> RowSpec:
     """``spec`` on rows of ``n`` elements (ValueError where ``group_size`` does not divide n)."""
     group = n // spec.group_count(n)

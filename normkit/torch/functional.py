@@ -15,13 +15,13 @@ op sequence of model code (`normkit.torch._eager`) and lets autograd differentia
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
 from normkit.torch import kernels
+from normkit.torch._cached import cached
 from normkit.torch._checks import SUPPORTED_DTYPES, check_tensor
 from normkit.torch._plan import Plans, check_trailing, output_dtype
 from normkit.torch.kernels import Kernel
@@ -63,7 +63,7 @@ def _plans(spec: NormSpec, kernel: Kernel) -> Plans:
     return _plans_of(spec, kernel)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _plans_of(spec: NormSpec, kernel: Kernel) -> Plans:
     return Plans(spec, kernels.check_kernel(kernel))
 

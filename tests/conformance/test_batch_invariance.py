@@ -44,6 +44,22 @@ def test_each_dependence_is_caught():
         batch_invariance.check(_rms, x[:10])
 
 
+def test_a_careful_program_for_the_whole_batch_is_caught():
+    """issue 48, defect 4: an implementation that computes every row of a batch another way
+    when one row needs it (here: in float64 where a row holds a NaN or values whose squares
+    overflow float32) changes the ordinary rows' bits in that batch. Ordinary rows alone never
+    show it; the largest batch holds such rows away from the compared ones."""
+
+    def careful_when_needed(a: np.ndarray) -> np.ndarray:
+        wide = a.astype(np.float64)
+        if np.isfinite(np.sum(a.astype(np.float32) ** 2, axis=-1)).all():
+            return _rms(a)
+        return (wide / np.sqrt(np.mean(wide**2, axis=-1, keepdims=True) + 1e-6)).astype(a.dtype)
+
+    found = batch_invariance.check(careful_when_needed, _rows(64))
+    assert found.dependencies() == ["row count", "row position"]
+
+
 SPECS = [NormSpec(), NormSpec("layer"), NormSpec("partial_rms", p=0.25), NormSpec(cast="before_scale")]
 
 

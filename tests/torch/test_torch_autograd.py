@@ -191,3 +191,49 @@ def test_compile_fullgraph_matches_eager_and_reference(spec: NormSpec, dtype: np
     for got, want in zip(compiled[1:], expected):
         if want is not None:
             tolerances.assert_close(got, want, quantity="grad")
+
+
+class _Blocks(torch.nn.Module):
+    """Every normkit.torch path a trace goes through (the modules on the composite path and
+    the CPU kernel, the gated norm, DyT, the functions), or torch's own layers in their place."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.own = own
+        n = 64
+        if own:
+            self.norms = torch.nn.ModuleList([torch.nn.RMSNorm(n, 1e-6), torch.nn.LayerNorm(n)])
+        else:
+            self.norms = torch.nn.ModuleList([
+                nt.RMSNorm(n, 1e-6, kernel="composite"), nt.LayerNorm(n), nt.DyT(n),
+                nt.GatedRMSNorm(n, group_size=16, kernel="composite"),
+            ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            x = norm(x, torch.sigmoid(x)) if isinstance(norm, nt.GatedRMSNorm) else norm(x)
+        if self.own:
+            return torch.nn.functional.layer_norm(x, (64,))
+        return F.normalize(x, NormSpec("layer"), kernel="composite")
+
+
+def test_torch_compile_of_normkit_layers_warns_nothing_torchs_layers_do_not() -> None:
+    """A model compiled with normkit's layers prints no warning the same model with torch's
+    prints: Dynamo warned about each call of an lru_cache-wrapped function it traced (the
+    spec's encoding for rows, the fields a kernel computes, the functions' plans, the gated
+    statistic, the composite path's largest scale)."""
+    import warnings
+
+    def compiled_warnings(own: bool) -> set[tuple[type, str]]:
+        torch._dynamo.reset()
+        getattr(torch._dynamo.utils, "warn_once_cache", set()).clear()
+        x = torch.randn(4, 64, requires_grad=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.compile(_Blocks(own))(x).sum().backward()
+        assert x.grad is not None
+        return {(w.category, str(w.message)) for w in seen}
+
+    own = compiled_warnings(own=True)  # first: the imports a first compile makes warn there
+    extra = compiled_warnings(own=False) - own
+    assert not extra, sorted(message for _, message in extra)

@@ -8,6 +8,7 @@ import importlib
 import inspect
 import itertools
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 from normkit import dtypes, reference, tolerances
 from normkit.bridges import TorchBridge
 from normkit.spec import Kind, NormSpec
-from normkit.torch import _plan, kernels
+from normkit.torch import _memory, _plan, kernels
 from normkit.torch._spec import row_spec
 from normkit.torch.functional import layer_norm, normalize, partial_rms_norm, rms_norm
 from normkit.torch.kernels import cpu
@@ -209,8 +210,8 @@ def test_large_outputs_are_advised_onto_huge_pages() -> None:
                     return "hg" in line.split()[1:]
         raise AssertionError("no mapping holds the tensor")
 
-    big = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
-    assert advised(cpu._output_like(big))
+    big = torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4, dtype=torch.float32)  # untouched: no RSS
+    assert advised(_memory.empty_like(big))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,17 +219,17 @@ def test_large_outputs_start_on_a_huge_page(dtype: torch.dtype) -> None:
     """A large output starts on a 2 MiB boundary, so that all of it can be huge pages, and is
     an ordinary contiguous tensor of ``t``'s shape and dtype (not a view) whose storage is at
     most 2 MiB larger. A 3-d input of 2 MiB and 32 bytes more keeps its shape."""
-    count = (cpu.HUGE_PAGE_MIN_BYTES + 32) // torch.empty((), dtype=dtype).element_size()
+    count = (_memory.HUGE_PAGE_MIN_BYTES + 32) // torch.empty((), dtype=dtype).element_size()
     like = torch.empty(2, count // 2, 1, dtype=dtype)
-    out = cpu._output_like(like)
-    assert out.data_ptr() % cpu.HUGE_PAGE == 0
+    out = _memory.empty_like(like)
+    assert out.data_ptr() % _memory.HUGE_PAGE == 0
     assert (out.shape, out.dtype, out.is_contiguous(), out._base) == (
         like.shape, dtype, True, None)
     size = like.numel() * like.element_size()
     storage = out.untyped_storage()
     assert storage.data_ptr() <= out.data_ptr()
     assert out.data_ptr() + size <= storage.data_ptr() + storage.nbytes() <= (
-        out.data_ptr() + size + cpu.HUGE_PAGE)
+        out.data_ptr() + size + _memory.HUGE_PAGE)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -237,7 +238,7 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
     ``dx`` hold, row for row, the bits the same rows give in small batches, whose outputs are
     plain allocations: nothing is shifted or left unwritten."""
     n = 4096
-    rows = cpu.HUGE_PAGE_MIN_BYTES // (n * dtypes.DTYPE_NAMES[dtype].itemsize) + 3
+    rows = _memory.HUGE_PAGE_MIN_BYTES // (n * dtypes.DTYPE_NAMES[dtype].itemsize) + 3
     x, dy = (to_torch(a) for a in _arrays((rows, n), dtype, 5))
     module = from_spec(NormSpec(kind="rms"), n, dtype=x.dtype, kernel="cpu")
 
@@ -249,7 +250,7 @@ def test_large_outputs_hold_each_rows_own_values(dtype: str, spy: Spy) -> None:
         return y.detach(), xs.grad
 
     y, dx = run(x, dy)
-    assert y.data_ptr() % cpu.HUGE_PAGE == 0 and dx.data_ptr() % cpu.HUGE_PAGE == 0
+    assert y.data_ptr() % _memory.HUGE_PAGE == 0 and dx.data_ptr() % _memory.HUGE_PAGE == 0
     for part in (slice(0, 5), slice(rows // 2 - 1, rows // 2 + 2), slice(rows - 4, rows)):
         y_part, dx_part = run(x[part], dy[part])
         for whole, alone in ((y[part], y_part), (dx[part], dx_part)):
@@ -262,11 +263,11 @@ def test_small_outputs_are_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below 32 MiB no madvise call is made (checked on the call: a small tensor may sit in a
     mapping an earlier large one had advised); a large output's new storage is advised once."""
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(cpu, "_madvise", lambda: lambda *args: calls.append(args) or 0)
-    monkeypatch.setattr(cpu, "_kept", {})
-    cpu._output_like(torch.empty(1024))
+    monkeypatch.setattr(_memory, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(_memory, "_kept", {})
+    _memory.empty_like(torch.empty(1024))
     assert calls == []
-    cpu._output_like(torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4))
+    _memory.empty_like(torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4))
     assert len(calls) == 1
 
 
@@ -278,25 +279,25 @@ def test_a_dropped_large_output_is_reused_and_a_used_one_is_not(
     already mapped (no page fault, no huge-page advice, whatever the machine gives); while a
     view of it lives, it is not handed out. `empty_cache` gives back the idle ones; at most
     `KEPT_BYTES` are kept."""
-    monkeypatch.setattr(cpu, "_kept", {})
-    like = torch.empty(cpu.HUGE_PAGE_MIN_BYTES // 4)
-    first = cpu._output_like(like)
+    monkeypatch.setattr(_memory, "_kept", {})
+    like = torch.empty(_memory.HUGE_PAGE_MIN_BYTES // 4)
+    first = _memory.empty_like(like)
     address = first.data_ptr()
     view = first[1:]
     del first
-    second = cpu._output_like(like)  # the view still uses the first storage
+    second = _memory.empty_like(like)  # the view still uses the first storage
     assert second.data_ptr() != address
     del view, second
-    third = cpu._output_like(like)
+    third = _memory.empty_like(like)
     assert third.data_ptr() == address  # the first of the two idle storages
-    kept = sum(len(held) for held in cpu._kept.values())
+    kept = sum(len(held) for held in _memory._kept.values())
     assert kept == 2
     del third
-    nbytes = cpu.HUGE_PAGE_MIN_BYTES + cpu.HUGE_PAGE
-    assert cpu.empty_cache() == 2 * nbytes
-    monkeypatch.setattr(cpu, "KEPT_BYTES", nbytes)
-    held = [cpu._output_like(like) for _ in range(2)]  # the second is not kept
-    assert sum(len(h) for h in cpu._kept.values()) == 1 and len(held) == 2
+    nbytes = _memory.HUGE_PAGE_MIN_BYTES + _memory.HUGE_PAGE
+    assert _memory.empty_cache() == 2 * nbytes
+    monkeypatch.setattr(_memory, "KEPT_BYTES", nbytes)
+    held = [_memory.empty_like(like) for _ in range(2)]  # the second is not kept
+    assert sum(len(h) for h in _memory._kept.values()) == 1 and len(held) == 2
 
 
 def test_a_loop_dropping_its_outputs_writes_into_the_same_memory() -> None:
@@ -857,8 +858,9 @@ def test_no_numba_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(_plan._warned, "auto", False)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     module = RMSNorm(8)
-    with pytest.warns(RuntimeWarning, match=r"needs numba, which is not installed.*normkit\[torch\]"):
+    with pytest.warns(RuntimeWarning, match=r"numba is not installed.*normkit\[torch\]") as seen:
         y = module(x)
+    assert seen[0].filename == __file__  # the user's call, not normkit's or torch's frames
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RMSNorm(8)(x)
@@ -959,6 +961,7 @@ def undecided(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[tuple[torc
     monkeypatch.delenv(cpu.COMPILE, raising=False)
     monkeypatch.setitem(cpu._state, "ready", {})
     monkeypatch.setitem(cpu._state, "compiled", {})
+    monkeypatch.setitem(cpu._state, "warned_cold", False)
     started: list[tuple[torch.dtype, bool]] = []
     monkeypatch.setattr(cpu, "_compile_in_background", lambda *key: started.append(key))
     return started
@@ -973,17 +976,24 @@ def test_auto_takes_the_composite_path_until_the_kernel_is_compiled(
     undecided: list[tuple[torch.dtype, bool]],
 ) -> None:
     """No call waits for numba: where the kernel is not compiled, ``kernel="auto"`` runs the
-    composite path (one warning, the kernel compiled by a process of its own) and keeps it for
-    the whole process, even once the cache holds the kernel (a layer's bits do not change
-    mid-run); a new decision (a new process) then loads the kernel."""
+    composite path (the kernel compiled by a process of its own) and keeps it for the whole
+    process, even once the cache holds the kernel (a layer's bits do not change mid-run); a new
+    decision (a new process) then loads the kernel. One warning in the process, of a category
+    of its own, one line naming the command that avoids it, pointing at the user's call."""
     x = torch.randn(3, 64, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match=r"not compiled on this machine yet.*warmup\(\)"):
+    with pytest.warns(cpu.KernelNotCompiledWarning) as seen:
         y = RMSNorm(64)(x)
+    assert len(seen) == 1 and issubclass(cpu.KernelNotCompiledWarning, RuntimeWarning)
+    message = str(seen[0].message)
+    assert "\n" not in message and "composite path" in message and "`normkit warmup`" in message
+    assert seen[0].filename == __file__
     assert _node(y) == "NormFunctionBackward"
     assert undecided == [(torch.float32, False)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _node(LayerNorm(64)(x)) == "NormFunctionBackward"  # decided: no warning
+        assert _node(LayerNorm(64)(x)) == "FusedNormBackward"  # decided: no warning
+        assert _node(RMSNorm(64)(x.bfloat16())) == "NormFunctionBackward"  # warned once only
+    assert undecided == [(torch.float32, False), (torch.bfloat16, False)]
     cpu.load(torch.float32)  # compiled (marked) meanwhile, as the background process would
     assert os.path.exists(cpu._mark(torch.float32, False))
     assert _node(RMSNorm(64)(x)) == "NormFunctionBackward"
@@ -1033,7 +1043,7 @@ def test_the_background_compile_starts_once_and_leaves_its_lock(
     assert len(started) == 1
     command = started[0]
     assert command[1:5] == ["-m", "normkit.torch.warmup", "--background", "--lock"]
-    assert command[-3:] == ["--dtype", "bfloat16", "--gated"]
+    assert command[-4:] == ["--dtype", "bfloat16", "--family", "gated"]
     assert os.path.exists(command[5])
 
 
@@ -1041,5 +1051,58 @@ def test_the_warmup_command_compiles_and_removes_its_lock(tmp_path: Any) -> None
     module = importlib.import_module("normkit.torch.warmup")  # the module, not the function
     lock = tmp_path / "lock"
     lock.write_text("1\n")
-    assert module.main(["--dtype", "float32", "--lock", str(lock)]) == 0
+    assert module.main(["--dtype", "float32", "--family", "plain", "--lock", str(lock)]) == 0
     assert not lock.exists()
+
+
+def test_normkit_warmup_says_what_it_compiled_and_what_it_loaded(
+    undecided: list[tuple[torch.dtype, bool]], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``normkit warmup``: the cache folder, then per dtype and family whether the kernels were
+    compiled (announced first: it takes seconds) or loaded from the cache, and in how long;
+    a bad dtype is a usage error; without numba it says so, naming the extra, and fails."""
+    import re
+
+    from normkit import cli
+
+    assert cli.main(["warmup", "--dtype", "float32", "--no-gated"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("normkit's CPU kernel (numba), cached in ")
+    assert lines[1] == "float32: compiling (once per machine: 10-30 s)"
+    assert re.fullmatch(r"float32: compiled in \d+\.\d s", lines[2]), lines
+    assert os.path.exists(cpu._mark(torch.float32, False))
+    assert cli.main(["warmup", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"float32: loaded from the cache in \d+\.\d s", lines[1]), lines
+    assert lines[2:4] == ["float32, gated and grouped norms: compiling (once per machine: "
+                          "10-30 s)", lines[3]] and "compiled in" in lines[3]
+    assert cli.main(["warmup", "--dtype", "half"]) == 2
+    assert "normkit warmup: error: unknown dtype names ['half']" in capsys.readouterr().err
+    monkeypatch.setattr(kernels, "NUMBA", False)
+    assert cli.main(["warmup"]) == 1
+    assert "numba is not installed" in capsys.readouterr().out
+    assert undecided == []
+
+
+def test_the_harness_compiles_the_kernel_before_it_measures_or_checks(
+    undecided: list[tuple[torch.dtype, bool]],
+) -> None:
+    """On a machine that has not compiled the kernel, the benchmark's and conformance's torch
+    workers must not time or check the composite path in its place: their environment has
+    ``NORMKIT_CPU_COMPILE=wait``, and the benchmark compiles first and says so in its
+    versions."""
+    from normkit import backends
+    from normkit.bench import torch as bench
+
+    assert backends.get("torch").env[cpu.COMPILE] == "wait"
+    bench.cpu_kernel.cache_clear()
+    try:
+        assert re.fullmatch(r"compiled by this run \(\d+ s\)", bench.versions()["CPU kernel"])
+        assert _node(RMSNorm(64)(torch.randn(3, 64, requires_grad=True))) == (
+            "CpuNormFunctionBackward")
+        bench.cpu_kernel.cache_clear()
+        assert bench.cpu_kernel() == "compiled (cached)"
+    finally:
+        bench.cpu_kernel.cache_clear()
+    assert undecided == []

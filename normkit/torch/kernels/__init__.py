@@ -25,7 +25,6 @@ computes). A spec with a field a kernel lacks takes the composite path under ``"
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from types import ModuleType
@@ -34,6 +33,7 @@ from typing import Literal, TypeAlias, cast
 import torch
 
 from normkit.spec import EXTENDED_DEFAULTS, NormSpec
+from normkit.torch._cached import cached
 from normkit.torch.kernels import cpu
 
 __all__ = ["KERNELS", "SUPPORTED", "Kernel", "check_kernel", "module", "unsupported"]
@@ -61,7 +61,7 @@ def check_kernel(kernel: object) -> Kernel:
     return cast(Kernel, kernel)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def unsupported(kernel: str, spec: NormSpec) -> str | None:
     """The first field of ``spec`` that ``kernel`` (``"cpu"`` or ``"triton"``) does not compute,
     as ``"name=value"``, or None when it computes them all."""

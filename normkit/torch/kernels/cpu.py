@@ -5,7 +5,7 @@
 implementations, so ``torch.compile(fullgraph=True)`` keeps them in its graph, and vmap rules;
 `CpuNormFunction` joins them for autograd and torch.func. The forward saves
 ``x`` and each row's ``r(s)`` in float32 (and the parameters). Outputs of 32 MiB and more
-start on a 2 MiB boundary and are advised onto transparent huge pages (`_output_like`).
+are made in storages kept for reuse (`normkit.torch._memory`).
 
 The numba module is imported (and compiled, or loaded from its on-disk cache) on the first call.
 If that fails, the ops compute with the composite path (`normkit.torch._autograd.NormFunction`)
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from normkit.torch import _memory
 from normkit.torch._autograd import (
     NormFunction,
     _shape_only,
@@ -40,18 +41,20 @@ from normkit.torch._autograd import (
     needs_graph,
     signature_once,
 )
+from normkit.torch._memory import empty_cache
 from normkit.torch._spec import RowSpec, decode, encode
+from normkit.torch._stacklevel import user_stacklevel
 
 __all__ = [
-    "CpuGatedNormFunction", "CpuNormFunction", "empty_cache", "load", "norm_rows",
-    "unavailable_reason",
+    "CpuGatedNormFunction", "CpuNormFunction", "KernelNotCompiledWarning", "empty_cache", "load",
+    "norm_rows", "unavailable_reason",
 ]
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_ROWS = 64
 """Rows per parallel task and per partial sum of the weight and bias gradients: fixed, so that
 the results are the same bit for bit whatever the thread count."""
-INSTALL = "pip install 'normkit[torch]' (numba)"
+INSTALL = "pip install 'normkit[torch]' (its torch extra includes numba)"
 SERIAL = 2**20
 """Inputs of fewer elements run on the calling thread (`_serial`), on numba's workqueue layer:
 starting its parallel region takes 60-130 us. On the 2-core CI machine one thread did better
@@ -60,15 +63,18 @@ in the kernel against 65 us); with more cores the parallel region pays off soone
 OpenMP threads a region starts in about 3 us, and a quarter of this is the threshold (rows of
 4096: 256 rows 94 us on two threads against 150 us on one, 64 rows 62 us against 60 us)."""
 CLAIM_BYTES = 2**22
-HUGE_PAGE = 2**21
-HUGE_PAGE_MIN_BYTES = 2**25
-MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
     "module": None, "reason": None, "warned": False, "compiled": {}, "forked": False,
-    "openmp": False, "ready": {},
+    "openmp": False, "ready": {}, "warned_cold": False,
 }
+
+
+class KernelNotCompiledWarning(RuntimeWarning):
+    """Warned once per process that finds normkit's CPU kernel not compiled on the machine yet:
+    ``kernel="auto"`` runs the composite path in it while the kernel compiles in the background
+    (``normkit warmup`` compiles it beforehand). Filter it by this category."""
 
 
 def _after_fork_in_child() -> None:
@@ -197,15 +203,14 @@ def ready(dtype: torch.dtype, gated: bool = False) -> bool:
         load(dtype, gated)  # from the cache; a failure warns on the first launch
     else:
         _compile_in_background(dtype, gated)
-        warnings.warn(
-            f"normkit's CPU kernel for {_NAMES[dtype]} rows{' (gated or grouped)' if gated else ''}"
-            " is not compiled on this machine yet: this process runs the composite path for "
-            "them (torch ops, within normkit's tolerances of the kernel, not bit-identical to "
-            "it), and the kernel is being compiled in the background for the processes that "
-            "start later. To run it from the first call, call normkit.torch.warmup() first or "
-            f"set {COMPILE}=wait.",
-            RuntimeWarning, stacklevel=6,
-        )
+        if not _state["warned_cold"]:
+            _state["warned_cold"] = True
+            warnings.warn(
+                "normkit.torch: the CPU kernel is not compiled on this machine yet, so this "
+                "process runs the slower composite path while it compiles in the background; "
+                "run `normkit warmup` once to avoid this",
+                KernelNotCompiledWarning, stacklevel=user_stacklevel(),
+            )
     _state["ready"][key] = decided
     return decided
 
@@ -283,7 +288,7 @@ def _compile_in_background(dtype: torch.dtype, gated: bool) -> None:
     except OSError:
         return
     command = [sys.executable, "-m", "normkit.torch.warmup", "--background", "--lock", lock,
-               "--dtype", _NAMES[dtype]] + (["--gated"] if gated else [])
+               "--dtype", _NAMES[dtype], "--family", "gated" if gated else "plain"]
     # this normkit, wherever it was imported from
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -308,7 +313,7 @@ def _kernels(
             raise RuntimeError(message)
         if not _state["warned"]:
             _state["warned"] = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
     return found
 
 
@@ -396,87 +401,6 @@ class _Memory:
         }
 
 
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise(address, length, advice)`` on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    advise = ctypes.CDLL(None).madvise
-    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advise.restype = ctypes.c_int
-    return advise
-
-
-def _output_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped and typed like ``t``, uninitialized. On Linux, an output of 32
-    MiB or more starts on a 2 MiB boundary of a storage `_storage` reuses, and is advised onto
-    transparent huge pages (``MADV_HUGEPAGE``) where that storage is new.
-
-    Fresh memory is mapped page by page on first write; with 4 KiB pages a 128 MiB output
-    takes 32768 page faults, which cost more than writing it (most of ``clone``'s time on a
-    virtual machine), and whether the machine gives huge pages varies from call to call (a
-    forward of 2048 x 4096 float32 took 6 to 22 ms in one loop). A storage used before is
-    mapped already: a loop that drops each output gets it back, written at memory speed. The
-    huge-page advice helps the first writes. torch's allocations start 64 bytes into such a
-    mapping, 4 KiB-aligned at best: the part before the first 2 MiB boundary and the part
-    after the last could only take 4 KiB pages (about 512 faults more than the 64 of a 128 MiB
-    output, and a huge page two threads' claims would share). The output is therefore placed
-    at the first 2 MiB boundary of a storage 2 MiB larger (storage offset nonzero).
-    """
-    size = t.numel() * t.element_size()
-    advise = _madvise() if size >= HUGE_PAGE_MIN_BYTES else None
-    if advise is None:
-        return torch.empty_like(t)
-    storage, fresh = _storage(size + HUGE_PAGE)
-    start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    offset = (start - storage.data_ptr()) // t.element_size()  # allocations are 64-byte aligned
-    strides = tuple(math.prod(t.shape[axis + 1:]) for axis in range(t.dim()))
-    out = torch.empty(0, dtype=t.dtype).set_(storage, offset, t.shape, strides)
-    if fresh:
-        advise(start, size // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
-    return out
-
-
-KEPT_BYTES = 2**32
-"""The most bytes of output storage `_storage` keeps for reuse (4 GiB); `empty_cache` gives
-back those no tensor uses."""
-_kept: dict[int, list[torch.UntypedStorage]] = {}
-_kept_lock = threading.Lock()
-_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage(nbytes: int) -> tuple[torch.UntypedStorage, bool]:
-    """A CPU storage of ``nbytes`` and whether it is new: one kept from an earlier output that
-    no tensor uses any more (its pages mapped already), else a new one, kept for later while
-    the kept storages stay within `KEPT_BYTES`. A kept storage is free when the only reference
-    to it is the keeper's (torch's count of its users: tensors, views, autograd's saved
-    tensors, Python storage objects)."""
-    if _use_count is None:  # a torch without the count: nothing is kept
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage(), True
-    with _kept_lock:
-        kept = _kept.setdefault(nbytes, [])
-        for storage in kept:
-            if _use_count(storage._cdata) == 1:
-                return storage, False
-        storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
-        if sum(size * len(held) for size, held in _kept.items()) + nbytes <= KEPT_BYTES:
-            kept.append(storage)
-        return storage, True
-
-
-def empty_cache() -> int:
-    """Give back the output storages kept for reuse that no tensor uses; returns their bytes.
-    (Outputs of the CPU kernel of 32 MiB and more are made in storages kept for the next
-    outputs of their size, at most `KEPT_BYTES`.)"""
-    freed = 0
-    with _kept_lock:
-        for size, held in _kept.items():
-            used = [s for s in held if _use_count is not None and _use_count(s._cdata) > 1]
-            freed += size * (len(held) - len(used))
-            held[:] = used
-    return freed
-
-
 def _eager(x: torch.Tensor) -> bool:
     """Whether to call the kernels directly on ``x`` rather than through their custom ops.
 
@@ -525,7 +449,7 @@ def _norm(
             and x.is_contiguous() and g.is_contiguous() and b.is_contiguous()):
         x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
     count = x.shape[0]
-    y = _output_like(x)
+    y = _memory.empty_like(x)
     r = torch.empty(count, dtype=torch.float32, device="cpu")
     with _lock:
         small = x.numel() < (SERIAL // 4 if _state["openmp"] else SERIAL)
@@ -596,7 +520,7 @@ def _norm_backward(
             and x.is_contiguous() and dy.is_contiguous() and g.is_contiguous()):
         x, dy, r, g = _plain(x), _plain(dy), _plain(r), _plain(g)  # alive through the call
     count, n = x.shape
-    dx = _output_like(x)
+    dx = _memory.empty_like(x)
     dg_blocks, db_blocks, dg, db = _param_grad_buffers(count, n, need_g, need_b)
     with _lock:
         small = x.numel() < (SERIAL // 4 if _state["openmp"] else SERIAL)
@@ -775,7 +699,7 @@ def _gated_norm(
         return _composite_gated(x, z, g, b, rows, round_affine), r  # its backward reads no r
     x, g, b = _plain(x), _plain(g), _plain(b)  # alive through the call
     gate = x.new_empty(count, 0) if z is None else _plain(z)
-    y = _output_like(x)
+    y = _memory.empty_like(x)
     with _lock:
         kernels[0](
             _rows(x), _rows(gate), _rows(g), _rows(b), _rows(y), _rows(r), KINDS[rows.kind],
@@ -819,8 +743,8 @@ def _gated_norm_backward(
     x, dy, r, g, b = _plain(x), _plain(dy), _plain(r), _plain(g), _plain(b)  # alive in the call
     count, n = x.shape
     gate = x.new_empty(count, 0) if z is None else _plain(z)
-    dx = _output_like(x)
-    dz = _output_like(gate)
+    dx = _memory.empty_like(x)
+    dz = _memory.empty_like(gate)
     dg_blocks, db_blocks, dg, db = _param_grad_buffers(count, n, need_g, need_b)
     with _lock:
         kernels[1](
