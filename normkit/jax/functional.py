@@ -624,11 +624,22 @@ class _Scaled(NamedTuple):
     pre: jax.Array
 
 
-def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
-    """Every row divided by its largest magnitude (at least a floor), so that s lies in
-    [1/k, 1].
+def _reciprocal_power_of_two(m: jax.Array) -> jax.Array:
+    """``2**-e`` with ``m 2**-e`` in [1/2, 1) for finite positive normal ``m`` (0 for an
+    infinite ``m``, NaN for NaN): scaling by it is exact, where ``1 / m`` rounds every value it
+    scales, by ``2**-24`` of ``|x|``, which centering a large mean turns into ``|mean| / std``
+    times that of the centered values."""
+    finite = jnp.isfinite(m)
+    _, e = jnp.frexp(jnp.where(finite, m, 1))
+    return jnp.where(finite, jnp.ldexp(jnp.ones_like(m), -e), 1 / m)
 
-    ``sigma = 1 / max(max|x|, floor)`` over the elements the statistic reads, ``floor =
+
+def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
+    """Every row divided by its largest magnitude (at least a floor), rounded to a power of
+    two, so that s lies in [1/(4k), 1].
+
+    ``sigma = 1 / max(max|x|, floor)`` (`_reciprocal_power_of_two`) over the elements the
+    statistic reads, ``floor =
     sqrt(eps)`` (inside: the scaled eps stays at most 1) or ``eps 2**-2e`` (outside: the scaled
     eps stays at most ``2**2e``, and rows far below eps still reach unit scale, where the
     gradient reads ``x / sqrt(s)``); LayerNorm rows are scaled, centered, then scaled again by
@@ -650,13 +661,13 @@ def _rescaled(xf: jax.Array, plan: _Plan, reads: _Reads) -> _Scaled:
 
     largest = largest_read(xf)
     pre = jnp.where(largest > big, 1 / big, 1.0).astype(xf.dtype)
-    sigma = 1 / jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny))
+    sigma = _reciprocal_power_of_two(jnp.maximum(largest * pre, jnp.maximum(floor * pre, tiny)))
     c = xf * pre * sigma
     scaled_floor = floor * pre * sigma
     if spec.kind == "layer":
         c = _centered(c, plan, reads)
         widest = largest_read(c)
-        second = 1 / jnp.maximum(widest, jnp.maximum(scaled_floor, tiny))
+        second = _reciprocal_power_of_two(jnp.maximum(widest, jnp.maximum(scaled_floor, tiny)))
         c, sigma, scaled_floor = c * second, sigma * second, scaled_floor * second
     s = _statistic(c, plan, reads)
     if outside:
@@ -720,10 +731,11 @@ def _plain(
     fused reduction; LayerNorm's two-pass variance two), and which rows they cannot serve:
 
     - ``r(s)`` out of range (`_needs_scaling`: rows to rescale);
-    - LayerNorm, ``mean^2 > s``: a large mean, whose rounding (relative to ``|mean|``) the
-      careful program's correction pass recovers, and where with ``variance="fast"`` the
-      rounding of each step of ``mean(x^2) - mean^2``, exact only there, decides the result.
-      Elsewhere the plain means are within a few ulps of ``sqrt(s)`` and ``s``.
+    - LayerNorm, ``|mean| > sqrt(s)`` (`_large_mean`): a large mean, whose rounding
+      (relative to ``|mean|``) the careful program's correction pass recovers, and where with
+      ``variance="fast"`` the rounding of each step of ``mean(x^2) - mean^2``, exact only
+      there, decides the result. Elsewhere the plain means are within a few ulps of
+      ``sqrt(s)`` and ``s``.
 
     With ``s`` given (the saved one, in the backward pass) only the mean is computed again.
     ``fused``: ``y``'s pass alone reads the statistics (`_fused_apart`), and XLA may compute
@@ -749,7 +761,7 @@ def _plain(
                 # Read by y's pass and the flags as well, the mean would otherwise reach the
                 # variance's reduction as a broadcast array XLA writes out: a pass more.
                 mean = lax.optimization_barrier(mean)
-        careful = ~(mean * mean <= s)
+        careful = _large_mean(mean, s)
     return _Plain(mean, s, careful | _needs_scaling(s, plan, gradient=False))
 
 
@@ -814,10 +826,19 @@ def _barrier(values: _T, count: int) -> tuple[_T, ...]:
     return lax.optimization_barrier((values,) * count)
 
 
+def _large_mean(mean: jax.Array, s: jax.Array) -> jax.Array:
+    """Per row, whether ``|mean| > sqrt(s)``, or NaN: the mean's rounding, relative to
+    ``|mean|``, is then more than an ulp of the centered values. Not ``mean^2 > s``: on rows
+    below 1e-19 (float32) both squares flush to 0 under XLA, and ``0 > 0`` passed rows of
+    1e-20 (10 + N(0, 1)) to the plain program, whose y was 1.2e-6 of max|y| off. Rows of
+    zeros pass; other rows whose ``s`` flushes to 0 are flagged."""
+    return ~(jnp.abs(mean) <= jnp.sqrt(s))
+
+
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
     """`_plain`'s ``careful`` from reductions of their own, each reading the inputs alone, so
     that XLA fuses each with the conversion of a half input: LayerNorm's test ``mean^2 > s`` as
-    ``2 mean^2 > mean(x^2)``, and the range of ``r`` from ``s = max(0, mean(x^2) - mean^2)``.
+    ``2 mean^2 > mean(x^2)`` (`_large_mean`), and the range of ``r`` from ``s = max(0, mean(x^2) - mean^2)``.
     Where they differ from the two-pass values (by roundings relative to ``mean(x^2)``),
     ``mean^2`` and ``s`` are within a few ulps of each other, where the plain program is
     accurate too."""
@@ -827,7 +848,7 @@ def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Read
     mean = _read_mean(first, plan, reads)
     square = _read_mean(second * second, plan, reads)
     s = jnp.maximum(square - mean * mean, 0)
-    return ~(2 * mean * mean <= square) | _needs_scaling(s, plan, gradient=False)
+    return _large_mean(mean * math.sqrt(2), square) | _needs_scaling(s, plan, gradient=False)
 
 
 def _copies(

@@ -209,7 +209,11 @@ class _Rows:
         ``x - mean`` (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) /
         (-r**3 / 2)`` (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward,
         and whether the row must be recomputed by the guarded program (`needs_rescaling`, or a
-        LayerNorm mean above ``1/r``, whose rounding the correction pass in `center` recovers).
+        LayerNorm mean above ``sqrt(s)``, whose rounding the correction pass in `center`
+        recovers: it moves ``y_hat`` by ``|mean| r`` ulps of 1, but relative to the row's own
+        ``max|y_hat|``, about ``sqrt(s) r``, by ``|mean| / sqrt(s)`` ulps; a mean above ``1/r``
+        missed the rows far below ``sqrt(eps)``, where ``r`` is ``1/sqrt(eps)``: rows of
+        1e-20 (10 + N(0, 1)) were 1.2e-6 of their max|y| off).
 
         Traced, ``bad`` marks those rows, which have ``r = 1`` (their values are replaced), and
         ``any_bad`` is None. ``eager``: the rows are judged on the host from their row-sized
@@ -257,20 +261,20 @@ class _Rows:
             return (mean, kept, r, ratio, None), self.any_bad_now(s, r, mean)
         bad = self.needs_rescaling(s, r)
         if mean is not None:
-            bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) * r <= 1.0))
+            bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) <= ops.sqrt(s)))
         return (mean, kept, ops.where(bad, 1.0, r), ratio, bad), None
 
     def any_bad_now(self, s: Any, r: Any, mean: Any) -> bool:
         """`plain`'s judgement of the rows on the host, from the row-sized ``s``, ``r`` and
         ``mean`` (None for the RMS kinds): whether a row needs rescaling (`needs_rescaling`) or
-        has a LayerNorm mean above ``1/r``."""
+        has a LayerNorm mean above ``sqrt(s)``."""
         r_now = _on_host(r)
         with np.errstate(invalid="ignore", over="ignore"):
             bad = ~((r_now >= 1 / self.bound_value) & (r_now <= self.bound_value))
             if self.outside:
                 bad |= _on_host(s) < self.small_value
             if mean is not None:
-                bad |= ~(np.abs(_on_host(mean)) * r_now <= 1.0)
+                bad |= ~(np.abs(_on_host(mean)) <= np.sqrt(_on_host(s)))
         return bool(bad.any())
 
     def plain_output(
@@ -510,7 +514,8 @@ class _Rows:
         self, x: Any, c: Any, r: Any, w: Any, bad: Any
     ) -> tuple[Any, Any, Any, Any]:
         """``(c, r, eps, w)`` with the ``bad`` rows divided by their largest magnitude (at
-        least eps's: ``sqrt(eps)`` inside, ``eps`` outside), so that their s lies in [1/k, 1].
+        least eps's: ``sqrt(eps)`` inside, ``eps`` outside) rounded to a power of two
+        (`_reciprocal_power_of_two`: exactly), so that their s lies in [1/(4k), 1].
 
         LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
         The factors are constants to autodiff (``y_hat`` does not depend on them); ``pre``, 1
@@ -526,18 +531,18 @@ class _Rows:
             magnitude = ops.where(self.head, magnitude, ops.zeros_like(magnitude))
         largest = ops.stop_gradient(ops.max(magnitude, axis=self.axes, keepdims=True))
         pre = ops.cast(ops.where(largest > self.big, 1 / self.big, 1.0), largest.dtype)
-        sigma = 1 / self.maximum(largest * pre, self.maximum(floor * pre, self.tiny))
-        # Rows holding an inf or a NaN (sigma 0 or NaN) keep their plain values; they are
-        # scaled as zeros so that no NaN reaches the gradient through the unused branch.
-        use = ops.logical_and(bad, sigma > 0)
-        sigma = ops.where(use, sigma, 1.0)
+        extent = self.maximum(largest * pre, self.maximum(floor * pre, self.tiny))
+        # Rows holding an inf or a NaN keep their plain values; they are scaled as zeros so
+        # that no NaN reaches the gradient through the unused branch.
+        use = ops.logical_and(bad, ops.isfinite(extent))
+        sigma = _reciprocal_power_of_two(ops.where(use, extent, ops.ones_like(extent)))
         scaled = ops.where(use, x, ops.zeros_like(x)) * ops.where(use, pre, 1.0) * sigma
         scaled_floor = floor * pre * sigma
         if self.spec.kind == "layer":
             scaled = self.center(scaled)
             widest = ops.max(ops.abs(scaled), axis=self.axes, keepdims=True)
-            second = 1 / self.maximum(widest, self.maximum(scaled_floor, self.tiny))
-            second = ops.stop_gradient(second)
+            second = self.maximum(widest, self.maximum(scaled_floor, self.tiny))
+            second = ops.stop_gradient(_reciprocal_power_of_two(second))
             scaled, scaled_floor = scaled * second, scaled_floor * second
         scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
         scaled_eps = self.maximum(scaled_eps, self.tiny)
@@ -660,6 +665,18 @@ def _mean(u: Any, axes: tuple[int, ...]) -> Any:
     if keras.backend.standardize_dtype(u.dtype) != "float64":
         return ops.mean(u, axis=axes, keepdims=True)
     return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
+
+
+def _reciprocal_power_of_two(m: Any) -> Any:
+    """``2**-e`` with ``m 2**-e`` in [1, 2), for positive normal ``m`` below ``2**127``
+    (``2**1023`` in float64), from ``m``'s exponent bits: scaling by it is exact, where
+    ``1 / m`` rounds every value it scales, by ``2**-24`` of ``|x|``, which centering a large
+    mean turns into ``|mean| / std`` times that of the centered values (rows of 1e25 (10 +
+    N(0, 1)) were 1.05e-6 of their max|y| off with a gate after the norm)."""
+    wide = keras.backend.standardize_dtype(m.dtype) == "float64"
+    ints, shift, top = ("int64", 52, 2046) if wide else ("int32", 23, 254)
+    biased = ops.bitwise_and(ops.right_shift(ops.view(m, ints), shift), top + 1)
+    return ops.view(ops.left_shift(top - biased, shift), m.dtype)
 
 
 def _fast_moments(x: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:

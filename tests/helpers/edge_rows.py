@@ -17,6 +17,9 @@
   ``m2 - m1^2`` keeps about 4 bits and each of its roundings shows.
 - ``far_dyt``: DyT where ``|alpha x|`` is large: ``1 - tanh(u)^2`` is 0 in float32 from
   ``|u| = 9`` on, where the slope ``sech(u)^2`` is not.
+- ``large_means``: LayerNorm rows of mean 10 times their spread at every scale, each row (each
+  group) measured on its own: the mean's rounding, relative to ``|mean|``, costs ten times as
+  much relative to the row's own ``y`` unless the correction pass recovers it.
 """
 
 from __future__ import annotations
@@ -136,6 +139,30 @@ def far_dyt(dtype: str, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(DTYPES[dtype]), dy.astype(DTYPES[dtype])
 
 
+LARGE_MEAN_SCALES = (1e-30, 1e-20, 1e-10, 1e-4, 1.0, 1e25, 1e35)
+LARGE_MEAN_SPECS = [
+    NormSpec("layer", bias=False),
+    NormSpec("layer", bias=False, eps=1e-5, eps_placement="outside"),
+    NormSpec("layer", bias=False, gate="after", group_size=16),
+    NormSpec("layer", bias=True, gate="after", group_size=16, eps=1e-5, eps_placement="outside"),
+]
+
+
+def large_means(n: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """float32 ``(x, z, dy, w)``: a row ``s (10 + N(0, 1))`` for each scale of
+    `LARGE_MEAN_SCALES` (those below 1e-19 have squares that flush to 0 under XLA; those
+    below 1e-3, ``sqrt(eps)``, an ``r`` of about ``1 / sqrt(eps)``; 1e25 and 1e35 are
+    rescaled), a gate ``z`` in (-2, 2), ``dy`` of unit scale and a weight ``1 + 0.5 N(0, 1)``:
+    the CPU kernel's edge rows (tests/torch/test_torch_cpu_kernel_edges.py)."""
+    rng = np.random.default_rng(10)
+    scales = np.array(LARGE_MEAN_SCALES)[:, None]
+    x = scales * (10 + rng.standard_normal((len(LARGE_MEAN_SCALES), n)))
+    z = rng.uniform(-2, 2, x.shape)
+    dy = rng.standard_normal(x.shape)
+    w = 1 + 0.5 * rng.standard_normal(n)
+    return tuple(a.astype(np.float32) for a in (x, z, dy, w))  # type: ignore[return-value]
+
+
 def check_rows(name: str, got: Any, want: np.ndarray, quantity: str, dtype: Any = None,
                rows: Any = None) -> None:
     """``got`` within the tolerance of ``want``, each row measured on its own (a row's error
@@ -224,3 +251,28 @@ def check_far_dyt(evaluate: Evaluate, dtype: str, keeps_subnormals: bool = True,
     check_rows(f"y of {spec}", y, reference.normalize(x, spec, alpha=alpha), "forward")
     check_rows(f"dx of {spec}", dx, grads.dx, "grad")
     tolerances.assert_close(dalpha, grads.dalpha, quantity="grad", what=f"dalpha of {spec}")
+
+
+def check_large_means(evaluate: Evaluate, spec: NormSpec, **variant: Any) -> None:
+    """`large_means` through ``evaluate``: y and dx per row (per group with ``group_size``),
+    and dgate with a gate."""
+    x, z, dy, w = large_means()
+    bias = np.linspace(-1, 1, x.shape[1]).astype(np.float32) if spec.bias else None
+    gate = {"gate": z} if spec.gate else {}
+    found = evaluate(spec, x, dy, w, bias, **gate, **variant)
+    if spec.gate:
+        want = reference.gated_normalize(x, z, spec, w, bias)
+        grads = reference.gated_normalize_vjp(x, z, dy, spec, w, bias)
+        expected = {"y": want, "dx": grads.dx, "dgate": grads.dgate}
+        got = {"y": found[0], "dx": found[1], "dgate": found[4]}
+    else:
+        grads = reference.normalize_vjp(x, dy, spec, w, bias)
+        expected = {"y": reference.normalize(x, spec, w, bias), "dx": grads.dx}
+        got = {"y": found[0], "dx": found[1]}
+    group = spec.group_size or x.shape[1]
+    for name, want in expected.items():
+        value = np.asarray(got[name], np.float64)
+        for start in range(0, x.shape[1], group):
+            part = slice(start, start + group)
+            check_rows(f"{name} of {spec}, elements {start}-{start + group - 1}", value[:, part],
+                       want[:, part], "forward" if name == "y" else "grad")

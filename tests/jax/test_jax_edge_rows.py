@@ -96,3 +96,20 @@ def test_dyts_slope_in_the_kernels():
     with pallas.interpreted():
         edge_rows.check_far_dyt(evaluate, "float32", api="functional", jit=True,
                                 implementation="pallas")
+
+
+@jits
+@pytest.mark.parametrize("spec", edge_rows.LARGE_MEAN_SPECS, ids=str)
+def test_rows_of_a_large_mean_at_every_scale(spec, jit):
+    """Rows s (10 + N(0, 1)), each row and group on its own: those below 1e-19 have squares
+    (mean^2 and s) that flush to 0, so ``mean^2 > s`` did not send them to the correction pass
+    (y 1.2-1.7e-6 of their max|y| off); and the rescaling's 1 / max|x| rounded every value
+    before the centering (ten times that relative to the centered values)."""
+    edge_rows.check_large_means(evaluate, spec, api="functional", jit=jit)
+
+
+@pytest.mark.parametrize("spec", edge_rows.LARGE_MEAN_SPECS, ids=str)
+def test_rows_of_a_large_mean_at_every_scale_in_the_kernels(spec):
+    with pallas.interpreted():
+        edge_rows.check_large_means(evaluate, spec, api="functional", jit=True,
+                                    implementation="pallas")

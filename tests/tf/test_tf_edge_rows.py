@@ -121,3 +121,13 @@ def test_dyts_slope_is_kept_where_tanh_rounds_to_one(dtype, jit):
     """DyT's ``1 - tanh(u)^2`` (every backend's derivative of tanh) is 0 in float32 from
     |u| = 9 on: dx was 0 on rows of 30 + N(0, 1) with alpha 0.5, the reference's about 1e-12."""
     edge_rows.check_far_dyt(evaluate, dtype, jit=jit)
+
+
+@jits
+@pytest.mark.parametrize("spec", edge_rows.LARGE_MEAN_SPECS, ids=str)
+def test_rows_of_a_large_mean_at_every_scale(spec, jit):
+    """Rows s (10 + N(0, 1)), each row and group on its own: a mean above 1/r sent a row to
+    the correction pass, which missed the rows far below sqrt(eps) (r is 1/sqrt(eps) there: y
+    1.2e-6 of their max|y| off); and the rescaling's 1 / max|x| rounded every value before the
+    centering (rows of 1e25 with a gate after the norm were 1.05e-6 off)."""
+    edge_rows.check_large_means(evaluate, spec, jit=jit)
