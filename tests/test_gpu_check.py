@@ -12,6 +12,7 @@ import pytest
 
 import normkit
 from normkit.conformance.targets import select
+from tests.helpers import fake_gpu as fake_gpu_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
@@ -64,48 +65,29 @@ def test_a_tree_without_normkit_is_an_error_naming_what_is_missing(tmp_path):
 
 
 def fake_gpu(folder):
-    smi = folder / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'Fake GPU, 80 GiB, 1.0'\n")
-    smi.chmod(0o755)
+    fake_gpu_tools.install(folder)
 
 
-STOPPED_COMMAND = """
-import json, signal, sys, time
-REPORTS = {  # as each command writes what it finished on SIGTERM, then exits 130
+#: What each step's command writes when stopped, as normkit writes what it finished on SIGTERM.
+STOPPED_REPORTS = {
     "bench": {"interrupted": True, "rows": [{"implementation": "copy"}]},
     "conformance": {"interrupted": True, "skipped_targets": {},
                     "cases": [{"target": "torch", "status": "PASS"}]},
 }
-if sys.argv[:2] in (["-m", "info"], ["-m", "install"]):  # the setup: normkit info, pip
-    print("{}")  # answered at once, so that a loaded machine leaves the step its time
-    sys.exit(0)
-if sys.argv[:1] == ["-m"] and sys.argv[1] in REPORTS:
-    report = sys.argv[sys.argv.index("--json") + 1]
-    def stopped(signum, frame):
-        with open(report, "w") as f:
-            json.dump(REPORTS[sys.argv[1]], f)
-        sys.exit(130)
-    signal.signal(signal.SIGTERM, stopped)
-    time.sleep(300)
-"""
 
 
 @pytest.mark.parametrize("step", ["bench", "conformance"])
 def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_path, step):
-    fake_gpu(tmp_path)
     out = tmp_path / "results"
     path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    # Every `python -m normkit bench` or `conformance` the step starts (its argv when
-    # sitecustomize runs: ["-m", "bench", ...]) sleeps past its limit, however fast the machine
-    # (a run on a fake GPU would otherwise fail at once, or not, by how fast it starts), and on
-    # SIGTERM writes a report of one row or case, as normkit writes what it finished.
-    slow = tmp_path / "slow"
-    slow.mkdir()
-    (slow / "sitecustomize.py").write_text(STOPPED_COMMAND)
+    # Every `python -m normkit bench` or `conformance` the step starts sleeps past its limit,
+    # however fast the machine (a run on a fake GPU would otherwise fail at once, or not, by how
+    # fast it starts), and on SIGTERM writes a report of one row or case.
+    slow = fake_gpu_tools.install(tmp_path, [(["-m", step], STOPPED_REPORTS[step])])
     done = gpu_check("--only", step, "--budget", "20", "--out", str(out), path=path, pythonpath=slow)
     assert done.returncode == 1, done.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["gpu"] == "Fake GPU, 80 GiB, 1.0" and summary["device"] == "cuda:0"
+    assert summary["gpu"] == fake_gpu_tools.GPU_NAME and summary["device"] == "cuda:0"
     [record] = summary["steps"]
     assert record["step"] == step and record["status"] == "timeout" and record["log"] == f"{step}.log"
     assert record["interrupted"] is True

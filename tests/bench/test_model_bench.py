@@ -25,6 +25,7 @@ from normkit.bench import model
 from normkit.bench.model import config as cfg
 from normkit.bench.model import data, plot, results, weights
 from normkit.bench.model.config import IDENTITY, NORMS, SIZES, ModelConfig
+from tests.helpers import fake_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = [b.name for b in backends.BACKENDS if not b.missing() or b.alternative()]
@@ -217,30 +218,15 @@ def test_options_the_model_benchmark_cannot_take_are_refused():
     assert done.returncode == 2 and "one device" in done.stderr
 
 
-STOPPED_MODEL_RUN = """
-import json, signal, sys, time
-if sys.argv[:3] == ["-m", "bench", "--model"]:  # as normkit writes what it took when stopped
-    report = sys.argv[sys.argv.index("--json") + 1]
-    def stopped(signum, frame):
-        with open(report, "w") as f:
-            json.dump({"interrupted": True, "runs": [{"framework": "flax"}]}, f)
-        sys.exit(130)
-    signal.signal(signal.SIGTERM, stopped)
-    time.sleep(300)
-"""
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="a POSIX script")
 def test_gpu_check_runs_the_model_benchmark_only_when_asked_within_its_time(tmp_path):
     """scripts/gpu-check's model step, on a fake GPU: `normkit bench --model gpu` on cuda:0,
     Flax first, stopped at its limit with what it wrote recorded; not among the default steps."""
     script = ROOT / "scripts" / "gpu-check"
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 80 GiB, 1.0'\n")
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    (tmp_path / "slow").mkdir()
-    (tmp_path / "slow" / "sitecustomize.py").write_text(STOPPED_MODEL_RUN)
+    stopped = {"interrupted": True, "runs": [{"framework": "flax"}]}
+    slow = fake_gpu.install(tmp_path, [(["-m", "bench", "--model"], stopped)])
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(tmp_path / "slow")}
+           "PYTHONPATH": str(slow)}
     env.pop("OUT", None)
     out = tmp_path / "results"
     done = subprocess.run([sys.executable, str(script), "--only", "model", "--budget", "12",
