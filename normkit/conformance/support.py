@@ -265,7 +265,8 @@ the frameworks installed here.
 - **yes**: that implementation computes it.
 - **→ composite**, **→ xla**: the backend computes it with another of its implementations,
   chosen silently (`kernel="auto"` in normkit.torch: docs/torch.md; `implementation="pallas"`
-  in normkit.jax: docs/jax.md). Naming that kernel (`kernel="cpu"`) is then an error.
+  in normkit.jax: docs/jax.md). In normkit.torch, naming that kernel (`kernel="cpu"`) is
+  then an error; normkit.jax's `implementation="pallas"` takes the XLA program.
 - **no (N)**: refused with the error numbered under the table.
 
 Columns: `torch composite`, `torch cpu`, `torch triton` are normkit.torch's `kernel=` choices
