@@ -42,6 +42,15 @@ def _add_info(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-devices", action="store_true", help="skip asking each backend for its devices"
     )
+    parser.add_argument(
+        "--support", action="store_true",
+        help="also print what each implementation computes: one line per NormSpec option (and "
+             "per call argument one framework takes), one column per implementation of each "
+             "installed backend (torch's kernels, normkit.tf on each Keras backend, normkit.jax's "
+             "XLA program and Pallas kernels); + computes it, ~ the backend falls back to "
+             "another of its implementations, - refuses it. Asked of each backend's own code in "
+             "a worker (about a minute); docs/support.md has the reasons",
+    )
 
 
 def _run_info(args: argparse.Namespace) -> int:
@@ -66,12 +75,23 @@ def _run_info(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 row["devices_error"] = str(exc)
         rows.append(row)
-    report = {
+    report: dict[str, object] = {
         "normkit": normkit.__version__,
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "backends": rows,
     }
+    supported = None
+    if args.support:
+        from normkit.conformance import support
+
+        supported = support.table()
+        report["support"] = {
+            "columns": list(supported.columns),
+            "cells": {o: {c: list(supported.cells[o][c]) for c in supported.columns}
+                      for o in supported.options},
+            "missing": dict(supported.missing),
+        }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -92,6 +112,11 @@ def _run_info(args: argparse.Namespace) -> int:
         seen = row.get("devices", row.get("devices_error", "devices not listed"))
         devices = ", ".join(seen) if isinstance(seen, list) else seen
         print(f"  {row['module']:<13} {listed}; devices: {devices}")
+    if supported is not None:
+        from normkit.conformance import support
+
+        print("support (docs/support.md):")
+        print(support.text(supported))
     return 0
 
 
@@ -371,7 +396,10 @@ HELP = {
         "probe a norm (a framework's built-in layer, or your own function) and print the "
         "NormSpec it follows"
     ),
-    "info": "normkit's version and, per backend, whether it is installed, its version and devices",
+    "info": (
+        "normkit's version and, per backend, whether it is installed, its version and devices "
+        "(--support: what each implementation computes)"
+    ),
     "port": port_cli.HELP,
     "reference": (
         "apply the numpy reference to one row of numbers (a quick way to see the semantics)"

@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 
 import normkit
+from normkit import backends
 
 ROOT = Path(normkit.__file__).parent
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, Path]:
@@ -123,12 +125,80 @@ def test_no_import_cycle_in_normkit():
 
 
 def test_adapters_do_not_import_the_tools_built_on_them():
-    """No module of normkit.torch, normkit.tf or normkit.jax imports the harness or the tools:
-    their conformance hooks and benchmarks live under normkit.conformance and normkit.bench."""
+    """No module of an adapter (each backend's subpackage in `normkit.backends.BACKENDS`)
+    imports the harness or the tools: their conformance hooks and benchmarks live under
+    normkit.conformance and normkit.bench."""
     known = modules()
-    adapters = [name for name in known if name.split(".")[1:2] in (["torch"], ["tf"], ["jax"])]
+    packages = {backend.module for backend in backends.BACKENDS}
+    adapters = [name for name in known if any(_within(name, p) for p in packages)]
     assert "normkit.torch.functional" in adapters and "normkit.jax.nnx" in adapters
+    assert any(name.startswith("normkit.tf.") for name in adapters)
     for name in adapters:
         upward = {m for m in imports(name, known[name], known)
-                  if m.split(".")[1] in ("port", "conformance", "bench", "identify", "cli")}
+                  if m.split(".")[1:2] in (["port"], ["conformance"], ["bench"], ["identify"],
+                                           ["doctor"], ["cli"], ["testing"])}
         assert not upward, (name, upward)
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layers(text: str) -> list[list[str]]:
+    """The layers of docs/architecture.md, bottom first: per ``## Title: `a`, `b``` heading
+    the modules and packages it names."""
+    return [re.findall(r"`(normkit[\w.]*)`", line)
+            for line in text.splitlines() if line.startswith("## ") and "`normkit" in line]
+
+
+def placed(name: str, found: list[list[str]]) -> int | None:
+    """The layer of module ``name``: that of the longest name in the headings that is the
+    module or a package holding it; None when no heading places it."""
+    best: tuple[int, int] | None = None
+    for index, names in enumerate(found):
+        for named in names:
+            if _within(name, named) and (best is None or len(named) > best[1]):
+                best = (index, len(named))
+    return None if best is None else best[0]
+
+
+def test_architecture_places_every_module_in_one_layer():
+    """Each module of normkit/ is named by a layer heading of docs/architecture.md, itself or
+    through its package (a new top-level module or subpackage fails here until the page
+    places it)."""
+    found = layers(ARCHITECTURE.read_text())
+    assert len(found) == 4, found
+    unplaced = sorted(name for name in modules() if placed(name, found) is None)
+    assert not unplaced, f"docs/architecture.md places no layer for {unplaced}"
+
+
+def test_architecture_names_every_module():
+    """Every module of normkit/ is named on docs/architecture.md (by its dotted name, or as
+    ``.name`` in a list after its package's, e.g. `normkit.identify.forward`, ``.variance``),
+    so that the map shows where each job lives."""
+    text = ARCHITECTURE.read_text()
+    missing = [name for name in modules()
+               if f"`{name}`" not in text and f"`.{name.rpartition('.')[2]}`" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """The layering of docs/architecture.md holds: semantics, adapters, harness, tools, each
+    importing only its own layer and those below."""
+    found = layers(ARCHITECTURE.read_text())
+    known = modules()
+    upward = []
+    for name, path in known.items():
+        own = placed(name, found)
+        assert own is not None, name
+        for imported in imports(name, path, known):
+            layer = placed(imported, found)
+            if layer is not None and layer > own:
+                upward.append(f"{name} (layer {own}) imports {imported} (layer {layer})")
+    assert not upward, upward
+
+
+def test_the_layer_check_finds_an_upward_import():
+    found = layers("## A: `normkit.spec`\n## B: `normkit.torch`, `normkit._pallas`\n")
+    assert placed("normkit.torch.kernels.cpu", found) == 1
+    assert placed("normkit.spec", found) == 0 and placed("normkit.bench", found) is None

@@ -9,6 +9,7 @@ returned in float64.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Literal
 
 import jax
@@ -19,10 +20,11 @@ from flax import nnx
 import normkit.jax as nkjax
 from normkit.bridges import JaxBridge, VjpFn
 from normkit.conformance.harness import Harness
+from normkit.conformance.support import PROBE_SHAPE, Cell
 from normkit.jax import functional
 from normkit.spec import NormSpec
 
-__all__ = ["APIS", "VARIANTS", "build", "devices", "evaluate"]
+__all__ = ["APIS", "VARIANTS", "build", "devices", "evaluate", "support"]
 
 Api = Literal["linen", "nnx", "functional"]
 APIS: tuple[Api, ...] = ("linen", "nnx", "functional")
@@ -105,3 +107,38 @@ def _second(spec: NormSpec, second: Any) -> dict[str, Any]:
 _HARNESS = Harness(_BRIDGE, build, VARIANTS, jit=True)
 devices = _HARNESS.devices
 evaluate = _HARNESS.evaluate
+
+
+def support(spec: NormSpec, argument: str | None) -> dict[str, Cell]:
+    """What each of normkit.jax's implementations (`functional.IMPLEMENTATIONS`) does with
+    ``spec`` and the call ``argument`` (`normkit.conformance.support`): `functional.normalize`
+    or ``add_norm`` traced on `PROBE_SHAPE` ones (``axis_name`` under a `jax.vmap` that names
+    the axis); a refusal is ``("no", message)``, the Pallas kernels missing from the traced
+    program ``("fallback", "xla")``."""
+    found: dict[str, Cell] = {}
+    x = jnp.ones(PROBE_SHAPE)
+    second = x if spec.gate is not None or spec.residual is not None else None
+    function = functional.normalize if spec.residual is None else functional.add_norm
+    if argument is not None and argument not in inspect.signature(function).parameters:
+        refused: Cell = "no", f"normkit.jax.functional.{function.__name__} takes no {argument}="
+        return dict.fromkeys(functional.IMPLEMENTATIONS, refused)
+    arguments = {"mask": jnp.ones(PROBE_SHAPE, bool), "axis_name": "rows"}
+    for implementation in functional.IMPLEMENTATIONS:
+        extra: dict[str, Any] = {"implementation": implementation}
+        if argument is not None:
+            extra[argument] = arguments[argument]
+
+        def call(x: Any, second: Any, extra: dict[str, Any] = extra) -> Any:
+            if spec.residual is not None:
+                return functional.add_norm(x, second, spec, **extra)
+            return functional.normalize(x, spec, gate=second, **extra)
+
+        traced = jax.vmap(call, axis_name="rows") if argument == "axis_name" else call
+        try:
+            program = str(jax.make_jaxpr(traced)(x, second))
+        except ValueError as exc:
+            found[implementation] = "no", str(exc)
+            continue
+        kernels = implementation == "xla" or "pallas_call" in program
+        found[implementation] = ("yes", "") if kernels else ("fallback", "xla")
+    return found

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any
 
 import keras
@@ -14,10 +15,13 @@ import numpy as np
 
 from normkit.bridges import Bridge, JaxBridge, TensorFlowBridge, TorchBridge, VjpFn
 from normkit.conformance.harness import Harness
+from normkit.conformance.support import PROBE_SHAPE, Cell
 from normkit.spec import NormSpec
 from normkit.tf.layers import WEIGHT_ATTRIBUTES, from_spec
 
-__all__ = ["POLICIES", "VARIANTS", "build", "devices", "evaluate", "keras_backend"]
+__all__ = [
+    "POLICIES", "VARIANTS", "build", "devices", "evaluate", "keras_backend", "support",
+]
 
 VARIANTS: dict[str, tuple[object, ...] | None] = {"jit": (True, False), "policy": None}
 POLICIES = {
@@ -120,3 +124,24 @@ def _float64_scope(*kinds: Any) -> contextlib.AbstractContextManager[Any]:
 
 _HARNESS = Harness(_BRIDGE, build, VARIANTS, devices=devices)
 evaluate = _HARNESS.evaluate
+
+
+def support(spec: NormSpec, argument: str | None) -> dict[str, Cell]:
+    """What normkit.tf on the current Keras backend does with ``spec`` and the call
+    ``argument`` (`normkit.conformance.support`): `from_spec`'s layer called on `PROBE_SHAPE`
+    ones; a refusal is ``("no", message)``. One implementation, named ``""``."""
+    layer = from_spec(spec)
+    name = type(layer).__name__
+    if argument is not None and argument not in inspect.signature(layer.call).parameters:
+        return {"": ("no", f"normkit.tf.{name}.call takes no {argument}=")}
+    layer = from_spec(spec, name=name)
+    layer.build(PROBE_SHAPE)
+    x = keras.ops.ones(PROBE_SHAPE)
+    try:  # the layer's own call: Keras' __call__ would wrap the message in its own
+        if spec.gate is not None:
+            layer.call(x, gate=x)
+        else:
+            layer.call(x, x if spec.residual is not None else None)
+    except ValueError as exc:
+        return {"": ("no", str(exc))}
+    return {"": ("yes", "")}

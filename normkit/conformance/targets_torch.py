@@ -3,6 +3,7 @@ its kernels (a `normkit.conformance.harness.Harness`)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -11,12 +12,15 @@ import torch
 
 from normkit.bridges import TorchBridge, VjpFn
 from normkit.conformance.harness import Harness
+from normkit.conformance.support import PROBE_SHAPE, Cell
 from normkit.spec import NormSpec
 from normkit.torch import kernels
 from normkit.torch.functional import add_norm, normalize
 from normkit.torch.modules import from_spec
 
-__all__ = ["VARIANTS", "build", "devices", "evaluate", "probes_skipped", "set_threads"]
+__all__ = [
+    "VARIANTS", "build", "devices", "evaluate", "probes_skipped", "set_threads", "support",
+]
 
 VARIANTS: dict[str, tuple[object, ...] | None] = {
     "api": ("module", "functional"), "compiled": (True, False), "kernel": kernels.KERNELS,
@@ -118,3 +122,57 @@ def probes_skipped(device: str, **variant: Any) -> str | None:
     if variant.get("kernel") == "triton" and not device.startswith("cuda"):
         return "the Triton kernels run in Triton's interpreter here"
     return None
+
+
+def _refused(spec: NormSpec, argument: str | None, call: Any) -> Cell:
+    """``call(x, second)`` on `PROBE_SHAPE` ones: ``("no", message)`` where normkit.torch
+    refuses the spec (a ValueError) or has no ``argument``, else ``("yes", "")``."""
+    if argument is not None and argument not in inspect.signature(call).parameters:
+        return "no", f"normkit.torch.{call.__name__} takes no {argument}="
+    x = torch.ones(PROBE_SHAPE)
+    try:
+        call(x, x if spec.gate is not None or spec.residual is not None else None)
+    except ValueError as exc:
+        return "no", str(exc)
+    return "yes", ""
+
+
+def support(spec: NormSpec, argument: str | None) -> dict[str, Cell]:
+    """What each implementation does with ``spec`` and the call ``argument``
+    (`normkit.conformance.support`): the composite path (`normalize` and `add_norm`, which
+    compute every spec normkit.torch accepts), each named kernel (`kernels.unsupported`: a
+    field it lacks takes the composite path under ``kernel="auto"``) and a sharded normalized
+    dim (`normkit.torch.distributed.normalize_sharded`)."""
+    from normkit.torch.distributed import normalize_sharded
+
+    def composite(x: torch.Tensor, second: torch.Tensor | None) -> Any:
+        if spec.residual is not None:
+            return add_norm(x, x, spec, kernel="composite")
+        return normalize(x, spec, gate=second, kernel="composite")
+
+    composite.__name__ = "add_norm" if spec.residual is not None else "normalize"
+    composite.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+        add_norm if spec.residual is not None else normalize
+    )
+    found = {"composite": _refused(spec, argument, composite)}
+    for kernel in kernels.KERNELS:
+        if kernel in ("auto", "composite"):
+            continue
+        lacking = kernels.unsupported(kernel, spec)
+        if found["composite"][0] == "no":
+            found[kernel] = found["composite"]
+        elif lacking is not None:
+            found[kernel] = "fallback", "composite"
+        else:
+            found[kernel] = "yes", ""
+
+    def sharded(x: torch.Tensor, second: torch.Tensor | None) -> Any:
+        try:
+            return normalize_sharded(x, spec)
+        except RuntimeError:  # the spec accepted; torch.distributed is not initialized here
+            return None
+
+    sharded.__signature__ = inspect.signature(normalize_sharded)  # type: ignore[attr-defined]
+    sharded.__name__ = "distributed.normalize_sharded"
+    found["sharded"] = _refused(spec, argument, sharded)
+    return found
