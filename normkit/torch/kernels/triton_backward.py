@@ -29,10 +29,7 @@ with the same guards; what changes is how a program walks its rows:
   programs wide, in a fixed order, and rounds them once. No atomics: the same inputs on the
   same GPU give the same bits.
 
-The helpers `_round`, `_activation`, `_inv_pow2`, `_rs`, `_eps_scaled`, `_float32_scalars` and
-`_dx_first` repeat triton.py's: triton.py imports this module, so this one cannot import it.
-When this backward becomes the default, triton.py's backward kernel goes and its forward
-imports them from here.
+The helpers it shares with triton.py's kernels are in `normkit.torch.kernels._triton_rows`.
 """
 
 from __future__ import annotations
@@ -54,6 +51,20 @@ except ImportError as error:
         "pip install normkit[triton]"
     ) from error
 
+from normkit.torch.kernels._triton_rows import (
+    _FLT_MAX,
+    _MIN_NORMAL,
+    _RESCALED_R,
+    _TINY_S,
+    _activation,
+    _dx_first,
+    _eps_scaled,
+    _float32_scalars,
+    _inv_pow2,
+    _round,
+    _rs,
+)
+
 __all__ = ["FUSED", "SLICE_MAX", "Config", "backward_rows", "config"]
 
 _VARIABLE = "NORMKIT_TRITON_BACKWARD"
@@ -74,86 +85,12 @@ FUSED: bool = _selected(os.environ.get(_VARIABLE, ""))
 SLICE_MAX = 8192
 """The most columns of a row one program holds; a longer (sub-)row is cut into slices."""
 
-# As in triton.py (see the module docstring): below this a saved r(s) comes from a rescaled
-# (or inf/NaN) row; float32's largest finite value; the statistic below which its squares may
-# have underflowed; the smallest normal float32.
-_RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
-_TINY_S: tl.constexpr = tl.constexpr(2.0**-103)
-_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
-_SOFT_RNE: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # What `_terms` computes: the mean's terms, the one-pass sums, the careful path's centered
 # moments, and its sum of d y_hat.
 _MEAN: tl.constexpr = tl.constexpr(0)
 _FAST: tl.constexpr = tl.constexpr(1)
 _CENTERED: tl.constexpr = tl.constexpr(2)
 _DOT: tl.constexpr = tl.constexpr(3)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """``x`` (float32) rounded to nearest-even in DTYPE (integer arithmetic for bfloat16 under
-    the interpreter, whose conversion truncates)."""
-    if _SOFT_RNE and DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _activation(z, ACTIVATION: tl.constexpr):
-    """(a(z), a'(z)) in float32, sigmoid(z) and sigmoid(-z) both from ``e = exp(-|z|)``::
-
-        sigmoid' = sigmoid(z) sigmoid(-z)        silu' = sigmoid(z) (1 + z sigmoid(-z))
-    """
-    e = tl.exp(-tl.abs(z))
-    positive = z >= 0
-    sig = tl.div_rn(tl.where(positive, 1.0, e), 1.0 + e)
-    sig_neg = tl.div_rn(tl.where(positive, e, 1.0), 1.0 + e)
-    if ACTIVATION == "sigmoid":
-        return sig, sig * sig_neg
-    else:
-        return z * sig, sig * (1.0 + z * sig_neg)
-
-
-@triton.jit
-def _inv_pow2(amax):
-    """The power of two that brings ``amax`` (finite and normal) into [2, 4)."""
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return ((255 - biased) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rs(s, eps, OUTSIDE: tl.constexpr):
-    if OUTSIDE:
-        return tl.div_rn(1.0, tl.sqrt_rn(s) + eps)
-    else:
-        return tl.div_rn(1.0, tl.sqrt_rn(s + eps))
-
-
-@triton.jit
-def _eps_scaled(eps, sigma, OUTSIDE: tl.constexpr):
-    if OUTSIDE:
-        return eps * sigma
-    else:
-        return (eps * sigma) * sigma
-
-
-@triton.jit
-def _float32_scalars(eps, scale_offset):
-    """The float arguments in float32 (Inductor passes them as float64)."""
-    return tl.cast(eps, tl.float32), tl.cast(scale_offset, tl.float32)
-
-
-@triton.jit
-def _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
-    """dx_0 of partial RMS with k = 1 in closed form, ``rest`` the sum of d y_hat past it."""
-    if OUTSIDE:
-        sign = tl.where(y0 > 0, 1.0, tl.where(y0 < 0, -1.0, 0.0))
-        return sigma * rs * (eps_s * rs * d0 - sign * rest)
-    else:
-        return sigma * rs * (eps_s * rs * rs * d0 - y0 * rest)
 
 
 @triton.jit
