@@ -378,26 +378,56 @@ def _backward(
         u = y_hat if layer or k == n else y_hat[:, :k]
         rest = scaled.eps * r_scaled * r_scaled
     assert u is not None
-    if layer:
-        centered_d = d - _row_mean(d)
-        if n == 2:
-            inner = rest * centered_d
-        else:
-            dot = _row_sum(d * y_hat)
-            inner = centered_d - u * (dot / n)
-    elif k == 1:
-        others = _row_sum(d[:, 1:] * y_hat[:, 1:])
-        head = d[:, :1] * rest - u[:, :1] * others
-        inner = torch.cat([head, d[:, 1:]], dim=-1)
-    else:
-        dot = _row_sum(d * y_hat)
-        inner = d - u * (dot / k) if k == n else torch.cat(
-            [d[:, :k] - u * (dot / k), d[:, k:]], dim=-1
-        )
+    inner = _gradient_direction(d, y_hat, u, rest, layer, n, k, k, LOCAL_ROWS)
     dx = r_scaled * inner * scaled.sigma
     dg = torch.sum(dyf * y_hat, dim=0) if need_g else None
     db = torch.sum(dyf, dim=0) if need_b else None
     return dx.to(x.dtype), dg, db
+
+
+class RowSums:
+    """How the composite math sums along its rows: over each row of a tensor that holds the
+    whole row, as `_row_sum` and `_row_mean` do (`LOCAL_ROWS`). ``normkit.torch.distributed``
+    subclasses it for rows whose elements are spread across ranks."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of each row of ``t`` (rows, m), (rows, 1)."""
+        return _row_sum(t)
+
+    def mean_and_sum(
+        self, t: torch.Tensor, u: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean of each row of t, sum of each row of u)``, the mean over rows of ``n``."""
+        return _row_mean(t), _row_sum(u)
+
+
+LOCAL_ROWS = RowSums()
+
+
+def _gradient_direction(
+    d: torch.Tensor, y_hat: torch.Tensor, u: torch.Tensor, rest: torch.Tensor, layer: bool,
+    n: int, k: int, head: int, rows: RowSums,
+) -> torch.Tensor:
+    """``dx / r`` of `_backward`'s closed forms, from ``d = dy g``, ``y_hat``, ``u`` (the first
+    ``head`` elements of its row's ``k``) and ``rest = 1 - u_0 y_hat_0`` (``eps r**2`` inside,
+    ``eps r`` outside), on blocks of rows of ``n`` elements whose statistic reads the first
+    ``k``; ``head`` of them are in this block, and ``rows`` takes the row sums::
+
+        layer:          d - mean(d) - u sum(d y_hat) / n     (n = 2: rest (d - mean(d)))
+        rms, k = 1:     d_0 rest - u_0 sum_{j >= 1} d_j y_hat_j, then d_j
+        rms:            d - [i < k] u sum(d y_hat) / k
+    """
+    if layer:
+        mean_d, dot = rows.mean_and_sum(d, d * y_hat, n)
+        centered_d = d - mean_d
+        return rest * centered_d if n == 2 else centered_d - u * (dot / n)
+    if k == 1:  # the head's 1 - u_0 y_hat_0 cancels: taken as rest
+        others = rows.sum(d[:, head:] * y_hat[:, head:])
+        return torch.cat([d[:, :head] * rest - u[:, :head] * others, d[:, head:]], dim=-1)
+    dot = rows.sum(d * y_hat)
+    if head == d.shape[-1]:
+        return d - u * (dot / k)
+    return torch.cat([d[:, :head] - u * (dot / k), d[:, head:]], dim=-1)
 
 
 def _backward_in_place(

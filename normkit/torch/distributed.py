@@ -35,21 +35,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import register_sharding
 
 from normkit.spec import NormSpec
-from normkit.torch._autograd import _acc_dtype, _rstd
+from normkit.torch._autograd import RowSums, _acc_dtype, _gradient_direction, _rstd
 from normkit.torch._checks import check_param, check_tensor
 from normkit.torch._spec import RowSpec, row_spec
 
 __all__ = [
     "LocalRows", "localize", "normalize_sharded", "register_row_sharding", "shards_normalized_axis"
 ]
-
-def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
-    """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
-    if not outside:
-        return -0.5 * r * r * r
-    root = torch.sqrt(s)
-    return torch.where(s > 0, -0.5 * r * r / torch.where(s > 0, root, torch.ones_like(root)), 0.0)
-
 
 def _row_sums(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``value`` (rows, j) summed over the ranks of ``group`` (None: this rank alone), in
@@ -61,6 +53,23 @@ def _row_sums(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
 
 def _sum_rows(value: torch.Tensor) -> torch.Tensor:
     return value.sum(dim=-1, keepdim=True)
+
+
+class _ShardedRows(RowSums):
+    """Sums along rows whose elements are spread over the ranks of ``group`` (None: this rank
+    alone): each rank sums its block as `RowSums` does, then one all-reduce (two sums in one)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _row_sums(super().sum(t), self.group)
+
+    def mean_and_sum(
+        self, t: torch.Tensor, u: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        both = _row_sums(torch.cat([super().sum(t), super().sum(u)], dim=-1), self.group)
+        return both[:, :1] / n, both[:, 1:]
 
 
 class _ShardedNorm(torch.autograd.Function):
@@ -116,22 +125,19 @@ class _ShardedNorm(torch.autograd.Function):
         r = _rstd(s, plan.eps, plan.outside)
         dyf = dy.to(acc)
         d = dyf * g if g is not None else dyf
-        if plan.kind == "layer":
-            sums = _row_sums(torch.cat([_sum_rows(d * centered), _sum_rows(d)], -1), group)
-            dot, d_mean = sums[:, :1], sums[:, 1:] / plan.n
-            d = d - d_mean
+        layer = plan.kind == "layer"
+        y_hat = centered * r
+        if plan.outside:  # u = c / sqrt(s), 0 where s = 0
+            read = centered if layer else centered[:, :head]
+            u = torch.where(s > 0, read / torch.sqrt(torch.where(s > 0, s, 1.0)), 0.0)
+            rest = plan.eps * r
         else:
-            dot = _row_sums(_sum_rows(d * centered), group)
-        if plan.n <= (2 if plan.kind == "layer" else 1):
-            # A row with no direction left to vary: r + 2 s r'(s) = eps r^3 (inside) or eps r^2
-            # (outside), in closed form rather than as a float32 difference of O(1) terms.
-            dx = plan.eps * r * r * (r if not plan.outside else 1) * d
-        else:
-            coef = _dr_ds(r, s, plan.outside) * dot * (2.0 / plan.k)
-            dx = r * d
-            dx[:, :head] += centered[:, :head] * coef
+            u = y_hat if layer else y_hat[:, :head]
+            rest = plan.eps * r * r
+        dx = r * _gradient_direction(d, y_hat, u, rest, layer, plan.n, plan.k, head,
+                                     _ShardedRows(group))
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
-        dg = torch.sum(dyf * centered * r, dim=0) if need_g and g is not None else None
+        dg = torch.sum(dyf * y_hat, dim=0) if need_g and g is not None else None
         db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None
         return (dx.to(x.dtype) if need_x else None), dg, db, None, None, None
 

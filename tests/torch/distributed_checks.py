@@ -319,6 +319,27 @@ def check_registered_op(mesh: DeviceMesh) -> None:
     tolerances.assert_close(_np(y_plain), expected, what="custom op without weight")
 
 
+def check_first_element_alone(placement: str) -> None:
+    """Partial RMS whose statistic reads the first element alone (k = 1 of 64, on rank 0), on
+    rows whose other elements are 0: dx_0 = dy_0 eps r**3 (inside), which the difference
+    ``1 - x_0**2 r**2`` of float32 values lost to rounding."""
+    rank = dist.get_rank()
+    spec = NormSpec(kind="partial_rms", p=1 / 64, eps_placement=placement)
+    x = torch.zeros(3, 64)
+    x[:, 0] = torch.tensor([1.0, -3.0, 0.25])
+    dy = torch.zeros(3, 64)
+    dy[:, 0] = torch.tensor([1.0, 2.0, -0.5])
+    block = _leaf(x.chunk(WORLD, -1)[rank])
+    y = normalize_sharded(block, spec)
+    y.backward(dy.chunk(WORLD, -1)[rank])
+    assert block.grad is not None
+    parts = [torch.empty_like(block.grad) for _ in range(WORLD)]
+    dist.all_gather(parts, block.grad.contiguous())
+    dx = reference.normalize_vjp(_np(x), _np(dy), spec)[0]
+    tolerances.assert_close(_np(torch.cat(parts, -1)), dx, quantity="grad",
+                            what=f"dx of k = 1 {placement}")
+
+
 def group_sharded(checks: Checks) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -345,6 +366,9 @@ def group_sharded(checks: Checks) -> None:
     for spec in (NormSpec(kind="partial_rms", p=0.3, bias=True), NormSpec(kind="layer")):
         with checks.check(f"plain tensors with a group {spec.kind}"):
             check_plain_group(spec, seed=4)
+    for placement in ("inside", "outside"):
+        with checks.check(f"partial rms k = 1 across ranks {placement}"):
+            check_first_element_alone(placement)
     with checks.check("module routes a DTensor sharded on its normalized dim"):
         check_module_routes_sharded_dtensor(mesh)
     with checks.check("errors"):
