@@ -1,21 +1,16 @@
 """The ``@triton.jit`` helpers and constants that the forward and backward kernels of
 `normkit.torch.kernels.triton` and the fused backward of `normkit.torch.kernels.triton_backward`
-share: rounding to a half dtype, the gate's activation, the rescaling power of two, ``r(s)`` and
-the closed form of partial RMS's ``dx_0`` at ``k = 1``. The kernels inline them when compiled.
+share: rounding to a half dtype, the gate's activation, the rescaling power of two, ``r(s)``, the
+closed form of partial RMS's ``dx_0`` at ``k = 1``, and the kernel that sums the weight and bias
+gradients' per-program parts. The kernels inline the helpers when compiled.
 """
 
 from __future__ import annotations
 
 import os
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(
-        f"normkit's Triton kernels need triton and torch>=2.6 ({error}): "
-        "pip install normkit[triton]"
-    ) from error
+import triton  # imported by triton.py and triton_backward.py, which say what a missing one needs
+import triton.language as tl
 
 # Below this, a saved r(s) can only come from a rescaled (or inf/NaN) row: a finite float32
 # statistic is below 2**128, so r(s) >= 2**-64 without rescaling.
@@ -105,3 +100,38 @@ def _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
         return sigma * rs * (eps_s * rs * d0 - sign * rest)
     else:
         return sigma * rs * (eps_s * rs * rs * d0 - y0 * rest)
+
+
+@triton.jit
+def _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr,
+               PARTIAL: tl.constexpr):
+    """dx of a (sub-)row but the k = 1 closed form's element: ``sigma rs (d - mean(d) - q dot
+    / n)`` (LAYER), ``sigma rs (d - [i < k] q dot / k)`` (PARTIAL; else without the mask)."""
+    if LAYER:
+        return sigma * rs * (d - mean_d - q * (dot / n))
+    elif PARTIAL:
+        return sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
+    else:
+        return sigma * rs * (d - q * (dot / k))
+
+
+@triton.jit
+def _column_sums_kernel(PART, DW, DB, parts, n, width, HAS_DW: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column j < width of PART (parts, width) summed over its rows in float32, in a fixed
+    order, and rounded once: into DW[j] for j < n with HAS_DW, else into DB[j - n HAS_DW]."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lanes = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, parts, BLOCK_P):
+        p = start + lanes
+        mask = (p[:, None] < parts) & (cols[None, :] < width)
+        acc += tl.load(PART + p[:, None].to(tl.int64) * width + cols[None, :], mask=mask,
+                       other=0.0)
+    total = tl.sum(acc, axis=0)
+    if HAS_DW:
+        tl.store(DW + cols, _round(total, DW.dtype.element_ty), mask=cols < n)
+        tl.store(DB + (cols - n), _round(total, DB.dtype.element_ty),
+                 mask=(cols >= n) & (cols < width))
+    else:
+        tl.store(DB + cols, _round(total, DB.dtype.element_ty), mask=cols < width)

@@ -73,7 +73,9 @@ from normkit.torch.kernels._triton_rows import (
     _RESCALED_R,
     _TINY_S,
     _activation,
+    _column_sums_kernel,
     _dx_first,
+    _dx_values,
     _eps_scaled,
     _float32_scalars,
     _inv_pow2,
@@ -366,14 +368,6 @@ def _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER: tl.constexpr,
 
 
 @triton.jit
-def _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
-    if LAYER:
-        return sigma * rs * (d - mean_d - q * (dot / n))
-    else:
-        return sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
-
-
-@triton.jit
 def _store_dz(e, h, slope_in, dy, u, slope_out, DZ, offs, mask, GATE_IN: tl.constexpr,
               GATE_OUT: tl.constexpr):
     """dz = e h a'(z) with GATE_IN (``e`` the norm's input gradient); dy u a'(z) with GATE_OUT
@@ -433,7 +427,7 @@ def _backward_kernel(
             d = dy_u * g
             dot = tl.sum(d * y_hat, axis=0)
             mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
-            dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER)
+            dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER, True)
             if not LAYER:
                 if k == 1:
                     d0 = tl.sum(tl.where(cols == 0, d, 0.0), axis=0)
@@ -498,7 +492,7 @@ def _backward_kernel(
                 if HAS_W:
                     g = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
                 d = dy_u * g
-                dx = _dx_values(d, q, offs, sigma, rs, dot, mean_d, n, k, LAYER)
+                dx = _dx_values(d, q, offs, sigma, rs, dot, mean_d, n, k, LAYER, True)
                 if not LAYER:
                     if k == 1:
                         d0 = tl.sum(tl.where(offs == 0, d, 0.0), axis=0)
@@ -520,19 +514,6 @@ def _backward_kernel(
                 if NEED_DB:
                     part = DB_PART + part_off + offs
                     tl.store(part, tl.load(part, mask=mask, other=0.0) + dy_u, mask=mask)
-
-
-@triton.jit
-def _sum_parts_kernel(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT[j] = sum over p of PART[p, j], in float32, rounded once to OUT's dtype."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lanes = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, parts, BLOCK_P):
-        p = start + lanes
-        mask = (p[:, None] < parts) & (cols[None, :] < n)
-        acc += tl.load(PART + p[:, None].to(tl.int64) * n + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, _round(tl.sum(acc, axis=0), OUT.dtype.element_ty), mask=cols < n)
 
 
 def _launch_config(n: int, layer: bool, backward: bool) -> tuple[bool, int, int]:
@@ -714,8 +695,8 @@ def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     count, n = parts.shape
     out = torch.empty((n,), dtype=dtype, device=parts.device)
     block_n = min(triton.next_power_of_2(n), 256)
-    _launcher(parts)(_sum_parts_kernel)[(triton.cdiv(n, block_n),)](
-        parts, out, count, n, BLOCK_P=_PARTIAL_BLOCK, BLOCK_N=block_n,
+    _launcher(parts)(_column_sums_kernel)[(triton.cdiv(n, block_n),)](
+        parts, out, out, count, n, n, HAS_DW=False, BLOCK_P=_PARTIAL_BLOCK, BLOCK_N=block_n,
     )
     return out
 

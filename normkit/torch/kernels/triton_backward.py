@@ -57,7 +57,9 @@ from normkit.torch.kernels._triton_rows import (
     _RESCALED_R,
     _TINY_S,
     _activation,
+    _column_sums_kernel,
     _dx_first,
+    _dx_values,
     _eps_scaled,
     _float32_scalars,
     _inv_pow2,
@@ -431,16 +433,12 @@ def _backward_kernel(
                 q = tl.where(mask, (v * q_sigma - q_m) - q_m2, 0.0) * q_scale
             else:
                 q = (v * q_sigma) * q_scale
-        if LAYER:
-            e = sigma * rs * (d - mean_d - q * (dot / n))
-        elif PARTIAL:
-            e = sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
+        e = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER, PARTIAL)
+        if PARTIAL:
             if k == 1:
                 d0, y0 = tl.reduce((tl.where(cols == 0, d, 0.0), tl.where(cols == 0, y_hat, 0.0)),
                                    0, _add2)
                 e = tl.where(cols == 0, _dx_first(d0, y0, dot, sigma, rs, eps_s, OUTSIDE), e)
-        else:
-            e = sigma * rs * (d - q * (dot / k))
         offs = row_off + pcols
         if GATE_IN != "none":
             tl.store(DZ + offs, _round(e * h * slope_in, DZ.dtype.element_ty), mask=mask)
@@ -464,28 +462,6 @@ def _backward_kernel(
     elif NEED_DW or NEED_DB:
         part_row = PART + tl.cast(first, tl.int64) * row_len + pcols
         tl.store(part_row, dw_acc if NEED_DW else db_acc, mask=mask)
-
-
-@triton.jit
-def _column_sums_kernel(PART, DW, DB, parts, n, width, HAS_DW: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Column j < width of PART (parts, width) summed over its rows in float32, in a fixed
-    order, and rounded once: into DW[j] for j < n with HAS_DW, else into DB[j - n HAS_DW]."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lanes = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, parts, BLOCK_P):
-        p = start + lanes
-        mask = (p[:, None] < parts) & (cols[None, :] < width)
-        acc += tl.load(PART + p[:, None].to(tl.int64) * width + cols[None, :], mask=mask,
-                       other=0.0)
-    total = tl.sum(acc, axis=0)
-    if HAS_DW:
-        tl.store(DW + cols, _round(total, DW.dtype.element_ty), mask=cols < n)
-        tl.store(DB + (cols - n), _round(total, DB.dtype.element_ty),
-                 mask=(cols >= n) & (cols < width))
-    else:
-        tl.store(DB + cols, _round(total, DB.dtype.element_ty), mask=cols < width)
 
 
 class Config(NamedTuple):
