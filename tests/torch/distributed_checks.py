@@ -184,10 +184,13 @@ def check_dtensor(
     assert_matches_reference(spec, x, dy, w, b, yl, grads, f"one process {spec} {dtype}")
 
 
-def check_plain_group(spec: NormSpec, seed: int) -> None:
-    """normalize_sharded on each rank's block of plain tensors with the default group."""
+def check_plain_group(
+    spec: NormSpec, seed: int, scale: float = 1.0, shift: float = 0.0
+) -> None:
+    """normalize_sharded on each rank's block of plain tensors with the default group, on rows
+    ``x scale + shift``."""
     rank = dist.get_rank()
-    x, dy = _randn(6, 64, seed=seed), _randn(6, 64, seed=seed + 1)
+    x, dy = _randn(6, 64, seed=seed) * scale + shift, _randn(6, 64, seed=seed + 1)
     w, b = _params(spec, 64, seed + 2)
     blocks = [_leaf(None if t is None else t.chunk(WORLD, -1)[rank]) for t in (x, w, b)]
     y = normalize_sharded(blocks[0], spec, blocks[1], blocks[2])
@@ -340,6 +343,16 @@ def check_first_element_alone(placement: str) -> None:
                             what=f"dx of k = 1 {placement}")
 
 
+#: Sharded rows whose squares overflow or underflow float32, or whose mean dwarfs their spread:
+#: (spec, scale, shift) of ``x scale + shift``.
+EXTREME_ROWS = [
+    (NormSpec(kind="rms", bias=True), 1e30, 0.0),
+    (NormSpec(kind="partial_rms", p=0.3, eps_placement="outside"), 1e-30, 0.0),
+    (NormSpec(kind="layer"), 1e25, 0.0),
+    (NormSpec(kind="layer", eps_placement="outside"), 1.0, 1e6),
+]
+
+
 def group_sharded(checks: Checks) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -369,6 +382,9 @@ def group_sharded(checks: Checks) -> None:
     for placement in ("inside", "outside"):
         with checks.check(f"partial rms k = 1 across ranks {placement}"):
             check_first_element_alone(placement)
+    for spec, scale, shift in EXTREME_ROWS:
+        with checks.check(f"rows of {scale:g} + {shift:g} {spec.kind} {spec.eps_placement}"):
+            check_plain_group(spec, seed=7, scale=scale, shift=shift)
     with checks.check("module routes a DTensor sharded on its normalized dim"):
         check_module_routes_sharded_dtensor(mesh)
     with checks.check("errors"):
