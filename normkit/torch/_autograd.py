@@ -211,40 +211,26 @@ def _center(xf: torch.Tensor) -> torch.Tensor:
 
 class RowSums:
     """How the composite math reduces along its rows: over each row of a tensor that holds the
-    whole row (`LOCAL_ROWS`, the functions above). ``normkit.torch.distributed`` subclasses it
+    whole row (`LOCAL_ROWS`: the functions above). ``normkit.torch.distributed`` subclasses it
     for rows whose elements are spread across ranks: the same math, its sums all-reduced."""
 
+    extremes = staticmethod(_extremes)
+    sum = staticmethod(_row_sum)
+    mean = staticmethod(_row_mean)
+    mean_square = staticmethod(_mean_square)
+    center = staticmethod(_center)
+
     def length(self, t: torch.Tensor) -> int:
-        """The length of the rows ``t`` holds (the whole of them)."""
+        """The length of the rows ``t`` holds blocks of (here: the whole of them)."""
         return t.shape[-1]
 
     def head(self, k: int) -> int:
-        """How many of the statistic's first ``k`` elements the rows hold."""
+        """How many of the statistic's first ``k`` elements the blocks hold."""
         return k
 
-    def extremes(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_extremes`: (max, min) of each row, (rows, 1) each."""
-        return _extremes(t)
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`_row_sum`: the sum of each row, (rows, 1)."""
-        return _row_sum(t)
-
-    def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """`_row_mean`: the mean of each row, (rows, 1)."""
-        return _row_mean(t)
-
     def mean_and_sum(self, t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean of each row of t, sum of each row of u)``."""
+        """``(mean of each row of t, sum of each row of u)``, in one reduction where it can."""
         return _row_mean(t), _row_sum(u)
-
-    def mean_square(self, head: torch.Tensor) -> torch.Tensor:
-        """`_mean_square` of the elements the statistic reads."""
-        return _mean_square(head)
-
-    def center(self, t: torch.Tensor) -> torch.Tensor:
-        """`_center`: ``t - mean(t)``, corrected once."""
-        return _center(t)
 
 
 LOCAL_ROWS = RowSums()
