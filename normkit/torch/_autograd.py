@@ -112,16 +112,18 @@ def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def _unit_exponent(values: torch.Tensor, most: int, dtype: torch.dtype) -> torch.Tensor:
+def _unit_exponent(
+    values: torch.Tensor, most: int, dtype: torch.dtype, sums: RowSums | None = None
+) -> torch.Tensor:
     """Per row of ``values`` (rows, m), the biased exponent in ``dtype`` (float32 or float64)
     of the power of two that brings its largest magnitude into [1, 2), at most ``most`` (a
     biased exponent) and at least the least normal one. (rows, 1), an int. A row holding an
     infinity or a NaN gets the least: its values are NaN, zero or infinite whatever the scale,
-    as the reference's."""
+    as the reference's. ``sums`` reads the extremes (None: `_extremes`)."""
     bias = _EXPONENT_BIAS[dtype]
     # max |v| as max(max v, -min v): reductions that read the rows, where abs() writes a copy
     # and the inf-norm reduction took three times as long
-    hi, lo = _extremes(values)
+    hi, lo = _extremes(values) if sums is None else sums.extremes(values)
     largest = torch.maximum(hi, lo.neg_())
     if largest.dtype != dtype:
         largest = largest.to(dtype)
@@ -207,6 +209,33 @@ def _center(xf: torch.Tensor) -> torch.Tensor:
     return centered - _row_mean(centered)
 
 
+class RowSums:
+    """How the composite math reduces along its rows: over each row of a tensor that holds the
+    whole row (`LOCAL_ROWS`: the functions above). ``normkit.torch.distributed`` subclasses it
+    for rows whose elements are spread across ranks: the same math, its sums all-reduced."""
+
+    extremes = staticmethod(_extremes)
+    sum = staticmethod(_row_sum)
+    mean = staticmethod(_row_mean)
+    mean_square = staticmethod(_mean_square)
+    center = staticmethod(_center)
+
+    def length(self, t: torch.Tensor) -> int:
+        """The length of the rows ``t`` holds blocks of (here: the whole of them)."""
+        return t.shape[-1]
+
+    def head(self, k: int) -> int:
+        """How many of the statistic's first ``k`` elements the blocks hold."""
+        return k
+
+    def mean_and_sum(self, t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean of each row of t, sum of each row of u)``, in one reduction where it can."""
+        return _row_mean(t), _row_sum(u)
+
+
+LOCAL_ROWS = RowSums()
+
+
 @dataclass(frozen=True)
 class _Scaled:
     """Rows in scaled units: ``c = sigma * centered`` (the first ``k`` elements read by the
@@ -221,7 +250,8 @@ class _Scaled:
 
 
 def _scaled(
-    x: torch.Tensor, rows: RowSpec, in_place: bool = False, statistic: bool = True
+    x: torch.Tensor, rows: RowSpec, in_place: bool = False, statistic: bool = True,
+    sums: RowSums = LOCAL_ROWS,
 ) -> _Scaled:
     """`_Scaled` of the rows ``x`` (any float dtype; computed in the acc dtype).
 
@@ -236,15 +266,16 @@ def _scaled(
     acc = _acc_dtype(x.dtype)
     most = _largest_exponent(rows.eps, rows.outside, acc)
     layer = rows.kind == "layer"
-    whole = layer or rows.k == x.shape[-1]  # the statistic reads every element
+    k = sums.head(rows.k)
+    whole = layer or k == x.shape[-1]  # the statistic reads every element
     if in_place:  # the extremes read from x as it is, c written in one pass of its own
-        e = _unit_exponent(x if whole else x[:, : rows.k], most, acc)
+        e = _unit_exponent(x if whole else x[:, :k], most, acc, sums)
         sigma = _power_of_two(e, acc)
         c = _converted(x, acc).mul_(sigma) if x.dtype != acc else torch.mul(
             x, sigma, out=_memory.empty_like(x))
     else:
         xf = x.to(acc)
-        e = _unit_exponent(xf if layer else xf[:, : rows.k], most, acc)
+        e = _unit_exponent(xf if layer else xf[:, :k], most, acc, sums)
         sigma = _power_of_two(e, acc)
         c = xf * sigma  # x is never written
     if layer:
@@ -252,35 +283,38 @@ def _scaled(
         if in_place and c.shape[-1] > 2:
             # the second centering and the second scaling in one pass: (c - m2) sigma2 =
             # c sigma2 - m2 sigma2, each product exact
-            c = c.sub_(_row_mean(c))
+            c = c.sub_(sums.mean(c))
             sigma2 = _power_of_two(
-                torch.minimum(_unit_exponent(c, most, acc), most + bias - e), acc)
-            c = torch.addcmul(_row_mean(c).mul_(-sigma2), c, sigma2, out=c)
+                torch.minimum(_unit_exponent(c, most, acc, sums), most + bias - e), acc)
+            c = torch.addcmul(sums.mean(c).mul_(-sigma2), c, sigma2, out=c)
         else:
-            c = _center(c)
+            c = sums.center(c)
             sigma2 = _power_of_two(
-                torch.minimum(_unit_exponent(c, most, acc), most + bias - e), acc)
+                torch.minimum(_unit_exponent(c, most, acc, sums), most + bias - e), acc)
             c = c * sigma2
         sigma = sigma * sigma2  # exact: powers of two whose product is at most 2**most
-    s = _mean_square(c if whole else c[:, : rows.k]) if statistic else c.new_empty(0)
+    s = sums.mean_square(c if whole else c[:, :k]) if statistic else c.new_empty(0)
     eps = sigma * rows.eps if rows.outside else sigma * sigma * rows.eps
     return _Scaled(c, s, eps, sigma)
 
 
 def _rstd(s: torch.Tensor, eps: float | torch.Tensor, outside: bool) -> torch.Tensor:
-    """``r(s)``: ``1/sqrt(s + eps)`` (inside) or ``1/(sqrt(s) + eps)`` (outside)."""
+    """``r(s)``: ``1/sqrt(s + eps)`` (inside) or ``1/(sqrt(s) + eps)`` (outside).
+
+    The composite paths' one r(s) (ops, sharded). Other copies are earned: the numba and Triton
+    kernels' in their row loops (speed), `normkit.torch._eager`'s in the host's op order (bits)."""
     return torch.reciprocal(torch.sqrt(s) + eps) if outside else torch.rsqrt(s + eps)
 
 
-def _direction(head: torch.Tensor) -> torch.Tensor:
+def _direction(head: torch.Tensor, sums: RowSums = LOCAL_ROWS) -> torch.Tensor:
     """``z = c / sqrt(s)`` over the elements the statistic reads, ``head`` (the first k of c;
     all of it for layer), 0 where s = 0: eps outside's ``x_i r'(s) = -r**2 z_i / 2``. z does not
     depend on the row's scale (|z| <= sqrt(k)): it is taken from the row multiplied by the power
     of two that brings its largest magnitude into [1, 2), uncapped, where no square
     underflows."""
     uncapped = 2 * _EXPONENT_BIAS[head.dtype]
-    unit = head * _power_of_two(_unit_exponent(head, uncapped, head.dtype), head.dtype)
-    s = _mean_square(unit)
+    unit = head * _power_of_two(_unit_exponent(head, uncapped, head.dtype, sums), head.dtype)
+    s = sums.mean_square(unit)
     return torch.where(s > 0, unit / torch.sqrt(torch.where(s > 0, s, 1.0)), 0.0)
 
 
@@ -333,6 +367,7 @@ def _backward(
     rows: RowSpec,
     need_g: bool,
     need_b: bool,
+    sums: RowSums = LOCAL_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dg, db)`` as in `normalize_vjp`: dx in x's dtype, dg and db in the acc dtype.
 
@@ -350,15 +385,16 @@ def _backward(
     ``y_hat = x r`` from the saved r (a product that neither overflows nor underflows where
     y_hat does not), without the scaled rows.
     """
-    n, k = x.shape[-1], rows.k
-    in_place = not torch.is_grad_enabled() and not _traced()
+    n, k = sums.length(x), rows.k
+    head = sums.head(k)
+    in_place = sums is LOCAL_ROWS and not torch.is_grad_enabled() and not _traced()
     layer = rows.kind == "layer"
     if in_place and r is not None and not rows.outside and not layer and k > 1:
         r_row = r.unsqueeze(-1)
         y_hat = _converted(x, r.dtype).mul_(r_row) if x.dtype != r.dtype else torch.mul(
             x, r_row, out=_memory.empty_like(x))
         return _backward_in_place(y_hat, r_row, g, dy, rows, x.dtype, need_g, need_b)
-    scaled = _scaled(x, rows, in_place, statistic=r is None or rows.outside)
+    scaled = _scaled(x, rows, in_place, statistic=r is None, sums=sums)
     if r is None:
         r_scaled = _rstd(scaled.s, scaled.eps, rows.outside)
     else:
@@ -370,34 +406,45 @@ def _backward(
     acc = r_scaled.dtype
     dyf = dy.to(acc)
     d = dyf * g if g is not None else dyf
-    u = _direction(scaled.c if layer else scaled.c[:, :k]) if rows.outside else None
+    u = _direction(scaled.c if layer else scaled.c[:, :head], sums) if rows.outside else None
     y_hat = scaled.c * r_scaled
     if rows.outside:
         rest = scaled.eps * r_scaled
     else:
-        u = y_hat if layer or k == n else y_hat[:, :k]
+        u = y_hat if layer or head == x.shape[-1] else y_hat[:, :head]
         rest = scaled.eps * r_scaled * r_scaled
     assert u is not None
-    if layer:
-        centered_d = d - _row_mean(d)
-        if n == 2:
-            inner = rest * centered_d
-        else:
-            dot = _row_sum(d * y_hat)
-            inner = centered_d - u * (dot / n)
-    elif k == 1:
-        others = _row_sum(d[:, 1:] * y_hat[:, 1:])
-        head = d[:, :1] * rest - u[:, :1] * others
-        inner = torch.cat([head, d[:, 1:]], dim=-1)
-    else:
-        dot = _row_sum(d * y_hat)
-        inner = d - u * (dot / k) if k == n else torch.cat(
-            [d[:, :k] - u * (dot / k), d[:, k:]], dim=-1
-        )
+    inner = _gradient_direction(d, y_hat, u, rest, layer, n, k, head, sums)
     dx = r_scaled * inner * scaled.sigma
     dg = torch.sum(dyf * y_hat, dim=0) if need_g else None
     db = torch.sum(dyf, dim=0) if need_b else None
     return dx.to(x.dtype), dg, db
+
+
+def _gradient_direction(
+    d: torch.Tensor, y_hat: torch.Tensor, u: torch.Tensor, rest: torch.Tensor, layer: bool,
+    n: int, k: int, head: int, rows: RowSums,
+) -> torch.Tensor:
+    """``dx / r`` of `_backward`'s closed forms, from ``d = dy g``, ``y_hat``, ``u`` (the first
+    ``head`` elements of its row's ``k``) and ``rest = 1 - u_0 y_hat_0`` (``eps r**2`` inside,
+    ``eps r`` outside), on blocks of rows of ``n`` elements whose statistic reads the first
+    ``k``; ``head`` of them are in this block, and ``rows`` takes the row sums::
+
+        layer:          d - mean(d) - u sum(d y_hat) / n     (n = 2: rest (d - mean(d)))
+        rms, k = 1:     d_0 rest - u_0 sum_{j >= 1} d_j y_hat_j, then d_j
+        rms:            d - [i < k] u sum(d y_hat) / k
+    """
+    if layer:
+        mean_d, dot = rows.mean_and_sum(d, d * y_hat)
+        centered_d = d - mean_d
+        return rest * centered_d if n == 2 else centered_d - u * (dot / n)
+    if k == 1:  # the head's 1 - u_0 y_hat_0 cancels: taken as rest
+        others = rows.sum(d[:, head:] * y_hat[:, head:])
+        return torch.cat([d[:, :head] * rest - u[:, :head] * others, d[:, head:]], dim=-1)
+    dot = rows.sum(d * y_hat)
+    if head == d.shape[-1]:
+        return d - u * (dot / k)
+    return torch.cat([d[:, :head] - u * (dot / k), d[:, head:]], dim=-1)
 
 
 def _backward_in_place(

@@ -40,6 +40,7 @@ def _normalized(
     else:
         centered = h
         variance = (h if k == h.shape[-1] else h[:, :k]).pow(2).mean(-1, keepdim=True)
+    # Not `_autograd._rstd` on rescaled rows: the eager program's own ops, for its bits.
     if spec.outside:
         return centered / (torch.sqrt(variance) + spec.eps)
     return centered * torch.rsqrt(variance + spec.eps)

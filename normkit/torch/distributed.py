@@ -1,16 +1,21 @@
 """normkit norms whose normalized axis is sharded across the ranks of a process group.
 
 Each rank holds a block of every row (tensor parallelism over the features, as in the q/k norm
-of a column-parallel projection). The row statistic is all-reduced across the group, so every
-rank gets its block of the unsharded result, with the formulas of `normkit.reference`:
+of a column-parallel projection). The row math is the composite path's
+(`normkit.torch._autograd`: each row rescaled by a power of two so that no square overflows or
+underflows, LayerNorm centered with one correction, the backward's closed forms) with its row
+reductions all-reduced across the group (`_ShardedRows`), so every rank gets its block of the
+unsharded result, with the formulas of `normkit.reference`:
 
     rms:          s = sum_ranks(sum(x ** 2)) / N
     partial_rms:  s = sum_ranks(sum(x[global index < k] ** 2)) / k       k = spec.stat_size(N)
     layer:        mean = sum_ranks(sum(x)) / N,  s = sum_ranks(sum((x - mean) ** 2)) / N
 
-(``N`` the global row size; LayerNorm corrects ``mean`` by the mean of the centered values in
-the same all-reduce as ``s``). The backward all-reduces its row sums (``sum_j d_j c_j``, and
-``sum_j d_j`` for LayerNorm); the weight and bias gradients stay local to each rank's block.
+(``N`` the global row size). All-reduces per call: the forward 2 (RMS; a row's extremes, then
+its sum of squares) or 5 (LayerNorm: the extremes, the mean and its correction, the centered
+extremes, the sum of squares); the backward 2 or 5 again (4 or 7 with eps outside), one of
+them for the row sums ``sum_j d_j y_hat_j`` (and ``sum_j d_j``). The weight and bias gradients
+stay local to each rank's block.
 
 `normalize_sharded` takes a plain tensor and a process group, or a ``DTensor`` (sharded on a
 normalized dim over one mesh dim). A DTensor sharded only on other dims needs no collective:
@@ -35,7 +40,17 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import register_sharding
 
 from normkit.spec import NormSpec
-from normkit.torch._autograd import _acc_dtype, _rstd
+from normkit.torch._autograd import (
+    RowSums,
+    _acc_dtype,
+    _affine,
+    _backward,
+    _extremes,
+    _rounded_to,
+    _row_sum,
+    _rstd,
+    _scaled,
+)
 from normkit.torch._checks import check_param, check_tensor
 from normkit.torch._spec import RowSpec, row_spec
 
@@ -43,15 +58,7 @@ __all__ = [
     "LocalRows", "localize", "normalize_sharded", "register_row_sharding", "shards_normalized_axis"
 ]
 
-def _dr_ds(r: torch.Tensor, s: torch.Tensor, outside: bool) -> torch.Tensor:
-    """``r'(s)``: ``-r^3/2`` (inside) or ``-r^2/(2 sqrt(s))`` (outside; 0 at s = 0)."""
-    if not outside:
-        return -0.5 * r * r * r
-    root = torch.sqrt(s)
-    return torch.where(s > 0, -0.5 * r * r / torch.where(s > 0, root, torch.ones_like(root)), 0.0)
-
-
-def _row_sums(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_summed(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``value`` (rows, j) summed over the ranks of ``group`` (None: this rank alone), in
     place."""
     if group is not None:
@@ -59,8 +66,48 @@ def _row_sums(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     return value
 
 
-def _sum_rows(value: torch.Tensor) -> torch.Tensor:
-    return value.sum(dim=-1, keepdim=True)
+class _ShardedRows(RowSums):
+    """The composite math's reductions along rows of ``n`` elements spread over the ranks of
+    ``group`` (None: this rank alone), whose statistic reads the first ``k``, ``head`` of them
+    in this rank's block: each rank reduces its block as `RowSums` does, then one all-reduce
+    (a mean and a sum, or a row's max and -min, in one)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, n: int, k: int, head: int) -> None:
+        self.group, self.n, self.k, self.heads = group, n, k, head
+
+    def length(self, t: torch.Tensor) -> int:
+        return self.n
+
+    def head(self, k: int) -> int:
+        return self.heads
+
+    def extremes(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if t.shape[-1]:
+            hi, lo = _extremes(t)
+        else:  # a block without elements the statistic reads
+            hi = t.new_full((t.shape[0], 1), -math.inf)
+            lo = t.new_full((t.shape[0], 1), math.inf)
+        both = torch.cat([hi, lo.neg()], dim=-1)
+        if self.group is not None:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return both[:, :1], both[:, 1:].neg()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_summed(_row_sum(t), self.group)
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return self.sum(t) / self.n
+
+    def mean_and_sum(self, t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = _all_summed(torch.cat([_row_sum(t), _row_sum(u)], dim=-1), self.group)
+        return both[:, :1] / self.n, both[:, 1:]
+
+    def mean_square(self, head: torch.Tensor) -> torch.Tensor:
+        return self.sum(head * head) / self.k
+
+    def center(self, t: torch.Tensor) -> torch.Tensor:
+        centered = t - self.mean(t)
+        return centered - self.mean(centered)
 
 
 class _ShardedNorm(torch.autograd.Function):
@@ -70,7 +117,9 @@ class _ShardedNorm(torch.autograd.Function):
     reads (all ``n`` for the other kinds), ``group`` the ranks to reduce over (None: this rank
     alone).
 
-    Saves ``x`` and, per row, ``s`` (and LayerNorm's mean) in the acc dtype.
+    The composite path's math (`normkit.torch._autograd`: rows rescaled by a power of two, the
+    closed forms of the backward), its reductions all-reduced over the group (`_ShardedRows`).
+    Saves ``x`` and, per row, the true r.
     """
 
     @staticmethod
@@ -78,62 +127,24 @@ class _ShardedNorm(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, g: torch.Tensor | None, b: torch.Tensor | None,
         plan: RowSpec, head: int, group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        acc = _acc_dtype(x.dtype)
-        xf = x.to(acc)
-        mean = None
-        if plan.kind == "layer":
-            mean = _row_sums(_sum_rows(xf), group) / plan.n
-            centered = xf - mean
-            squares = centered * centered
-            sums = _row_sums(torch.cat([_sum_rows(centered), _sum_rows(squares)], -1), group)
-            shift = sums[:, :1] / plan.n
-            centered = centered - shift
-            mean = mean + shift
-            s = (sums[:, 1:] / plan.n - shift * shift).clamp_min(0)
-        else:
-            centered = xf
-            read = xf[:, :head]
-            s = _row_sums(torch.linalg.vecdot(read, read).unsqueeze(-1), group) / plan.k
-        y = centered * _rstd(s, plan.eps, plan.outside)
-        if x.dtype != acc and plan.before_scale:
-            y = y.to(x.dtype).to(acc)
-        if g is not None:
-            y = y * g
-        if b is not None:
-            y = y + b
-        ctx.save_for_backward(x, s, mean, g)
-        ctx.plan, ctx.head, ctx.group, ctx.has_b = plan, head, group, b is not None
-        return y.to(x.dtype)
+        sums = _ShardedRows(group, plan.n, plan.k, head)
+        scaled = _scaled(x, plan, sums=sums)
+        r_scaled = _rstd(scaled.s, scaled.eps, plan.outside)
+        y = scaled.c * r_scaled
+        if x.dtype != y.dtype and plan.before_scale:
+            y = _rounded_to(y, x.dtype)
+        ctx.save_for_backward(x, (r_scaled * scaled.sigma).squeeze(-1), g)
+        ctx.plan, ctx.sums, ctx.has_b = plan, sums, b is not None
+        return _affine(y, g, b, out=x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, s, mean, g = ctx.saved_tensors
-        plan: RowSpec = ctx.plan
-        head, group = ctx.head, ctx.group
-        acc = s.dtype
-        centered = x.to(acc) if mean is None else x.to(acc) - mean
-        r = _rstd(s, plan.eps, plan.outside)
-        dyf = dy.to(acc)
-        d = dyf * g if g is not None else dyf
-        if plan.kind == "layer":
-            sums = _row_sums(torch.cat([_sum_rows(d * centered), _sum_rows(d)], -1), group)
-            dot, d_mean = sums[:, :1], sums[:, 1:] / plan.n
-            d = d - d_mean
-        else:
-            dot = _row_sums(_sum_rows(d * centered), group)
-        if plan.n <= (2 if plan.kind == "layer" else 1):
-            # A row with no direction left to vary: r + 2 s r'(s) = eps r^3 (inside) or eps r^2
-            # (outside), in closed form rather than as a float32 difference of O(1) terms.
-            dx = plan.eps * r * r * (r if not plan.outside else 1) * d
-        else:
-            coef = _dr_ds(r, s, plan.outside) * dot * (2.0 / plan.k)
-            dx = r * d
-            dx[:, :head] += centered[:, :head] * coef
+        x, r, g = ctx.saved_tensors
         need_x, need_g, need_b = ctx.needs_input_grad[:3]
-        dg = torch.sum(dyf * centered * r, dim=0) if need_g and g is not None else None
-        db = torch.sum(dyf, dim=0) if need_b and ctx.has_b else None
-        return (dx.to(x.dtype) if need_x else None), dg, db, None, None, None
+        dx, dg, db = _backward(x, r, g, dy.contiguous(), ctx.plan, need_g and g is not None,
+                               need_b and ctx.has_b, ctx.sums)
+        return (dx if need_x else None), dg, db, None, None, None
 
 
 def _param_shape(

@@ -184,10 +184,13 @@ def check_dtensor(
     assert_matches_reference(spec, x, dy, w, b, yl, grads, f"one process {spec} {dtype}")
 
 
-def check_plain_group(spec: NormSpec, seed: int) -> None:
-    """normalize_sharded on each rank's block of plain tensors with the default group."""
+def check_plain_group(
+    spec: NormSpec, seed: int, scale: float = 1.0, shift: float = 0.0
+) -> None:
+    """normalize_sharded on each rank's block of plain tensors with the default group, on rows
+    ``x scale + shift``."""
     rank = dist.get_rank()
-    x, dy = _randn(6, 64, seed=seed), _randn(6, 64, seed=seed + 1)
+    x, dy = _randn(6, 64, seed=seed) * scale + shift, _randn(6, 64, seed=seed + 1)
     w, b = _params(spec, 64, seed + 2)
     blocks = [_leaf(None if t is None else t.chunk(WORLD, -1)[rank]) for t in (x, w, b)]
     y = normalize_sharded(blocks[0], spec, blocks[1], blocks[2])
@@ -319,6 +322,37 @@ def check_registered_op(mesh: DeviceMesh) -> None:
     tolerances.assert_close(_np(y_plain), expected, what="custom op without weight")
 
 
+def check_first_element_alone(placement: str) -> None:
+    """Partial RMS whose statistic reads the first element alone (k = 1 of 64, on rank 0), on
+    rows whose other elements are 0: dx_0 = dy_0 eps r**3 (inside), which the difference
+    ``1 - x_0**2 r**2`` of float32 values lost to rounding."""
+    rank = dist.get_rank()
+    spec = NormSpec(kind="partial_rms", p=1 / 64, eps_placement=placement)
+    x = torch.zeros(3, 64)
+    x[:, 0] = torch.tensor([1.0, -3.0, 0.25])
+    dy = torch.zeros(3, 64)
+    dy[:, 0] = torch.tensor([1.0, 2.0, -0.5])
+    block = _leaf(x.chunk(WORLD, -1)[rank])
+    y = normalize_sharded(block, spec)
+    y.backward(dy.chunk(WORLD, -1)[rank])
+    assert block.grad is not None
+    parts = [torch.empty_like(block.grad) for _ in range(WORLD)]
+    dist.all_gather(parts, block.grad.contiguous())
+    dx = reference.normalize_vjp(_np(x), _np(dy), spec)[0]
+    tolerances.assert_close(_np(torch.cat(parts, -1)), dx, quantity="grad",
+                            what=f"dx of k = 1 {placement}")
+
+
+#: Sharded rows whose squares overflow or underflow float32, or whose mean dwarfs their spread:
+#: (spec, scale, shift) of ``x scale + shift``.
+EXTREME_ROWS = [
+    (NormSpec(kind="rms", bias=True), 1e30, 0.0),
+    (NormSpec(kind="partial_rms", p=0.3, eps_placement="outside"), 1e-30, 0.0),
+    (NormSpec(kind="layer"), 1e25, 0.0),
+    (NormSpec(kind="layer", eps_placement="outside"), 1.0, 1e6),
+]
+
+
 def group_sharded(checks: Checks) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -345,6 +379,12 @@ def group_sharded(checks: Checks) -> None:
     for spec in (NormSpec(kind="partial_rms", p=0.3, bias=True), NormSpec(kind="layer")):
         with checks.check(f"plain tensors with a group {spec.kind}"):
             check_plain_group(spec, seed=4)
+    for placement in ("inside", "outside"):
+        with checks.check(f"partial rms k = 1 across ranks {placement}"):
+            check_first_element_alone(placement)
+    for spec, scale, shift in EXTREME_ROWS:
+        with checks.check(f"rows of {scale:g} + {shift:g} {spec.kind} {spec.eps_placement}"):
+            check_plain_group(spec, seed=7, scale=scale, shift=shift)
     with checks.check("module routes a DTensor sharded on its normalized dim"):
         check_module_routes_sharded_dtensor(mesh)
     with checks.check("errors"):

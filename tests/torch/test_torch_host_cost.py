@@ -233,7 +233,7 @@ def test_the_triton_kernels_launch_once_forward_and_at_most_twice_backward(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     counts: dict[str, int] = {}
-    for name in ("_forward_kernel", "_backward_kernel", "_sum_parts_kernel"):
+    for name in ("_forward_kernel", "_backward_kernel", "_column_sums_kernel"):
         monkeypatch.setattr(kernels, name, _CountedLaunches(getattr(kernels, name), counts, name))
     module = layer(32, device=device, kernel="triton")
     x = torch.randn(4, 32, device=device, requires_grad=True)

@@ -651,9 +651,10 @@ for single, block in ((True, 1024), (False, 4096)):
         cases.append((kernels._backward_kernel, *options(backward, {**half, **floats}, arguments,
             dict(LAYER=True, OUTSIDE=True, HAS_W=True, HAS_B=True, NEED_DW=True, NEED_DB=True,
                  HAS_DH=False, RESIDUAL=0, SINGLE=single, BLOCK=block, **gating))))
-cases.append((kernels._sum_parts_kernel, *options(
-    ["PART", "OUT", "parts", "n", "BLOCK_P", "BLOCK_N"], {"PART": "*fp32", "OUT": "*bf16"},
-    {"parts": "i32", "n": "i32"}, dict(BLOCK_P=32, BLOCK_N=256))))
+cases.append((kernels._column_sums_kernel, *options(
+    ["PART", "DW", "DB", "parts", "n", "width", "HAS_DW", "BLOCK_P", "BLOCK_N"],
+    {"PART": "*fp32", "DW": "*bf16", "DB": "*bf16"}, {"parts": "i32", "n": "i32", "width": "i32"},
+    dict(HAS_DW=False, BLOCK_P=32, BLOCK_N=256))))
 for fn, signature, constexprs in cases:
     compiled = compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"], fn.__name__

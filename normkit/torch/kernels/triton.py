@@ -67,6 +67,21 @@ from normkit.torch import _gated
 from normkit.torch._autograd import NormFunction, apply, needs_graph
 from normkit.torch._spec import RowSpec, decode, encode
 from normkit.torch.kernels import triton_backward
+from normkit.torch.kernels._triton_rows import (
+    _FLT_MAX,
+    _MIN_NORMAL,
+    _RESCALED_R,
+    _TINY_S,
+    _activation,
+    _column_sums_kernel,
+    _dx_first,
+    _dx_values,
+    _eps_scaled,
+    _float32_scalars,
+    _inv_pow2,
+    _round,
+    _rs,
+)
 
 __all__ = [
     "ACTIVATIONS", "GATE_POSITIONS", "LOOP_BLOCK", "MAX_FUSED_BLOCK", "RESIDUAL_ROUNDINGS",
@@ -83,33 +98,7 @@ _KINDS = ("rms", "partial_rms", "layer")
 _CASTS = ("after_scale", "before_scale")
 GATE_POSITIONS: tuple[str | None, ...] = (None, "before", "after")
 ACTIVATIONS: tuple[str, ...] = ("silu", "sigmoid")
-# Below this, a saved r(s) can only come from a rescaled (or inf/NaN) row: a finite float32
-# statistic is below 2**128, so r(s) >= 2**-64 without rescaling.
-_RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
-# float32's largest finite value, (2 - 2**-23) * 2**127: for a float32 s, `s > _FLT_MAX` is
-# `s >= inf` and `s <= _FLT_MAX` is `s < inf` (NaN fails both). No module-level constexpr holds
-# an inf or NaN: Inductor (torch.compile) re-emits them by repr, and `tl.constexpr(inf)` is a
-# NameError in the source it generates.
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
-# Below this a row's float32 s may have lost its value to underflow (`_row_factors`).
-_TINY_S: tl.constexpr = tl.constexpr(2.0**-103)
-_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
-_SOFT_RNE: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _PARTIAL_BLOCK = 32
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """``x`` (float32) rounded to nearest-even in DTYPE.
-
-    Under Triton's interpreter, whose float32 -> bfloat16 conversion truncates (a GPU's rounds to
-    nearest-even), bfloat16 is rounded with integer arithmetic first.
-    """
-    if _SOFT_RNE and DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(DTYPE)
 
 
 @triton.jit
@@ -121,24 +110,6 @@ def _load_sum(X, RES, offs, mask, RESIDUAL: tl.constexpr):
         if RESIDUAL == 1:
             h = _round(h, X.dtype.element_ty).to(tl.float32)
     return h
-
-
-@triton.jit
-def _activation(z, ACTIVATION: tl.constexpr):
-    """(a(z), a'(z)) in float32, sigmoid(z) and sigmoid(-z) both from ``e = exp(-|z|)`` (no
-    overflow, no cancellation in 1 - sigmoid(z))::
-
-        sigmoid(z) = 1 / (1 + e^-z)     sigmoid' = sigmoid(z) sigmoid(-z)
-        silu(z) = z sigmoid(z)          silu' = sigmoid(z) (1 + z sigmoid(-z))
-    """
-    e = tl.exp(-tl.abs(z))
-    positive = z >= 0
-    sig = tl.div_rn(tl.where(positive, 1.0, e), 1.0 + e)
-    sig_neg = tl.div_rn(tl.where(positive, e, 1.0), 1.0 + e)
-    if ACTIVATION == "sigmoid":
-        return sig, sig * sig_neg
-    else:
-        return z * sig, sig * (1.0 + z * sig_neg)
 
 
 @triton.jit
@@ -156,30 +127,6 @@ def _load_row(X, RES, Z, offs, mask, RESIDUAL: tl.constexpr, GATE_IN: tl.constex
     gate="before"), else h (`_load_sum`)."""
     a, _ = _gate_factors(Z, offs, mask, GATE_IN)
     return _load_sum(X, RES, offs, mask, RESIDUAL) * a
-
-
-@triton.jit
-def _inv_pow2(amax):
-    """The power of two that brings ``amax`` (finite and normal) into [2, 4)."""
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return ((255 - biased) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rs(s, eps, OUTSIDE: tl.constexpr):
-    """r(s), correctly rounded (once per row, so the approximate GPU forms save nothing)."""
-    if OUTSIDE:
-        return tl.div_rn(1.0, tl.sqrt_rn(s) + eps)
-    else:
-        return tl.div_rn(1.0, tl.sqrt_rn(s + eps))
-
-
-@triton.jit
-def _eps_scaled(eps, sigma, OUTSIDE: tl.constexpr):
-    if OUTSIDE:
-        return eps * sigma
-    else:
-        return (eps * sigma) * sigma
 
 
 @triton.jit
@@ -316,13 +263,6 @@ def _output(y_hat, W, B, Z, param_offs, offs, mask, scale_offset, HAS_W: tl.cons
 
 
 @triton.jit
-def _float32_scalars(eps, scale_offset):
-    """The float arguments in float32: a launch passes Python floats as float32, but
-    torch.compile's Inductor as float64, which float32 math (``sqrt_rn``) refuses."""
-    return tl.cast(eps, tl.float32), tl.cast(scale_offset, tl.float32)
-
-
-@triton.jit
 def _forward_kernel(
     X, RES, Z, W, B, Y, H, R, n, k, groups, eps, scale_offset,
     LAYER: tl.constexpr, OUTSIDE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -428,26 +368,6 @@ def _direction(x, y_hat, q_sigma, q_m, q_m2, q_scale, LAYER: tl.constexpr,
 
 
 @triton.jit
-def _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER: tl.constexpr):
-    if LAYER:
-        return sigma * rs * (d - mean_d - q * (dot / n))
-    else:
-        return sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
-
-
-@triton.jit
-def _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
-    """dx_0 of partial RMS with k = 1, in the closed form free of cancellation; ``y0`` is
-    y_hat_0 and ``rest`` the sum of d y_hat past it (products of a cotangent with normalized
-    values, which stay in float32's range where d x may not)."""
-    if OUTSIDE:
-        sign = tl.where(y0 > 0, 1.0, tl.where(y0 < 0, -1.0, 0.0))
-        return sigma * rs * (eps_s * rs * d0 - sign * rest)
-    else:
-        return sigma * rs * (eps_s * rs * rs * d0 - y0 * rest)
-
-
-@triton.jit
 def _store_dz(e, h, slope_in, dy, u, slope_out, DZ, offs, mask, GATE_IN: tl.constexpr,
               GATE_OUT: tl.constexpr):
     """dz = e h a'(z) with GATE_IN (``e`` the norm's input gradient); dy u a'(z) with GATE_OUT
@@ -507,7 +427,7 @@ def _backward_kernel(
             d = dy_u * g
             dot = tl.sum(d * y_hat, axis=0)
             mean_d = tl.sum(d, axis=0) / n if LAYER else 0.0
-            dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER)
+            dx = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER, True)
             if not LAYER:
                 if k == 1:
                     d0 = tl.sum(tl.where(cols == 0, d, 0.0), axis=0)
@@ -572,7 +492,7 @@ def _backward_kernel(
                 if HAS_W:
                     g = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) + scale_offset
                 d = dy_u * g
-                dx = _dx_values(d, q, offs, sigma, rs, dot, mean_d, n, k, LAYER)
+                dx = _dx_values(d, q, offs, sigma, rs, dot, mean_d, n, k, LAYER, True)
                 if not LAYER:
                     if k == 1:
                         d0 = tl.sum(tl.where(offs == 0, d, 0.0), axis=0)
@@ -594,19 +514,6 @@ def _backward_kernel(
                 if NEED_DB:
                     part = DB_PART + part_off + offs
                     tl.store(part, tl.load(part, mask=mask, other=0.0) + dy_u, mask=mask)
-
-
-@triton.jit
-def _sum_parts_kernel(PART, OUT, parts, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT[j] = sum over p of PART[p, j], in float32, rounded once to OUT's dtype."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lanes = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, parts, BLOCK_P):
-        p = start + lanes
-        mask = (p[:, None] < parts) & (cols[None, :] < n)
-        acc += tl.load(PART + p[:, None].to(tl.int64) * n + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, _round(tl.sum(acc, axis=0), OUT.dtype.element_ty), mask=cols < n)
 
 
 def _launch_config(n: int, layer: bool, backward: bool) -> tuple[bool, int, int]:
@@ -788,8 +695,8 @@ def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     count, n = parts.shape
     out = torch.empty((n,), dtype=dtype, device=parts.device)
     block_n = min(triton.next_power_of_2(n), 256)
-    _launcher(parts)(_sum_parts_kernel)[(triton.cdiv(n, block_n),)](
-        parts, out, count, n, BLOCK_P=_PARTIAL_BLOCK, BLOCK_N=block_n,
+    _launcher(parts)(_column_sums_kernel)[(triton.cdiv(n, block_n),)](
+        parts, out, out, count, n, n, HAS_DW=False, BLOCK_P=_PARTIAL_BLOCK, BLOCK_N=block_n,
     )
     return out
 

@@ -29,10 +29,7 @@ with the same guards; what changes is how a program walks its rows:
   programs wide, in a fixed order, and rounds them once. No atomics: the same inputs on the
   same GPU give the same bits.
 
-The helpers `_round`, `_activation`, `_inv_pow2`, `_rs`, `_eps_scaled`, `_float32_scalars` and
-`_dx_first` repeat triton.py's: triton.py imports this module, so this one cannot import it.
-When this backward becomes the default, triton.py's backward kernel goes and its forward
-imports them from here.
+The helpers it shares with triton.py's kernels are in `normkit.torch.kernels._triton_rows`.
 """
 
 from __future__ import annotations
@@ -54,6 +51,22 @@ except ImportError as error:
         "pip install normkit[triton]"
     ) from error
 
+from normkit.torch.kernels._triton_rows import (
+    _FLT_MAX,
+    _MIN_NORMAL,
+    _RESCALED_R,
+    _TINY_S,
+    _activation,
+    _column_sums_kernel,
+    _dx_first,
+    _dx_values,
+    _eps_scaled,
+    _float32_scalars,
+    _inv_pow2,
+    _round,
+    _rs,
+)
+
 __all__ = ["FUSED", "SLICE_MAX", "Config", "backward_rows", "config"]
 
 _VARIABLE = "NORMKIT_TRITON_BACKWARD"
@@ -74,86 +87,12 @@ FUSED: bool = _selected(os.environ.get(_VARIABLE, ""))
 SLICE_MAX = 8192
 """The most columns of a row one program holds; a longer (sub-)row is cut into slices."""
 
-# As in triton.py (see the module docstring): below this a saved r(s) comes from a rescaled
-# (or inf/NaN) row; float32's largest finite value; the statistic below which its squares may
-# have underflowed; the smallest normal float32.
-_RESCALED_R: tl.constexpr = tl.constexpr(2.0**-64)
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
-_TINY_S: tl.constexpr = tl.constexpr(2.0**-103)
-_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
-_SOFT_RNE: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # What `_terms` computes: the mean's terms, the one-pass sums, the careful path's centered
 # moments, and its sum of d y_hat.
 _MEAN: tl.constexpr = tl.constexpr(0)
 _FAST: tl.constexpr = tl.constexpr(1)
 _CENTERED: tl.constexpr = tl.constexpr(2)
 _DOT: tl.constexpr = tl.constexpr(3)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """``x`` (float32) rounded to nearest-even in DTYPE (integer arithmetic for bfloat16 under
-    the interpreter, whose conversion truncates)."""
-    if _SOFT_RNE and DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _activation(z, ACTIVATION: tl.constexpr):
-    """(a(z), a'(z)) in float32, sigmoid(z) and sigmoid(-z) both from ``e = exp(-|z|)``::
-
-        sigmoid' = sigmoid(z) sigmoid(-z)        silu' = sigmoid(z) (1 + z sigmoid(-z))
-    """
-    e = tl.exp(-tl.abs(z))
-    positive = z >= 0
-    sig = tl.div_rn(tl.where(positive, 1.0, e), 1.0 + e)
-    sig_neg = tl.div_rn(tl.where(positive, e, 1.0), 1.0 + e)
-    if ACTIVATION == "sigmoid":
-        return sig, sig * sig_neg
-    else:
-        return z * sig, sig * (1.0 + z * sig_neg)
-
-
-@triton.jit
-def _inv_pow2(amax):
-    """The power of two that brings ``amax`` (finite and normal) into [2, 4)."""
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return ((255 - biased) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rs(s, eps, OUTSIDE: tl.constexpr):
-    if OUTSIDE:
-        return tl.div_rn(1.0, tl.sqrt_rn(s) + eps)
-    else:
-        return tl.div_rn(1.0, tl.sqrt_rn(s + eps))
-
-
-@triton.jit
-def _eps_scaled(eps, sigma, OUTSIDE: tl.constexpr):
-    if OUTSIDE:
-        return eps * sigma
-    else:
-        return (eps * sigma) * sigma
-
-
-@triton.jit
-def _float32_scalars(eps, scale_offset):
-    """The float arguments in float32 (Inductor passes them as float64)."""
-    return tl.cast(eps, tl.float32), tl.cast(scale_offset, tl.float32)
-
-
-@triton.jit
-def _dx_first(d0, y0, rest, sigma, rs, eps_s, OUTSIDE: tl.constexpr):
-    """dx_0 of partial RMS with k = 1 in closed form, ``rest`` the sum of d y_hat past it."""
-    if OUTSIDE:
-        sign = tl.where(y0 > 0, 1.0, tl.where(y0 < 0, -1.0, 0.0))
-        return sigma * rs * (eps_s * rs * d0 - sign * rest)
-    else:
-        return sigma * rs * (eps_s * rs * rs * d0 - y0 * rest)
 
 
 @triton.jit
@@ -494,16 +433,12 @@ def _backward_kernel(
                 q = tl.where(mask, (v * q_sigma - q_m) - q_m2, 0.0) * q_scale
             else:
                 q = (v * q_sigma) * q_scale
-        if LAYER:
-            e = sigma * rs * (d - mean_d - q * (dot / n))
-        elif PARTIAL:
-            e = sigma * rs * (d - tl.where(cols < k, q * (dot / k), 0.0))
+        e = _dx_values(d, q, cols, sigma, rs, dot, mean_d, n, k, LAYER, PARTIAL)
+        if PARTIAL:
             if k == 1:
                 d0, y0 = tl.reduce((tl.where(cols == 0, d, 0.0), tl.where(cols == 0, y_hat, 0.0)),
                                    0, _add2)
                 e = tl.where(cols == 0, _dx_first(d0, y0, dot, sigma, rs, eps_s, OUTSIDE), e)
-        else:
-            e = sigma * rs * (d - q * (dot / k))
         offs = row_off + pcols
         if GATE_IN != "none":
             tl.store(DZ + offs, _round(e * h * slope_in, DZ.dtype.element_ty), mask=mask)
@@ -527,28 +462,6 @@ def _backward_kernel(
     elif NEED_DW or NEED_DB:
         part_row = PART + tl.cast(first, tl.int64) * row_len + pcols
         tl.store(part_row, dw_acc if NEED_DW else db_acc, mask=mask)
-
-
-@triton.jit
-def _column_sums_kernel(PART, DW, DB, parts, n, width, HAS_DW: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Column j < width of PART (parts, width) summed over its rows in float32, in a fixed
-    order, and rounded once: into DW[j] for j < n with HAS_DW, else into DB[j - n HAS_DW]."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lanes = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, parts, BLOCK_P):
-        p = start + lanes
-        mask = (p[:, None] < parts) & (cols[None, :] < width)
-        acc += tl.load(PART + p[:, None].to(tl.int64) * width + cols[None, :], mask=mask,
-                       other=0.0)
-    total = tl.sum(acc, axis=0)
-    if HAS_DW:
-        tl.store(DW + cols, _round(total, DW.dtype.element_ty), mask=cols < n)
-        tl.store(DB + (cols - n), _round(total, DB.dtype.element_ty),
-                 mask=(cols >= n) & (cols < width))
-    else:
-        tl.store(DB + cols, _round(total, DB.dtype.element_ty), mask=cols < width)
 
 
 class Config(NamedTuple):
