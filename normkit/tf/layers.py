@@ -6,7 +6,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import keras
 import numpy as np
@@ -732,6 +732,36 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
     return kwargs
 
 
+class RMSOptions(TypedDict, total=False):
+    """The keyword arguments of `PartialRMSNorm`: `RMSNorm`'s keyword-only ones, and
+    `keras.layers.Layer`'s."""
+
+    eps_placement: EpsPlacement
+    scale: bool
+    scale_offset: float
+    bias: bool
+    cast: Cast
+    residual: Residual | None
+    offset_dtype: OffsetDtype
+    output_dtype: OutputDtype
+    backward: Backward
+    gate: Gate | None
+    gate_activation: GateActivation | None
+    group_size: int | None
+    param_dtype: str | None
+    name: str | None
+    dtype: Any
+    trainable: bool
+    autocast: bool
+
+
+# The spec fields among `RMSOptions`; the others go to `keras.layers.Layer`.
+_RMS_FIELDS = (
+    "eps_placement", "scale", "scale_offset", "bias", "cast", "residual", "offset_dtype",
+    "output_dtype", "backward", "gate", "gate_activation", "group_size",
+)
+
+
 class _ScaleBias(_Norm):
     """The weights under the names of the constructor's switches: ``scale`` (``w``, as
     ``keras.layers.RMSNormalization``'s) and ``bias`` (``b``)."""
@@ -838,9 +868,11 @@ class PartialRMSNorm(_ScaleBias):
 
     Args:
       p: the fraction read by the statistic, ``0 < p <= 1``.
-      axis, epsilon, eps_placement, bias, scale, scale_offset, cast, residual, offset_dtype,
-        output_dtype, backward, gate, gate_activation, group_size, param_dtype, **kwargs: as in
-        `RMSNorm`.
+      axis, epsilon: as in `RMSNorm`.
+      **options: `RMSNorm`'s keyword-only arguments (``eps_placement``, ``bias``, ``scale``,
+        ``scale_offset``, ``cast``, ``residual``, ``offset_dtype``, ``output_dtype``,
+        ``backward``, ``gate``, ``gate_activation``, ``group_size``, ``param_dtype``) and
+        `keras.layers.Layer`'s (`RMSOptions`), with `RMSNorm`'s defaults.
     """
 
     def __init__(
@@ -848,30 +880,14 @@ class PartialRMSNorm(_ScaleBias):
         p: float,
         axis: int | list[int] | tuple[int, ...] = -1,
         epsilon: float = DEFAULT_EPS,
-        *,
-        eps_placement: EpsPlacement = "inside",
-        scale: bool = True,
-        scale_offset: float = 0.0,
-        bias: bool = False,
-        cast: Cast = "after_scale",
-        residual: Residual | None = None,
-        offset_dtype: OffsetDtype = "float32",
-        output_dtype: OutputDtype = "input",
-        backward: Backward = "exact",
-        gate: Gate | None = None,
-        gate_activation: GateActivation | None = None,
-        group_size: int | None = None,
-        param_dtype: str | None = None,
-        **kwargs: Any,
+        **options: Unpack[RMSOptions],
     ) -> None:
+        layer_kwargs: dict[str, Any] = dict(options)
+        fields = {name: layer_kwargs.pop(name) for name in _RMS_FIELDS if name in layer_kwargs}
         spec = _layer_spec(
-            type(self).__name__,
-            kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
-            scale=scale, scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
-            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward, gate=gate,
-            gate_activation=gate_activation, group_size=group_size,
+            type(self).__name__, kind="partial_rms", eps=epsilon, p=p, axis=axis, **fields
         )
-        super().__init__(spec, param_dtype, **kwargs)
+        super().__init__(spec, layer_kwargs.pop("param_dtype", None), **layer_kwargs)
 
 
 @keras.saving.register_keras_serializable(package="normkit")
