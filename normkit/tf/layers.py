@@ -945,6 +945,7 @@ class LayerNorm(_Norm):
         beta_constraint: Any = None,
         gamma_constraint: Any = None,
         *,
+        # The keyword-only options repeat RMSNorm's: each Keras drop-in states its signature.
         rms_scaling: bool = False,
         eps_placement: EpsPlacement = "inside",
         scale_offset: float = 0.0,
