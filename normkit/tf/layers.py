@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict, Unpack
 
 import keras
 import numpy as np
 from keras import ops
 
-from normkit import _dyt as _dyt_math
-from normkit import _float_pairs, _gating, dtypes, reference
+from normkit import _gating, dtypes, reference
 from normkit.spec import (
     DEFAULT_ALPHA_INIT,
     DEFAULT_EPS,
@@ -28,8 +27,13 @@ from normkit.spec import (
     Residual,
     Variance,
 )
-from normkit.tf import _gated
+from normkit.tf import _careful, _gated, _plain
+from normkit.tf._fast import fast_normalized
+from normkit.tf._host import eagerly, recording, traced_for_xla
+from normkit.tf._programs import gradient_to, recomputed
 from normkit.tf._rounding import rounded
+from normkit.tf._rows import Rows, affine_step
+from normkit.tf._tanh import dyt
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
 
@@ -42,726 +46,6 @@ WEIGHT_ATTRIBUTES = {"scale": "gamma", "bias": "beta", "alpha": "alpha"}
 """Every layer's attribute for each of its weights, by the name the weight is saved under (and
 normkit's files and conformance call it); the attribute is None where the spec has no such
 weight."""
-
-
-def _eagerly(value: Any) -> bool:
-    """Whether ``value``, a tensor of this call, is known now (eager execution), not traced.
-
-    On JAX, ``jax.grad`` or ``jax.vjp`` without ``jit`` wraps concrete arrays in tracers: their
-    values are known (`_on_host` reads them), and a ``cond`` there would be compiled anew on
-    every call."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.executing_eagerly())
-    if backend == "jax":
-        import jax
-
-        return not isinstance(_without_tangent(value), jax.core.Tracer)
-    if backend == "torch":
-        import torch
-
-        return not torch.compiler.is_compiling()
-    return True
-
-
-def _without_tangent(value: Any) -> Any:
-    """On JAX, the array under autodiff's tracer of ``value`` (concrete outside ``jit``);
-    ``value`` itself elsewhere, or where it is no tracer."""
-    if keras.backend.backend() != "jax":
-        return value
-    import jax
-
-    return jax.lax.stop_gradient(value) if isinstance(value, jax.core.Tracer) else value
-
-
-def _on_host(value: Any) -> np.ndarray:
-    """``value``, known now (`_eagerly`), as a numpy array."""
-    return np.asarray(ops.convert_to_numpy(_without_tangent(value)))
-
-
-def _known(flag: Any) -> bool | None:
-    """The value of a boolean scalar tensor when it is known now (eager), None while tracing:
-    eager calls branch in Python, which spares JAX compiling both branches of a `cond`."""
-    return bool(_on_host(flag)) if _eagerly(flag) else None
-
-
-def _recording(*inputs: Any) -> bool:
-    """Whether a gradient may be taken through this call's ops on ``inputs`` (the input and the
-    weights): always while tracing and on the torch backend; eagerly on TensorFlow, whether a
-    GradientTape records; on JAX, whether one of them is a tracer (of autodiff, or of a ``jit``
-    a gradient may be taken through). Without one the custom gradients are left out (their
-    wrapper costs as much as the whole forward on one token's row)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return any(isinstance(v, jax.core.Tracer) for v in inputs)
-    if backend != "tensorflow":
-        return True
-    import tensorflow as tf
-    from tensorflow.python.eager import record
-
-    return not tf.executing_eagerly() or bool(record.could_possibly_record())
-
-
-def _traced_for_xla(x: Any) -> bool:
-    """Whether the call on ``x`` is traced for XLA, where the output's bits are XLA's fusions'
-    anyway: by TensorFlow (``tf.function(jit_compile=True)``, or Keras' ``jit_compile`` on a
-    GPU), or by JAX (``jax.jit``: ``x`` is traced beyond autodiff, `_eagerly`)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return not _eagerly(x)
-    if backend != "tensorflow":
-        return False
-    import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
-
-    graph = tf.compat.v1.get_default_graph()
-    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
-
-
-class _Rows:
-    """The spec's arithmetic on the rows of one input, in the ``work`` dtype.
-
-    Rows whose ``r(s)`` falls outside ``[1/bound, bound]`` (or is NaN on a finite row), and
-    with eps outside rows whose ``s`` lies below `small`, are recomputed in scaled units
-    (`rescaled`), where neither ``s`` nor the derivatives autodiff forms (``r**3``, and
-    ``x_i / sqrt(s)`` outside) leave the dtype's range; ordinary rows skip that branch.
-    """
-
-    def __init__(
-        self,
-        spec: NormSpec,
-        axes: tuple[int, ...],
-        target: list[int],
-        n: int,
-        k: int,
-        head: np.ndarray | None,
-        work: str,
-        keras_order: bool = True,
-    ) -> None:
-        self.spec, self.axes, self.target = spec, axes, target
-        self.n, self.k, self.head = n, k, head
-        self.work = work
-        self.outside = spec.eps_placement == "outside"
-        # RMSNorm over all elements with eps inside: keras.layers.RMSNormalization's function,
-        # differentiated through Keras' operations (`keras_output`), unless told otherwise.
-        self.keras_order = keras_order and spec.kind == "rms" and not self.outside
-        exponent = 256 if work == "float64" else 32
-        # float64's bounds are tensors of it: a Python float meets a tensor in float32 on some
-        # backends (Keras' torch backend: 2**-640 becomes 0, 2**512 inf).
-        scalar = (lambda v: ops.convert_to_tensor(v, work)) if work == "float64" else float
-        tiny = float(np.finfo(work).tiny)
-        self.bound_value = 2.0**exponent
-        self.bound = scalar(self.bound_value)
-        self.big = scalar(2.0 ** (2 * exponent))
-        self.tiny = scalar(tiny)
-        # Below this s may have lost digits to squares below `tiny` (flushed, or subnormal):
-        # their total error is at most tiny, a quarter ulp of s here. With eps outside,
-        # r'(s) x_i = -r**2 x_i / (2 sqrt(s)) needs s to full precision however small it is.
-        self.small_value = tiny * 2.0 ** (np.finfo(work).nmant + 3)
-        self.small = scalar(self.small_value)
-        # The largest r the plain path forms (larger only on rows that `rescaled` replaces):
-        # r**3 stays finite, so its gradient does (see `_bounded`).
-        self.clip_r = scalar(2.0 ** (1.25 * exponent))
-        self.maximum = _maximum if work == "float64" else ops.maximum
-
-    def center(self, x: Any) -> Any:
-        """``x`` (RMS kinds) or ``x - mean(x)`` with one correction pass (LayerNorm)."""
-        if self.spec.kind != "layer":
-            return x
-        if self.n == 2:
-            # c = +-(x0 - x1) / 2 from one subtraction, exact when x0 and x1 are close
-            # (Sterbenz); x - mean(x) would carry the rounding of x0 + x1. Linear in x with the
-            # Jacobian of x - mean(x), [[1, -1], [-1, 1]] / 2, since the sign pattern is (1, -1).
-            sign = ops.cast(np.array([1.0, -1.0]).reshape(self.target), self.work)
-            c = sign * (ops.sum(x * sign, axis=self.axes, keepdims=True) * 0.5)
-            return self._bounded(c, x)
-        # sum(x / n) cannot overflow where sum(x) / n can; the mean of the centered values,
-        # subtracted again, recovers what the rounding of a large mean lost.
-        c = self._bounded(x - ops.sum(x * (1 / self.n), axis=self.axes, keepdims=True), x)
-        return c - ops.sum(c * (1 / self.n), axis=self.axes, keepdims=True)
-
-    def _bounded(self, c: Any, x: Any) -> Any:
-        """``c`` with the values of magnitude above `big` that come from finite ``x`` clipped to
-        +-big. Their squares overflow either way, and the rows whose statistic reads them are
-        rescaled; the clip keeps the gradient of the unused plain values finite (a branch not
-        taken still receives a zero cotangent, and 0 * inf would be NaN)."""
-        beyond = ops.logical_and(ops.abs(c) > self.big, ops.isfinite(x))
-        return ops.where(beyond, ops.sign(c) * self.big, c)
-
-    def statistic(self, c: Any) -> Any:
-        """``s``: the mean of ``c**2`` over the row, or over its first k elements only."""
-        c = self._bounded(c, c)
-        if self.head is None:
-            return _mean(ops.square(c), self.axes)
-        # The elements after the first k are masked before squaring: a NaN, an inf or a
-        # 1e20 there must not enter s, nor its gradient.
-        head = ops.where(self.head, c, ops.zeros_like(c))
-        return ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
-
-    def plain(
-        self, x: Any, eager: bool, source: Any = None
-    ) -> tuple[tuple[Any, Any, Any, Any, Any], bool | None]:
-        """``((mean, s, r, ratio, bad), any_bad)`` per row for ``y_hat = c r(s)``, ``c = x`` or
-        ``x - mean`` (``mean`` None for the RMS kinds), with no guard op: ``ratio = r'(s) /
-        (-r**3 / 2)`` (1 inside, ``1 + eps / sqrt(s)`` outside) for `plain_output`'s backward,
-        and whether the row must be recomputed by the guarded program (`needs_rescaling`, or a
-        LayerNorm mean above ``sqrt(s)``, whose rounding the correction pass in `center`
-        recovers: it moves ``y_hat`` by ``|mean| r`` ulps of 1, but relative to the row's own
-        ``max|y_hat|``, about ``sqrt(s) r``, by ``|mean| / sqrt(s)`` ulps; a mean above ``1/r``
-        missed the rows far below ``sqrt(eps)``, where ``r`` is ``1/sqrt(eps)``: rows of
-        1e-20 (10 + N(0, 1)) were 1.2e-6 of their max|y| off).
-
-        Traced, ``bad`` marks those rows, which have ``r = 1`` (their values are replaced), and
-        ``any_bad`` is None. ``eager``: the rows are judged on the host from their row-sized
-        statistics (`any_bad_now`), ``any_bad`` is whether one is bad (the guarded program
-        then recomputes the input) and ``bad`` None: a guard op costs as much as the whole pass
-        on one token's row. `plain_output` differentiates through the statistics analytically,
-        so they are constants to autodiff (a custom gradient may not close over differentiated
-        values on JAX), except with `keras_order`, differentiated as Keras' layer is; ``s`` is
-        given there only (None otherwise), for `keras_output`'s rows whose ``dr`` overflows.
-        ``x`` is ``source`` cast to the work dtype (``source`` None: ``x`` itself); LayerNorm's
-        two reductions each cast a copy of their own where `_separating`."""
-        assert self.spec.eps is not None
-        if not self.keras_order:
-            x = ops.stop_gradient(x)
-        mean = None
-        if self.spec.kind == "layer" and source is not None and _separating(not eager):
-            first, second = _separately(
-                lambda v: ops.cast(ops.stop_gradient(v), self.work), (source,), 2, traced=True
-            )
-            mean = _mean(first, self.axes)
-            s = _mean(ops.square(second - mean), self.axes)
-        elif self.spec.kind == "layer":
-            # mean((x - mean)**2) as Keras' LayerNormalization forms it: one op on TensorFlow
-            # (a squared difference), where x - mean and its square would be two passes.
-            mean, s = ops.moments(x, axes=list(self.axes), keepdims=True)
-        elif self.head is None:
-            s = _mean(ops.square(x), self.axes)
-        elif self.axes == (len(self.target) - 1,):
-            s = _mean(ops.square(x[..., : self.k]), self.axes)
-        else:
-            head = ops.where(self.head, x, ops.zeros_like(x))
-            s = ops.sum(ops.square(head), axis=self.axes, keepdims=True) / self.k
-        kept = s if self.keras_order else None
-        # Traced, per-row clamps that change only rows marked bad, so that their values stay
-        # finite; eagerly a bad row sends the whole input to the guarded program instead.
-        if self.outside:
-            root = ops.sqrt(s if eager else self.maximum(s, self.small))
-            r = 1.0 / (root + self.spec.eps)
-            ratio = 1.0 + self.spec.eps / root
-        else:
-            total = s + self.spec.eps
-            r = ops.rsqrt(total if eager else self.maximum(total, 1 / self.clip_r**2))
-            ratio = None
-        if eager:
-            return (mean, kept, r, ratio, None), self.any_bad_now(s, r, mean)
-        bad = self.needs_rescaling(s, r)
-        if mean is not None:
-            bad = ops.logical_or(bad, ops.logical_not(ops.abs(mean) <= ops.sqrt(s)))
-        return (mean, kept, ops.where(bad, 1.0, r), ratio, bad), None
-
-    def any_bad_now(self, s: Any, r: Any, mean: Any) -> bool:
-        """`plain`'s judgement of the rows on the host, from the row-sized ``s``, ``r`` and
-        ``mean`` (None for the RMS kinds): whether a row needs rescaling (`needs_rescaling`) or
-        has a LayerNorm mean above ``sqrt(s)``."""
-        r_now = _on_host(r)
-        with np.errstate(invalid="ignore", over="ignore"):
-            bad = ~((r_now >= 1 / self.bound_value) & (r_now <= self.bound_value))
-            if self.outside:
-                bad |= _on_host(s) < self.small_value
-            if mean is not None:
-                bad |= ~(np.abs(_on_host(mean)) <= np.sqrt(_on_host(s)))
-        return bool(bad.any())
-
-    def plain_output(
-        self,
-        source: Any,
-        stats: tuple[Any, Any, Any, Any, Any],
-        traced: bool,
-        scale: Any = None,
-        bias: Any = None,
-        output_dtype: str | None = None,
-    ) -> Any:
-        """``y = c r (* scale) (+ bias)`` from `plain`'s ``stats``, for ``x = source`` cast to
-        the work dtype, in ``output_dtype`` (the work dtype for None), with the analytic backward
-        of `normkit.reference.normalize_vjp`: for ``d = dy * scale``, ``A = ratio sum(d y_hat)``,
-        ``dx = r (d - [i < k] y_hat A / k)`` (RMS kinds) or ``r (d - mean(d) - y_hat A / n)``
-        (LayerNorm); ``dscale = sum(dy y_hat)``, ``dbias = sum(dy)`` over the other axes. Both
-        casts are inside, so that the backward pass reads ``source`` and ``dy`` as they are
-        (`_separately`).
-
-        When ``traced``, the branch may run beside the guarded one (a ``cond`` turned into a
-        select), so the rows marked ``bad`` get a zero gradient (``y_hat`` zeroed per row: finite
-        wherever ``x`` is).
-
-        With `keras_order` it is `keras_output`, whose gradient is autodiff's through Keras'
-        operations (the same formula, rounded as Keras rounds it), so that training matches
-        ``keras.layers.RMSNormalization``'s to the bit.
-        """
-        mean, s, r, ratio, bad = stats
-        work = self.work
-        out = work if output_dtype is None else output_dtype
-        if self.keras_order:
-            return ops.cast(self.keras_output(ops.cast(source, work), s, r, scale, bias), out)
-        count = self.k if self.spec.kind != "layer" else self.n
-
-        def y_hat_of(x: Any, mean: Any, r: Any) -> Any:
-            return (x if mean is None else x - mean) * r
-
-        # The statistics are arguments, not closed over: JAX's custom gradient may not close
-        # over values of an enclosing trace. Their own gradients are None (dx holds them).
-        own = (mean, r, ratio, bad)
-        row_stats = [u for u in own if u is not None]
-
-        present = tuple(p for p in (scale, bias) if p is not None)
-        if not _recording(source, *present):
-            y_hat = y_hat_of(ops.cast(source, work), mean, r)
-            return ops.cast(_affine_step(y_hat, (scale, bias), present), out)
-
-        @ops.custom_gradient
-        def output(source: Any, *args: Any) -> Any:
-            given = iter(args)
-            stats = tuple(None if u is None else next(given) for u in own)
-            params = tuple(given)
-            y_hat = y_hat_of(ops.cast(source, work), stats[0], stats[1])
-            y = ops.cast(_affine_step(y_hat, (scale, bias), params), out)
-
-            def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
-                dy = args[0] if upstream is None else upstream
-
-                def terms(
-                    source: Any, dy: Any, stats: tuple[Any, ...], params: tuple[Any, ...]
-                ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-                    """``(dy, d, y_hat, stats)`` in the work dtype, from these or copies."""
-                    mean, r, _, bad = stats
-                    if traced:
-                        # Zero per row, not per element (XLA's CPU reductions fuse no select):
-                        # y_hat = x 0 on the rows marked bad, 0 for every finite x.
-                        r = ops.where(bad, ops.zeros_like(r), r)
-                        mean = None if mean is None else ops.where(bad, ops.zeros_like(mean), mean)
-                    y_hat = y_hat_of(ops.cast(source, work), mean, r)
-                    dy = ops.cast(dy, work)
-                    return dy, (dy if scale is None else dy * params[0]), y_hat, stats
-
-                # Each sum, and dx, reads copies of its own (`_separately`).
-                projected, averaged, scaled, biased, applied = _separately(
-                    terms, (source, dy, stats, params), 5, traced
-                )
-                _, d, y_hat, (_, _, ratio, _) = projected
-                total = ops.sum(d * y_hat, axis=self.axes, keepdims=True)
-                factor = total * (1 / count) if ratio is None else total * ratio * (1 / count)
-                _, d, y_hat, (mean, r, _, _) = applied
-                if mean is None:
-                    dx = r * (d - self.head_share(y_hat, factor))
-                else:
-                    _, d_averaged, _, _ = averaged
-                    d_mean = _mean(d_averaged, self.axes)
-                    dx = r * (d - d_mean - y_hat * factor)
-                dx = ops.cast(dx, keras.backend.standardize_dtype(source.dtype))
-                dy_scaled, _, y_hat_scaled, _ = scaled
-                dy_biased, _, _, _ = biased
-                grads = self.param_grads(
-                    dy_scaled, y_hat_scaled, scale, bias, params, dy_biased
-                )
-                return (dx, *[None] * len(row_stats), *grads)
-
-            return y, grad
-
-        return output(source, *row_stats, *present)
-
-    def head_share(self, y_hat: Any, factor: Any) -> Any:
-        """``[i < k] y_hat factor``: the statistic's share of ``dx / r``, on the first k
-        elements only. The mask comes last, so that a NaN or infinite ``factor`` (a NaN in the
-        tail enters the row's sum) stays out of the tail, as in the reference."""
-        share = y_hat * factor
-        return share if self.head is None else ops.where(self.head, share, ops.zeros_like(share))
-
-    def normalized(self, c: Any, r: Any, w: Any) -> Any:
-        """`_guarded`'s ``y_hat = c r``, whose gradient reaches ``c`` in the reference's closed
-        form, in ``c``'s units: ``dc = r (d - [i < k] y_hat sum(d c rho) / k)`` with ``rho =
-        -2 r'(s) / r**2``, ``r`` inside, ``1 / sqrt(s)`` outside; ``c rho`` is formed from
-        `r`'s ``w`` as ``c w`` (inside) or ``c / w`` (outside, 0 where ``w = sqrt(s)`` is).
-        ``r`` and ``w`` get no gradient of their own (the closed form holds the statistic's); a
-        second derivative reaches them through ``dc``.
-
-        Autodiff through ``r(s)`` would form ``sum(d c)`` and ``r'(s)`` apart: on an ordinary
-        row beside one that sends the batch here, |x| 1e9 with a cotangent of 1e29, that sum
-        overflows float32 where dx is about 1e20, and the row's gradient was NaN. Here the sum
-        reads ``c rho``, of the size of ``y_hat``. LayerNorm's centering before is
-        differentiated by autodiff (``dx = dc - mean(dc)``, ``c`` having mean 0)."""
-        if not _recording(c):
-            return c * r
-
-        @ops.custom_gradient
-        def output(c: Any, r: Any, w: Any) -> Any:
-            y_hat = c * r
-
-            def grad(*args: Any, upstream: Any = None) -> tuple[Any, Any, Any]:
-                d = args[0] if upstream is None else upstream
-                if self.outside:
-                    positive = w > 0
-                    c_rho = c / ops.where(positive, w, ops.ones_like(w))
-                    c_rho = ops.where(positive, c_rho, ops.zeros_like(c_rho))
-                else:
-                    c_rho = c * w
-                total = ops.sum(d * c_rho, axis=self.axes, keepdims=True)
-                return r * (d - self.head_share(y_hat, total * (1 / self.k))), None, None
-
-            return y_hat, grad
-
-        return output(c, r, w)
-
-    def param_grads(
-        self,
-        dy: Any,
-        y_hat: Any,
-        scale: Any,
-        bias: Any,
-        params: tuple[Any, ...],
-        bias_dy: Any = None,
-    ) -> list[Any]:
-        """The gradients of the parameters present: ``sum(dy y_hat)`` for the scale,
-        ``sum(dy)`` for the bias (of ``bias_dy``, a copy of ``dy``, where given), over the axes
-        they broadcast along."""
-        grads = []
-        if scale is not None:
-            grads.append(self.summed(dy * y_hat, params[0]))
-        if bias is not None:
-            grads.append(self.summed(dy if bias_dy is None else bias_dy, params[-1]))
-        return grads
-
-    def summed(self, u: Any, param: Any) -> Any:
-        """``u`` summed over the axes ``param`` broadcasts along, in ``param``'s shape."""
-        others = tuple(a for a in range(len(self.target)) if a not in self.axes)
-        total = ops.sum(u, axis=others) if others else u
-        return total if total.shape == param.shape else ops.reshape(total, param.shape)
-
-    def keras_output(self, x: Any, s: Any, r: Any, scale: Any = None, bias: Any = None) -> Any:
-        """``y = x r (* scale) (+ bias)`` in ``keras.layers.RMSNormalization``'s operations,
-        with the gradient autodiff forms through them: ``d = dy scale``, ``dx = d r``,
-        ``dr = sum(d x)`` over the row (autodiff takes it on through ``r(s)`` to ``x``),
-        ``dscale = sum(dy x r)``, ``dbias = sum(dy)`` over the other axes.
-
-        That holds on every row whose statistic's backward stays finite, judged by one scalar
-        per row, ``dr r**3`` (autodiff multiplies it by ``-1/2``, then by ``2 x / n``: factors
-        that keep it finite). A row where it overflows (``d x`` summed over the row: |x| 1e9
-        with |dy| 1e29) gets a zero ``dr`` and the statistic's share as the cotangent of ``s``
-        (`_patched_rows`), in a branch the common case skips; the branch outputs row-sized
-        tensors only, so every other row's gradient is Keras' own, untouched.
-        """
-        present = tuple(p for p in (scale, bias) if p is not None)
-        if not _recording(x, *present):
-            return _affine_step(x * r, (scale, bias), present)
-
-        @ops.custom_gradient
-        def output(x: Any, s: Any, r: Any, *params: Any) -> Any:
-            product = x * r
-            y = _affine_step(product, (scale, bias), params)
-
-            def grad(*args: Any, upstream: Any = None) -> tuple[Any, ...]:
-                dy = args[0] if upstream is None else upstream
-
-                d = dy if scale is None else dy * params[0]
-                dr = ops.sum(d * x, axis=self.axes, keepdims=True)
-                finite = ops.isfinite(dr * (r * r * r))
-                every_row = ops.all(finite)
-                known = _known(every_row)
-                ds = None
-                if known is None:
-                    # The branch forms d again from dy: under XLA, d as its input would be
-                    # written out, where the common case fuses it into its readers.
-                    kept, patched = _dr_branches(self.axes, self.n)
-                    gain = params[:1] if scale is not None else ()
-                    ds, dr = _cond(every_row, kept, patched, x, r, dy, dr, finite, *gain)
-                elif not known:
-                    ds, dr = _patched_rows(self.axes, self.n, x, r, d, dr, finite)
-                return (d * r, ds, dr, *self.param_grads(dy, product, scale, bias, params))
-
-            return y, grad
-
-        return output(x, s, r, *present)
-
-    def needs_rescaling(self, s: Any, r: Any) -> Any:
-        """Per row, whether `rescaled` must recompute it: ``r`` outside ``[1/bound, bound]``
-        or NaN, or with eps outside ``s`` below `small` (zero rows included: their squares may
-        have underflowed)."""
-        bad = ops.logical_not(ops.logical_and(r >= 1 / self.bound, r <= self.bound))
-        return ops.logical_or(bad, s < self.small) if self.outside else bad
-
-    def r(self, s: Any, eps: Any, unit: Any = 1.0) -> tuple[Any, Any]:
-        """``(r, w)`` of the statistic ``unit**2 s`` (``s`` given in units of ``unit**2``:
-        eps outside only; ``unit`` a constant), ``w`` for `normalized`: ``r`` inside, ``unit
-        sqrt(s)`` outside (sqrt's infinite derivative at s = 0 taken as 0, as in the
-        reference). A NaN statistic stays NaN. Both are differentiable (second derivatives
-        through `normalized`'s gradient) with finite derivatives: where a traced ``cond``
-        passes them a zero cotangent, ``1 / sqrt(s)``'s would be 0 * inf on tiny rows."""
-        if not self.outside:
-            total = s + eps
-            r = ops.rsqrt(ops.where(total < 1 / self.clip_r**2, 1 / self.clip_r**2, total))
-            return r, r
-        positive = s > 0
-        root = ops.where(
-            positive, ops.sqrt(ops.where(positive, s, ops.ones_like(s))), ops.stop_gradient(s)
-        )
-        total = unit * root + eps
-        return 1.0 / ops.where(total < 1 / self.clip_r, 1 / self.clip_r, total), unit * root
-
-    def rescaled(
-        self, x: Any, c: Any, r: Any, w: Any, bad: Any
-    ) -> tuple[Any, Any, Any, Any]:
-        """``(c, r, eps, w)`` with the ``bad`` rows divided by their largest magnitude (at
-        least eps's: ``sqrt(eps)`` inside, ``eps`` outside) rounded to a power of two
-        (`_reciprocal_power_of_two`: exactly), so that their s lies in [1/(4k), 1].
-
-        LayerNorm rows are scaled, centered, then scaled again by their largest centered value.
-        The factors are constants to autodiff (``y_hat`` does not depend on them); ``pre``, 1
-        or a power of two, keeps them normal numbers (subnormals may be flushed to zero). With
-        eps outside, a row smaller than eps has its statistic taken once more in units of its
-        largest magnitude ``m``, ``sqrt(s) = m sqrt(mean((c/m)**2))``, so that no square
-        underflows (`r`'s ``unit``).
-        """
-        eps = self.spec.eps
-        floor = eps if self.outside else float(np.sqrt(eps))
-        magnitude = ops.abs(x)
-        if self.head is not None:
-            magnitude = ops.where(self.head, magnitude, ops.zeros_like(magnitude))
-        largest = ops.stop_gradient(ops.max(magnitude, axis=self.axes, keepdims=True))
-        pre = ops.cast(ops.where(largest > self.big, 1 / self.big, 1.0), largest.dtype)
-        extent = self.maximum(largest * pre, self.maximum(floor * pre, self.tiny))
-        # Rows holding an inf or a NaN keep their plain values; they are scaled as zeros so
-        # that no NaN reaches the gradient through the unused branch.
-        use = ops.logical_and(bad, ops.isfinite(extent))
-        sigma = _reciprocal_power_of_two(ops.where(use, extent, ops.ones_like(extent)))
-        scaled = ops.where(use, x, ops.zeros_like(x)) * ops.where(use, pre, 1.0) * sigma
-        scaled_floor = floor * pre * sigma
-        if self.spec.kind == "layer":
-            scaled = self.center(scaled)
-            widest = ops.max(ops.abs(scaled), axis=self.axes, keepdims=True)
-            second = self.maximum(widest, self.maximum(scaled_floor, self.tiny))
-            second = ops.stop_gradient(_reciprocal_power_of_two(second))
-            scaled, scaled_floor = scaled * second, scaled_floor * second
-        scaled_eps = scaled_floor if self.outside else scaled_floor * scaled_floor
-        scaled_eps = self.maximum(scaled_eps, self.tiny)
-        if self.outside:
-            head = scaled if self.head is None else ops.where(self.head, scaled, 0.0)
-            unit = ops.stop_gradient(
-                self.maximum(ops.max(ops.abs(head), axis=self.axes, keepdims=True), self.tiny)
-            )
-            scaled_r, scaled_w = self.r(self.statistic(scaled / unit), scaled_eps, unit)
-        else:
-            scaled_r, scaled_w = self.r(self.statistic(scaled), scaled_eps)
-        return (
-            ops.where(use, scaled, c),
-            ops.where(use, scaled_r, r),
-            ops.where(use, scaled_eps, ops.full_like(r, eps)),
-            ops.where(use, scaled_w, w),
-        )
-
-    def degenerate(self, c: Any, r: Any, eps: Any, y: Any) -> Any:
-        """``y = c r`` where the statistic reads one element per row (``f(c) = c r(c**2)``)
-        or LayerNorm has two (``c = +-(x0 - x1)/2``), with exact first and second derivatives.
-
-        Autodiff would form ``f'`` as the difference of two nearly equal terms. The closed forms
-        (``r = 1/sqrt(c**2 + eps)`` inside, ``1/(|c| + eps)`` outside) are
-        ``f' = eps r**3, f'' = -3 eps c r**5`` (inside) and ``f' = eps r**2,
-        f'' = -2 eps sign(c) r**3`` (outside); ``y = stop(f) + dc f' + dc**2 f''/2`` with
-        ``dc = c - stop(c)`` (zero) has ``f``'s value and its first two derivatives.
-        """
-        if self.head is not None:
-            c = ops.where(self.head, c, ops.zeros_like(c))
-        eps_r = eps * r
-        if self.outside:
-            slope = eps_r * r
-            curvature = -2.0 * eps_r * ops.sign(c) * r * r
-        else:
-            slope = eps_r * r * r
-            curvature = -3.0 * (eps_r * r) * (c * r) * (r * r)
-        dc = c - ops.stop_gradient(c)
-        return (
-            ops.stop_gradient(y)
-            + dc * ops.stop_gradient(slope)
-            + 0.5 * dc * dc * ops.stop_gradient(curvature)
-        )
-
-
-def _patched_rows(
-    axes: tuple[int, ...], n: int, x: Any, r: Any, d: Any, dr: Any, finite: Any
-) -> tuple[Any, Any]:
-    """``(ds, dr)`` of `_Rows.keras_output`: on each row not ``finite``, ``dr = 0`` and
-    ``ds = r'(s) sum(d x) = -(n/2) r**2 mean(d y_hat)``, ``y_hat = x r``, whose mean (of
-    ``d (y_hat / n)``, summed) stays below ``max |d|`` (``y_hat`` has mean square at most 1);
-    autodiff then takes ``ds`` to ``x`` through ``s = mean(x**2)``, so that
-    ``dx = d r + (2 x / n) ds``, `normkit.reference.normalize_vjp`'s. A row whose ``ds`` is
-    not finite either (a NaN or inf cotangent) keeps autodiff's ``dr``; elsewhere ``ds`` is
-    0."""
-    y_hat = x * r
-    mean_d_y_hat = ops.sum(d * (y_hat * (1 / n)), axis=axes, keepdims=True)
-    ds = mean_d_y_hat * (r * r) * (-0.5 * n)
-    patch = ops.logical_and(ops.logical_not(finite), ops.isfinite(ds))
-    return ops.where(patch, ds, ops.zeros_like(ds)), ops.where(patch, ops.zeros_like(dr), dr)
-
-
-@functools.lru_cache(maxsize=128)
-def _dr_branches(axes: tuple[int, ...], n: int) -> tuple[Any, Any]:
-    """The branches of `_Rows.keras_output`'s gradient for rows of ``n`` elements along
-    ``axes``, ``(x, r, dy, dr, finite[, scale]) -> (ds, dr)``: every row's ``dr`` kept, or the
-    rows whose ``dr`` overflowed patched (`_patched_rows`). One pair per layout, so that
-    `_cond` traces the same functions each call."""
-
-    def kept(x: Any, r: Any, dy: Any, dr: Any, finite: Any, *scale: Any) -> tuple[Any, Any]:
-        return ops.zeros_like(dr), dr
-
-    def patched(x: Any, r: Any, dy: Any, dr: Any, finite: Any, *scale: Any) -> tuple[Any, Any]:
-        d = dy * scale[0] if scale else dy
-        return _patched_rows(axes, n, x, r, d, dr, finite)
-
-    return kept, patched
-
-
-def _separating(traced: bool) -> bool:
-    """Whether passes over the same tensors should each read copies of their own (`_separately`):
-    in a program traced for XLA's CPU backend on Keras' JAX backend, which runs a reduction as a
-    YNNPACK fusion that takes what another fusion reads too (the float32 conversion of a half
-    input, parameters and row statistics broadcast to its shape) as an array written out."""
-    if not traced or keras.backend.backend() != "jax":
-        return False
-    import jax
-
-    return bool(jax.default_backend() == "cpu")
-
-
-def _separately(f: Any, values: tuple[Any, ...], count: int, traced: bool) -> list[Any]:
-    """``count`` results of ``f(*values)`` (tensors, None allowed), one for each pass that reads
-    them: where `_separating`, each formed from copies of its own of ``values``, through one
-    optimization barrier, so that each pass converts and broadcasts inside; elsewhere one result
-    serves all."""
-    if _separating(traced):
-        import jax
-
-        return [f(*copy) for copy in jax.lax.optimization_barrier((values,) * count)]
-    return [f(*values)] * count
-
-
-def _cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
-    """``true_fn(*operands)`` where the traced ``pred`` holds, else ``false_fn(*operands)``. On
-    JAX the operands go to `jax.lax.cond` as its arguments: the same functions then give the
-    same program, compiled once even outside ``jit`` (where ``jax.vjp`` traces a backward on
-    every call, and a cond of fresh closures is compiled anew each time)."""
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.lax.cond(pred, true_fn, false_fn, *operands)
-    return ops.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
-
-
-def _mean(u: Any, axes: tuple[int, ...]) -> Any:
-    """The mean of ``u`` over ``axes`` (kept): `ops.mean`, or for float64 the sum over the
-    count, since Keras 3 (``BIT64_TO_BIT32_DTYPE``) makes ``ops.mean`` sum a float64 tensor in
-    float32 on its JAX and torch backends (a row of 1e-200s has mean 0 there)."""
-    if keras.backend.standardize_dtype(u.dtype) != "float64":
-        return ops.mean(u, axis=axes, keepdims=True)
-    return ops.sum(u, axis=axes, keepdims=True) / math.prod(u.shape[a] for a in axes)
-
-
-def _reciprocal_power_of_two(m: Any) -> Any:
-    """``2**-e`` with ``m 2**-e`` in [1, 2), for positive normal ``m`` below ``2**127``
-    (``2**1023`` in float64), from ``m``'s exponent bits: scaling by it is exact, where
-    ``1 / m`` rounds every value it scales, by ``2**-24`` of ``|x|``, which centering a large
-    mean turns into ``|mean| / std`` times that of the centered values (rows of 1e25 (10 +
-    N(0, 1)) were 1.05e-6 of their max|y| off with a gate after the norm)."""
-    wide = keras.backend.standardize_dtype(m.dtype) == "float64"
-    ints, shift, top = ("int64", 52, 2046) if wide else ("int32", 23, 254)
-    biased = ops.bitwise_and(ops.right_shift(ops.view(m, ints), shift), top + 1)
-    return ops.view(ops.left_shift(top - biased, shift), m.dtype)
-
-
-def _fast_moments(x: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:
-    """``variance="fast"``'s ``(m1, v)`` over ``axes`` (kept), each step rounded once to ``x``'s
-    dtype ``c`` as `normkit.reference` says::
-
-        m1 = c(mean(x))    m2 = c(mean(c(x^2)))    v = max(0, c(m2 - c(m1^2)))
-
-    A float32 ``x`` cannot take these as written where a compiler reorders them: XLA (under
-    ``jit_compile`` and ``jax.jit``) divides by ``n`` as a product by ``1 / n`` (float16 rows of
-    a large mean came out 32 ulps off) and contracts ``m2 - m1 * m1`` into one fused
-    multiply-add, which leaves ``m1^2`` unrounded (and turned ``inf - inf`` into ``inf``). On
-    JAX the steps are normkit.jax's (`normkit._jax_exact`); elsewhere the float32 squares are
-    summed in float64, each mean is rounded from float64 (correct but within about ``2**-29``
-    ulp of a halfway point), and ``m1^2`` is `_rounded_square`. float64 inputs take the steps
-    as written."""
-    if _float_dtype(x.dtype) == "float64":
-        m1 = _mean(x, axes)
-        v = _mean(ops.square(x), axes) - m1 * m1
-        return m1, _maximum(v, ops.zeros_like(v))
-    if keras.backend.backend() == "jax":
-        from normkit import _jax_exact
-
-        return _jax_exact.fast_moments(x, axes, math.prod(x.shape[a] for a in axes))
-    m1 = ops.cast(_mean(ops.cast(x, "float64"), axes), x.dtype)
-    m2 = ops.cast(_mean(ops.cast(x * x, "float64"), axes), x.dtype)
-    v = m2 - _rounded_square(m1)
-    return m1, _maximum(v, ops.zeros_like(v))
-
-
-def _rounded_square(m: Any) -> Any:
-    """``m * m`` of float32 ``m``, rounded once: on TensorFlow from halves of 12 bits
-    (`normkit._float_pairs`), whose products XLA's contraction into a following subtraction
-    cannot change (a float64 square cast to float32 becomes the float32 product it equals);
-    on torch, whose eager ops are not fused, the float64 square rounded to float32."""
-    if keras.backend.backend() != "tensorflow":
-        wide = ops.cast(m, "float64")
-        return ops.cast(wide * wide, m.dtype)
-    import tensorflow as tf
-
-    def split(a: Any) -> tuple[Any, Any]:
-        bits = tf.bitwise.bitwise_and(tf.bitcast(a, tf.int32), _float_pairs.LOW_HALF)
-        high = tf.bitcast(bits, a.dtype)
-        return high, a - high
-
-    plain = m * m
-    return tf.where(tf.math.is_inf(plain), plain, _float_pairs.exact_product(m, m, split)[0])
-
-
-def _tanh(u: Any) -> Any:
-    """``tanh(u)`` in ``u``'s dtype: `ops.tanh`, which on Keras' JAX backend computes a float64
-    ``u`` in float32 (as `_mean`), so ``jnp.tanh`` there."""
-    if keras.backend.backend() != "jax" or keras.backend.standardize_dtype(u.dtype) != "float64":
-        return ops.tanh(u)
-    import jax.numpy as jnp
-
-    return jnp.tanh(u)
-
-
-def _dyt(alpha: Any, x: Any, recording: bool) -> Any:
-    """DyT's ``tanh(alpha x)``; where a gradient may be taken (``recording``), differentiated
-    with the slope ``sech(alpha x)^2`` from ``e^-2|alpha x|`` (`normkit._dyt`), times the
-    cotangent before its unit: the backends' ``1 - tanh(u)^2`` is 0 in float32 from
-    ``|u| = 9`` on (dx was 0 on rows of 30 with alpha 0.5, the reference's 1e-12)."""
-    u = alpha * x
-    if not recording:
-        return _tanh(u)
-    wide = keras.backend.standardize_dtype(u.dtype) == "float64"
-
-    @ops.custom_gradient
-    def activated(u: Any) -> Any:
-        def grad(*args: Any, upstream: Any = None) -> Any:
-            slope, unit = _dyt_math.tanh_slope(u, ops, wide)
-            return ((args[0] if upstream is None else upstream) * slope) * unit
-
-        return _tanh(u), grad
-
-    return activated(u)
-
-
-def _maximum(a: Any, b: Any) -> Any:
-    """``max(a, b)`` elementwise in ``a``'s dtype, NaN where ``a`` is NaN: `ops.maximum` for
-    float64, which Keras' torch backend computes in float32 (its dtype promotion does not read
-    torch's dtypes)."""
-    return ops.where(a < b, b, a)
 
 
 def _promoted(dtype: str, *param_dtypes: str) -> str:
@@ -1001,7 +285,7 @@ class _Norm(keras.layers.Layer):
         (``NORMKIT_JAX_KERNELS=pallas``, docs/jax.md) and computing the call: the kernels on
         NVIDIA GPUs, `_call_ops`' program on every other platform, chosen when the program is
         lowered (`jax.lax.platform_dependent`). None otherwise."""
-        if keras.backend.backend() != "jax" or not _traced_for_xla(inputs):
+        if keras.backend.backend() != "jax" or not traced_for_xla(inputs):
             return None
         from jax import lax
 
@@ -1051,7 +335,7 @@ class _Norm(keras.layers.Layer):
             bias = None if self.beta is None else self._param(self.beta, work, None)
             return _gated.gated_or_grouped(
                 x, gate, spec, dtype, work, scale, bias, self._affine_dtype(dtype),
-                self._output_dtype(dtype), self._grouped, gate is not None and _recording(gate),
+                self._output_dtype(dtype), self._grouped, gate is not None and recording(gate),
             )
         if added is None:
             exact = keras.backend.standardize_dtype(inputs.dtype) == dtype
@@ -1108,7 +392,7 @@ class _Norm(keras.layers.Layer):
 
         if spec.kind == "dyt":
             alpha = ops.cast(self.alpha, work)
-            return finish(x, _dyt(alpha, x, _recording(x, alpha)))
+            return finish(x, dyt(alpha, x, recording(x, alpha)))
         affine = None
         if spec.variance != "fast" and not (spec.cast == "before_scale" and dtype in _HALF):
             # y = y_hat g + b: the plain rows compute it, and its gradient, in one function.
@@ -1131,7 +415,7 @@ class _Norm(keras.layers.Layer):
         spec = self._spec
         value = y_hat
         if spec.kind != "dyt" and spec.variance == "fast":
-            value = self._fast_normalized(x, axes)
+            value = fast_normalized(spec, x, axes)
         before_scale = spec.cast == "before_scale" and dtype in _HALF
         if before_scale:
             value = rounded(value, dtype)
@@ -1152,65 +436,32 @@ class _Norm(keras.layers.Layer):
         axes: tuple[int, ...],
         target: list[int],
         work: str,
-        finish: Any,
+        finish: Callable[[Any, Any], Any],
         affine: tuple[Any, Any] | None,
         output_dtype: str,
     ) -> Any:
         """``finish(x, y_hat)`` for a normalization kind, with exact gradients.
 
-        The plain result (`_Rows.plain_output`, with the affine step ``affine = (g, b)`` when
+        The plain program (`_plain.plain_output`, with the affine step ``affine = (g, b)`` when
         ``finish`` is only that step and the cast to ``output_dtype``) stands unless a row's own
-        ``s`` or ``r`` shows it inaccurate; then `_guarded` recomputes the input, in a branch
-        the common case skips. Rows whose statistic reads one element (or LayerNorm's two)
-        always take `_guarded`.
+        ``s`` or ``r`` shows it inaccurate; then the guarded program (`_careful.guarded`)
+        recomputes the input, in a branch the common case skips. Rows whose statistic reads one
+        element (or LayerNorm's two) always take the guarded program.
         """
-        spec = self._spec
-        n = int(np.prod(self._param_shape))
-        k = spec.stat_size(n)
-        # The first k of the n normalized elements in row-major order, as a boolean mask.
-        head = None if k == n else (np.arange(n) < k).reshape(target)
-        # Keras' autodiff order makes training bit-identical to Keras' RMSNormalization, in
-        # eager calls and graphs. Not where XLA compiles: its fusions decide the bits there,
-        # and a branch differentiated in place outputs its intermediates for the backward.
-        rows = _Rows(spec, axes, target, n, k, head, work, keras_order=not _traced_for_xla(x))
-
-        def guarded(source: Any, *params: Any) -> Any:
-            x = ops.cast(source, work)
-            if affine is None:
-                return finish(x, self._guarded(x, rows))
-            return ops.cast(_affine_step(self._guarded(x, rows), affine, params), output_dtype)
-
+        rows = self._rows(x, axes, target, work)
+        guarded = _guarded_program(rows, finish, affine, output_dtype)
         params = [] if affine is None else [p for p in affine if p is not None]
-        if k == 1 or (spec.kind == "layer" and n == 2):
+        if _careful.one_element(rows):
             return guarded(source, *params)
-        stats, known = rows.plain(x, _eagerly(x), source)
+        stats, known = _plain.statistics(rows, x, eagerly(x), source)
         row_stats = [u for u in stats if u is not None]
-
         # Autodiff of Keras' RMSNorm reaches x through r as well: both paths must meet in the
         # work dtype, before the input's cast rounds their sum once. Traced, the value is cast
         # from the source inside the branch and only its gradient goes to x.
         meets_at_x = rows.keras_order and source is not x
+        plain = _plain_program(rows, stats, known is None, meets_at_x, finish, affine,
+                               output_dtype)
         inputs = (source, x) if meets_at_x else (source,)
-
-        def plain(source: Any, *args: Any) -> Any:
-            """The plain rows' ``y`` from the input (and ``x`` where the gradient meets there),
-            `plain`'s statistics and the parameters (``row_stats`` then ``params``), all as
-            arguments so that it may be recomputed."""
-            given = iter(args)
-            x_work = ops.cast(source, work)
-            if meets_at_x:
-                x = next(given)
-                x_work = _gradient_to(x_work, x) if known is None else x
-            row = tuple(None if u is None else next(given) for u in stats)
-            if affine is None:
-                return finish(x_work, rows.plain_output(x_work, row, known is None))
-            step = tuple(None if p is None else next(given) for p in affine)
-            # The plain rows cast the source themselves (unless the gradient meets at x).
-            plain_source = x_work if meets_at_x else source
-            return rows.plain_output(
-                plain_source, row, known is None, step[0], step[1], output_dtype
-            )
-
         if known is None:
             # The whole output inside the branches: XLA then writes y once, in the fused pass.
             # With the affine step both branches recompute their values in the backward pass:
@@ -1219,7 +470,7 @@ class _Norm(keras.layers.Layer):
             # recomputation into the backward's passes.
             # Keras' order is not recomputed: a recomputed plain branch differentiates x
             # through the statistics passed in, another order of the same sums.
-            recompute = (lambda f: f) if affine is None else _recomputed
+            recompute = (lambda f: f) if affine is None else recomputed
             guarded_branch = recompute(guarded)
             plain_branch = plain if rows.keras_order else recompute(plain)
             return ops.cond(
@@ -1232,46 +483,16 @@ class _Norm(keras.layers.Layer):
             return guarded(x, *params)
         return plain(*(x for _ in inputs), *row_stats, *params)
 
-    def _guarded(self, x: Any, rows: _Rows) -> Any:
-        """``y_hat`` with every guard: LayerNorm's correction pass, the clip of values whose
-        squares overflow, rows far from unit scale rescaled, the closed-form gradients of rows
-        whose statistic reads one element (LayerNorm: two)."""
-        spec = self._spec
-        assert spec.eps is not None
-        n, k, head = rows.n, rows.k, rows.head
-        c = rows.center(x)
-        s = rows.statistic(c)
-        r, w = rows.r(s, spec.eps)
-        bad = rows.needs_rescaling(s, r)
-        any_bad = ops.any(bad)
-        known = _known(any_bad)
-        eps: Any = spec.eps
-        if known is None:
-            c, r, eps, w = ops.cond(
-                any_bad,
-                lambda: rows.rescaled(x, c, r, w, bad),
-                lambda: (c, r, ops.full_like(r, spec.eps), w),
-            )
-        elif known:
-            c, r, eps, w = rows.rescaled(x, c, r, w, bad)
-        y = rows.normalized(c, r, w)
-        if k == 1 or (spec.kind == "layer" and n == 2):
-            exact = rows.degenerate(c, r, eps, y)
-            y = exact if head is None else ops.where(head, exact, y)
-        return y
-
-    def _fast_normalized(self, x: Any, axes: tuple[int, ...]) -> Any:
-        """``variance="fast"``'s ``y_hat`` (no gradient): ``(x - m1) r(v)`` with the moments of
-        `_fast_moments`."""
-        spec = self._spec
-        assert spec.eps is not None
-        x = ops.stop_gradient(x)
-        m1, v = _fast_moments(x, axes)
-        if spec.eps_placement == "inside":
-            r = ops.rsqrt(v + spec.eps)
-        else:
-            r = 1.0 / (ops.sqrt(v) + spec.eps)
-        return (x - m1) * r
+    def _rows(self, x: Any, axes: tuple[int, ...], target: list[int], work: str) -> Rows:
+        """The rows of ``x``: ``n`` normalized elements, of which the statistic reads the first
+        ``k`` (marked, where k < n, by a boolean mask in row-major order)."""
+        n = int(np.prod(self._param_shape))
+        k = self._spec.stat_size(n)
+        head = None if k == n else (np.arange(n) < k).reshape(target)
+        # Keras' autodiff order makes training bit-identical to Keras' RMSNormalization, in
+        # eager calls and graphs. Not where XLA compiles: its fusions decide the bits there,
+        # and a branch differentiated in place outputs its intermediates for the backward.
+        return Rows(self._spec, axes, target, n, k, head, work, keras_order=not traced_for_xla(x))
 
     def _param(self, v: Any, dtype: str, target: list[int] | None) -> Any:
         v = ops.cast(v, dtype)
@@ -1368,59 +589,56 @@ class _Norm(keras.layers.Layer):
         }
 
 
-def _affine_step(y: Any, affine: tuple[Any, Any], params: tuple[Any, ...]) -> Any:
-    """``y * g + b`` for ``affine = (g, b)`` (either may be None), with the present ones taken
-    from ``params`` (the tensors a gradient is taken for)."""
-    present = iter(params)
-    if affine[0] is not None:
-        y = y * next(present)
-    if affine[1] is not None:
-        y = y + next(present)
-    return y
+def _guarded_program(
+    rows: Rows,
+    finish: Callable[[Any, Any], Any],
+    affine: tuple[Any, Any] | None,
+    output_dtype: str,
+) -> Callable[..., Any]:
+    """The guarded program's ``y`` from the input and the parameters present:
+    ``finish(x, y_hat)``, or with ``affine`` its step and the cast to ``output_dtype``."""
+
+    def guarded(source: Any, *params: Any) -> Any:
+        x = ops.cast(source, rows.work)
+        y_hat = _careful.guarded(rows, x)
+        if affine is None:
+            return finish(x, y_hat)
+        return ops.cast(affine_step(y_hat, affine, params), output_dtype)
+
+    return guarded
 
 
-def _gradient_to(value: Any, target: Any) -> Any:
-    """``value``, whose gradient goes to ``target`` (a tensor equal to it) instead: under XLA
-    a branch then reads ``value``'s inputs (a half input, cast inside the fused pass) rather
-    than a float32 copy, while the gradient meets the others at ``target``. ``target`` itself
-    on backends other than TensorFlow."""
-    if keras.backend.backend() != "tensorflow":
-        return target
-    import tensorflow as tf
+def _plain_program(
+    rows: Rows,
+    stats: tuple[Any, ...],
+    traced: bool,
+    meets_at_x: bool,
+    finish: Callable[[Any, Any], Any],
+    affine: tuple[Any, Any] | None,
+    output_dtype: str,
+) -> Callable[..., Any]:
+    """The plain program's ``y`` from the input (and ``x`` where the gradient meets there,
+    ``meets_at_x``), `_plain.statistics`' row statistics present in ``stats`` and the
+    parameters present, all as arguments so that it may be recomputed: ``finish(x, y_hat)``, or
+    with ``affine`` its step and the cast to ``output_dtype`` inside `_plain.plain_output`."""
 
-    @tf.custom_gradient  # type: ignore[misc]
-    def through(value: Any, target: Any) -> Any:
-        def grad(upstream: Any) -> tuple[Any, Any]:
-            return None, upstream
+    def plain(source: Any, *args: Any) -> Any:
+        given = iter(args)
+        x_work = ops.cast(source, rows.work)
+        if meets_at_x:
+            x = next(given)
+            x_work = gradient_to(x_work, x) if traced else x
+        row = tuple(None if u is None else next(given) for u in stats)
+        if affine is None:
+            return finish(x_work, _plain.plain_output(rows, x_work, row, traced))
+        step = tuple(None if p is None else next(given) for p in affine)
+        # The plain rows cast the source themselves (unless the gradient meets at x).
+        plain_source = x_work if meets_at_x else source
+        return _plain.plain_output(
+            rows, plain_source, row, traced, step[0], step[1], output_dtype
+        )
 
-        return tf.identity(value), grad
-
-    return through(value, target)
-
-
-def _recomputed(f: Any) -> Any:
-    """``f`` (of tensors) whose backward pass recomputes its values instead of keeping them:
-    `keras.remat`, or on TensorFlow a custom gradient that differentiates ``f`` again under a
-    tape (``tf.recompute_grad`` fails inside a traced ``cond``)."""
-    if keras.backend.backend() != "tensorflow":
-        return keras.remat(f)
-    import tensorflow as tf
-
-    @tf.custom_gradient  # type: ignore[misc]
-    def recomputed(*args: Any) -> Any:
-        def grad(*upstream: Any) -> Any:
-            # Only the floating arguments are watched: a tape warns of any other (the rows'
-            # boolean marks), and they have no gradient.
-            floating = [a for a in args if a.dtype.is_floating]
-            with tf.GradientTape() as tape:
-                tape.watch(floating)
-                y = f(*args)
-            grads = iter(tape.gradient(y, floating, output_gradients=upstream))
-            return [next(grads) if a.dtype.is_floating else None for a in args]
-
-        return f(*args), grad
-
-    return recomputed
+    return plain
 
 
 def _cast_to(u: Any, dtype: str, work: str) -> Any:
@@ -1512,6 +730,36 @@ def _spec_kwargs(spec: NormSpec) -> dict[str, Any]:
         if getattr(spec, name) is not None:
             kwargs[name] = getattr(spec, name)
     return kwargs
+
+
+class RMSOptions(TypedDict, total=False):
+    """The keyword arguments of `PartialRMSNorm`: `RMSNorm`'s keyword-only ones, and
+    `keras.layers.Layer`'s."""
+
+    eps_placement: EpsPlacement
+    scale: bool
+    scale_offset: float
+    bias: bool
+    cast: Cast
+    residual: Residual | None
+    offset_dtype: OffsetDtype
+    output_dtype: OutputDtype
+    backward: Backward
+    gate: Gate | None
+    gate_activation: GateActivation | None
+    group_size: int | None
+    param_dtype: str | None
+    name: str | None
+    dtype: Any
+    trainable: bool
+    autocast: bool
+
+
+# The spec fields among `RMSOptions`; the others go to `keras.layers.Layer`.
+_RMS_FIELDS = (
+    "eps_placement", "scale", "scale_offset", "bias", "cast", "residual", "offset_dtype",
+    "output_dtype", "backward", "gate", "gate_activation", "group_size",
+)
 
 
 class _ScaleBias(_Norm):
@@ -1620,9 +868,11 @@ class PartialRMSNorm(_ScaleBias):
 
     Args:
       p: the fraction read by the statistic, ``0 < p <= 1``.
-      axis, epsilon, eps_placement, bias, scale, scale_offset, cast, residual, offset_dtype,
-        output_dtype, backward, gate, gate_activation, group_size, param_dtype, **kwargs: as in
-        `RMSNorm`.
+      axis, epsilon: as in `RMSNorm`.
+      **options: `RMSNorm`'s keyword-only arguments (``eps_placement``, ``bias``, ``scale``,
+        ``scale_offset``, ``cast``, ``residual``, ``offset_dtype``, ``output_dtype``,
+        ``backward``, ``gate``, ``gate_activation``, ``group_size``, ``param_dtype``) and
+        `keras.layers.Layer`'s (`RMSOptions`), with `RMSNorm`'s defaults.
     """
 
     def __init__(
@@ -1630,30 +880,14 @@ class PartialRMSNorm(_ScaleBias):
         p: float,
         axis: int | list[int] | tuple[int, ...] = -1,
         epsilon: float = DEFAULT_EPS,
-        *,
-        eps_placement: EpsPlacement = "inside",
-        scale: bool = True,
-        scale_offset: float = 0.0,
-        bias: bool = False,
-        cast: Cast = "after_scale",
-        residual: Residual | None = None,
-        offset_dtype: OffsetDtype = "float32",
-        output_dtype: OutputDtype = "input",
-        backward: Backward = "exact",
-        gate: Gate | None = None,
-        gate_activation: GateActivation | None = None,
-        group_size: int | None = None,
-        param_dtype: str | None = None,
-        **kwargs: Any,
+        **options: Unpack[RMSOptions],
     ) -> None:
+        layer_kwargs: dict[str, Any] = dict(options)
+        fields = {name: layer_kwargs.pop(name) for name in _RMS_FIELDS if name in layer_kwargs}
         spec = _layer_spec(
-            type(self).__name__,
-            kind="partial_rms", eps=epsilon, eps_placement=eps_placement, p=p, axis=axis,
-            scale=scale, scale_offset=scale_offset, bias=bias, cast=cast, residual=residual,
-            offset_dtype=offset_dtype, output_dtype=output_dtype, backward=backward, gate=gate,
-            gate_activation=gate_activation, group_size=group_size,
+            type(self).__name__, kind="partial_rms", eps=epsilon, p=p, axis=axis, **fields
         )
-        super().__init__(spec, param_dtype, **kwargs)
+        super().__init__(spec, layer_kwargs.pop("param_dtype", None), **layer_kwargs)
 
 
 @keras.saving.register_keras_serializable(package="normkit")
@@ -1711,6 +945,7 @@ class LayerNorm(_Norm):
         beta_constraint: Any = None,
         gamma_constraint: Any = None,
         *,
+        # The keyword-only options repeat RMSNorm's: each Keras drop-in states its signature.
         rms_scaling: bool = False,
         eps_placement: EpsPlacement = "inside",
         scale_offset: float = 0.0,

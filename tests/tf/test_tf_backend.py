@@ -474,7 +474,7 @@ def test_jax_jit_makes_no_more_passes_over_x_than_kerass_layer(ours, theirs, dty
 def test_jax_jit_on_a_cpu_writes_no_array_of_xs_size_but_y_and_dx(make, dtype):
     """Under ``jax.jit`` on XLA's CPU backend the forward writes ``y`` alone and the
     forward+backward ``y`` and ``dx`` alone (a cotangent given as an argument): each reduction
-    reads copies of its own of x, dy, the scale and the row statistics (`_separately`). Before,
+    reads copies of its own of x, dy, the scale and the row statistics (`normkit.tf._programs.separately`). Before,
     the backward wrote two (float32) to four (bfloat16) more (dy's and a half x's float32
     conversions, y_hat, r broadcast to x's shape) and LayerNorm's bfloat16 forward one (x's
     conversion, read by both statistics): 1.4-2.7x slower at 32M elements."""

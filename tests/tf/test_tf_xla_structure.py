@@ -84,13 +84,13 @@ def test_jitted_forward_materializes_no_more_arrays_than_keras(ours, theirs, dty
 def test_xla_tracing_is_told_from_graph_tracing():
     """RMSNorm keeps Keras' autodiff order (bit-identical training) in graphs XLA does not
     compile, and takes the closed-form gradient in a recomputed branch in those it does."""
-    from normkit.tf.layers import _traced_for_xla
+    from normkit.tf._host import traced_for_xla
 
     seen = {}
 
     def probe(tag):
         def body():
-            seen[tag] = _traced_for_xla(tf.constant(0.0))
+            seen[tag] = traced_for_xla(tf.constant(0.0))
             return tf.constant(0.0)
 
         return body
