@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypedDict, TypeVar, Unpack, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from normkit import _jax_exact as _exact
 from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
 from normkit.jax import _gated
-from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.spec import Cast, EpsPlacement, Kind, NormSpec
 
 __all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm",
            "Implementation", "IMPLEMENTATIONS"]
@@ -138,28 +138,10 @@ def normalize(
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     gate = _checked_gate(gate, x, spec)
     if spec.gate is not None or spec.group_size is not None:
-        if axis_name is not None or mask is not None:
-            raise ValueError(
-                "normalize: a gated or grouped spec (gate, group_size) takes neither axis_name "
-                "nor mask"
-            )
-        spec.group_count(math.prod(x.shape[a] for a in plan.axes))
-
-        def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
-                  bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
-            rows = functools.partial(normalize, implementation="xla")
-            return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, rows)
-
-        y = _dispatched(kernels, gated, plan, x, None, gate, scale, bias, None)
-        return cast(jax.Array, y)
+        return _gated_or_grouped(kernels, plan, x, gate, scale, bias, mask)
     checked = None if mask is None else _checked_mask(mask, x, plan)
-
-    def xla(x: jax.Array, _: None, gate: None, scale: jax.Array | None, bias: jax.Array | None,
-            alpha: jax.Array | None, mask: jax.Array | None
-            ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return _run(plan, x, None, scale, bias, alpha, mask)
-
-    y = _dispatched(kernels, xla, plan, x, None, None, scale, bias, _alpha(plan, alpha),
+    program = functools.partial(_run, plan)
+    y = _dispatched(kernels, program, plan, x, None, None, scale, bias, _alpha(plan, alpha),
                     checked)
     return cast(jax.Array, y)
 
@@ -219,12 +201,9 @@ def add_norm(
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
 
-    def xla(x: jax.Array, residual: jax.Array | None, gate: None, scale: jax.Array | None,
-            bias: jax.Array | None, alpha: jax.Array | None, mask: None
-            ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return _run(plan, x, residual, scale, bias, alpha)
-
-    pair = _dispatched(kernels, xla, plan, x, residual, None, scale, bias, _alpha(plan, alpha))
+    program = functools.partial(_run, plan)
+    pair = _dispatched(kernels, program, plan, x, residual, None, scale, bias,
+                       _alpha(plan, alpha))
     return cast(tuple[jax.Array, jax.Array], pair)
 
 
@@ -264,6 +243,28 @@ def _dispatched(
     if pallas.interpreting():
         return on_gpu(*args)
     return lax.platform_dependent(*args, cuda=on_gpu, default=xla)
+
+
+def _gated_or_grouped(
+    kernels: bool, plan: _Plan, x: jax.Array, gate: jax.Array | None,
+    scale: jax.Array | None, bias: jax.Array | None, mask: jax.Array | None,
+) -> jax.Array:
+    """`normalize` of a gated or grouped spec (`normkit.jax._gated`: ``y(x * a(z))``, ``y(x) *
+    a(z)``, each group of ``group_size`` features normalized alone), whose rows the XLA
+    program computes; neither ``axis_name`` nor ``mask``."""
+    if plan.axis_name is not None or mask is not None:
+        raise ValueError(
+            "normalize: a gated or grouped spec (gate, group_size) takes neither axis_name "
+            "nor mask"
+        )
+    plan.spec.group_count(math.prod(x.shape[a] for a in plan.axes))
+
+    def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
+              bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
+        rows = functools.partial(normalize, implementation="xla")
+        return _gated.gated_or_grouped(x, gate, plan.spec, scale, bias, plan.out, rows)
+
+    return cast(jax.Array, _dispatched(kernels, gated, plan, x, None, gate, scale, bias, None))
 
 
 def _prepare(
@@ -413,83 +414,67 @@ def _alpha(plan: _Plan, alpha: jax.Array | None) -> jax.Array | None:
     return jnp.asarray(alpha)
 
 
-def rms_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
-) -> jax.Array:
-    """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from these arguments.
+class NormOptions(TypedDict, total=False):
+    """The keyword arguments of `rms_norm`, `partial_rms_norm` and `layer_norm`: the `NormSpec`
+    fields ``eps``, ``eps_placement``, ``axis``, ``scale_offset`` and ``cast``, with their
+    NormSpec meaning and defaults, and `normalize`'s ``dtype``, ``axis_name`` and
+    ``implementation``."""
 
-    The `NormSpec` fields have their NormSpec meaning and defaults (the spec has a bias when
-    ``bias`` is given); ``scale``, ``bias``, ``dtype``, ``axis_name`` and ``implementation``
-    are `normalize`'s.
-    """
-    spec = NormSpec(
-        kind="rms", eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    eps: float
+    eps_placement: EpsPlacement
+    axis: int | tuple[int, ...]
+    scale_offset: float
+    cast: Cast
+    dtype: DTypeLike | None
+    axis_name: str | None
+    implementation: Implementation | None
+
+
+_SPEC_OPTIONS = ("eps", "eps_placement", "axis", "scale_offset", "cast")
+
+
+def rms_norm(
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
+    **options: Unpack[NormOptions],
+) -> jax.Array:
+    """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from ``options``
+    (`NormOptions`); the spec has a bias when ``bias`` is given."""
+    return _shorthand("rms", None, x, scale, bias, options)
 
 
 def partial_rms_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    p: float,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *, p: float,
+    **options: Unpack[NormOptions],
 ) -> jax.Array:
     """Partial RMSNorm (statistic over the first ``spec.stat_size(n)`` elements of a row).
 
     `normalize` with ``NormSpec(kind="partial_rms", p=p, ...)``; arguments as in `rms_norm`.
     """
-    spec = NormSpec(
-        kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    return _shorthand("partial_rms", p, x, scale, bias, options)
 
 
 def layer_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
+    **options: Unpack[NormOptions],
 ) -> jax.Array:
     """LayerNorm: `normalize` with ``NormSpec(kind="layer", ...)``; arguments as in `rms_norm`."""
-    spec = NormSpec(
-        kind="layer", eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    return _shorthand("layer", None, x, scale, bias, options)
 
+
+def _shorthand(
+    kind: Kind, p: float | None, x: jax.Array, scale: jax.Array | None,
+    bias: jax.Array | None, options: NormOptions,
+) -> jax.Array:
+    """`normalize` with the spec of ``kind`` the shorthands' ``options`` give."""
+    unknown = sorted(set(options) - set(NormOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}; expected those of "
+                        f"NormOptions: {', '.join(NormOptions.__annotations__)}")
+    fields: dict[str, Any] = {k: v for k, v in options.items() if k in _SPEC_OPTIONS}
+    spec = NormSpec(kind=kind, p=p, bias=bias is not None, **fields)
+    return normalize(x, spec, scale, bias, dtype=options.get("dtype"),
+                     axis_name=options.get("axis_name"),
+                     implementation=options.get("implementation"))
 
 
 # --- the computation ------------------------------------------------------------------------
@@ -838,7 +823,8 @@ def _large_mean(mean: jax.Array, s: jax.Array) -> jax.Array:
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
     """`_plain`'s ``careful`` from reductions of their own, each reading the inputs alone, so
     that XLA fuses each with the conversion of a half input: LayerNorm's test ``mean^2 > s`` as
-    ``2 mean^2 > mean(x^2)`` (`_large_mean`), and the range of ``r`` from ``s = max(0, mean(x^2) - mean^2)``.
+    ``2 mean^2 > mean(x^2)`` (`_large_mean`), and the range of ``r`` from
+    ``s = max(0, mean(x^2) - mean^2)``.
     Where they differ from the two-pass values (by roundings relative to ``mean(x^2)``),
     ``mean^2`` and ``s`` are within a few ulps of each other, where the plain program is
     accurate too."""
@@ -1095,11 +1081,14 @@ def _run(
     plan: _Plan,
     x: jax.Array,
     residual: jax.Array | None,
+    gate: None,
     scale: jax.Array | None,
     bias: jax.Array | None,
     alpha: jax.Array | None,
-    mask: jax.Array | None = None,
+    mask: jax.Array | None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The XLA program of a spec without a gate or groups (`_dispatched`'s arguments): the
+    custom VJP, or with ``backward="autograd"`` the eager program JAX differentiates."""
     if plan.spec.backward == "autograd":
         return _forward(plan, x, residual, scale, bias, alpha, mask, eager=True)[0]
     return _norm(plan, x, residual, scale, bias, alpha, mask)
