@@ -136,9 +136,8 @@ def normalize(
     if spec.gate is not None or spec.group_size is not None:
         return _gated_or_grouped(kernels, plan, x, gate, scale, bias, mask)
     checked = None if mask is None else _checked_mask(mask, x, plan)
-    y = _dispatched(kernels, functools.partial(_run, plan), plan, x, None, None, scale, bias,
-                    _alpha(plan, alpha), checked)
-    return cast(jax.Array, y)
+    inputs = _Inputs(x, scale=scale, bias=bias, alpha=_alpha(plan, alpha), mask=checked)
+    return cast(jax.Array, _dispatched(kernels, functools.partial(_run, plan), plan, inputs))
 
 
 def add_norm(
@@ -187,48 +186,49 @@ def add_norm(
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
 
-    program = functools.partial(_run, plan)
-    pair = _dispatched(kernels, program, plan, x, residual, None, scale, bias,
-                       _alpha(plan, alpha))
+    inputs = _Inputs(x, residual, scale=scale, bias=bias, alpha=_alpha(plan, alpha))
+    pair = _dispatched(kernels, functools.partial(_run, plan), plan, inputs)
     return cast(tuple[jax.Array, jax.Array], pair)
 
 
 # --- the choice of program ---------------------------------------------------------------------
 
-_Program = Callable[..., "jax.Array | tuple[jax.Array, jax.Array]"]
+
+class _Inputs(NamedTuple):
+    """A call's arrays, None where it has none: what a program takes (`_dispatched`), the
+    custom VJP differentiates and the Pallas kernels read (`normkit._pallas.run`)."""
+
+    x: jax.Array
+    residual: jax.Array | None = None
+    gate: jax.Array | None = None
+    scale: jax.Array | None = None
+    bias: jax.Array | None = None
+    alpha: jax.Array | None = None
+    mask: jax.Array | None = None
 
 
-def _dispatched(
-    kernels: bool,
-    xla: _Program,
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    gate: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """``xla(x, residual, gate, scale, bias, alpha, mask)``, or where the ``kernels`` are asked
-    for and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every
-    other platform): the choice is made when the program is lowered, and XLA compiles only the
-    platform's own (inside `normkit._pallas.interpreted`: the kernels, interpreted)."""
-    args = (x, residual, gate, scale, bias, alpha, mask)
+_Output = jax.Array | tuple[jax.Array, jax.Array]
+_Program = Callable[[_Inputs], _Output]
+
+
+def _dispatched(kernels: bool, xla: _Program, plan: _Plan, inputs: _Inputs) -> _Output:
+    """``xla(inputs)``, or where the ``kernels`` are asked for and compute the call,
+    `lax.platform_dependent` between them (CUDA) and ``xla`` (every other platform): the choice
+    is made when the program is lowered, and XLA compiles only the platform's own (inside
+    `normkit._pallas.interpreted`: the kernels, interpreted)."""
     if not kernels or plan.axis_name is not None or not pallas.supports(
-        x, plan.spec, plan.axes, args[1:6]
+        inputs.x, plan.spec, plan.axes, inputs[1:6]
     ):
-        return xla(*args)
+        return xla(inputs)
 
-    def on_gpu(x: jax.Array, residual: jax.Array | None, gate: jax.Array | None,
-               scale: jax.Array | None, bias: jax.Array | None, alpha: jax.Array | None,
-               mask: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def on_gpu(inputs: _Inputs) -> _Output:
+        x, residual, gate, scale, bias, alpha, mask = inputs
         return pallas.run(x, residual, plan.spec, scale, bias, gate, alpha, plan.out, mask,
                           interpret=pallas.interpreting())
 
     if pallas.interpreting():
-        return on_gpu(*args)
-    return lax.platform_dependent(*args, cuda=on_gpu, default=xla)
+        return on_gpu(inputs)
+    return cast(_Output, lax.platform_dependent(inputs, cuda=on_gpu, default=xla))
 
 
 def _gated_or_grouped(
@@ -245,12 +245,14 @@ def _gated_or_grouped(
         )
     plan.spec.group_count(math.prod(x.shape[a] for a in plan.axes))
 
-    def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
-              bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
+    def gated(inputs: _Inputs) -> jax.Array:
         rows = functools.partial(normalize, implementation="xla")
-        return _gated.gated_or_grouped(x, gate, plan.spec, scale, bias, plan.out, rows)
+        return _gated.gated_or_grouped(
+            inputs.x, inputs.gate, plan.spec, inputs.scale, inputs.bias, plan.out, rows
+        )
 
-    return cast(jax.Array, _dispatched(kernels, gated, plan, x, None, gate, scale, bias, None))
+    inputs = _Inputs(x, gate=gate, scale=scale, bias=bias)
+    return cast(jax.Array, _dispatched(kernels, gated, plan, inputs))
 
 
 def _check_residual_kind(spec: NormSpec, add: bool) -> None:
@@ -945,12 +947,9 @@ def _careful_y_hat(plan: _Plan, v: jax.Array, reads: _Reads) -> jax.Array:
     rows = _rows(v, plan, reads)
     return rows.c * _r(rows.s, rows.eps, spec)
 
+
 def _affine(
-    plan: _Plan,
-    y_hat: jax.Array,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    eager: bool,
+    plan: _Plan, y_hat: jax.Array, scale: jax.Array | None, bias: jax.Array | None, eager: bool
 ) -> jax.Array:
     """``y_hat * g + b`` in the output dtype. ``cast="before_scale"`` rounds ``y_hat`` to a
     half input's dtype first; then the affine step runs in the compute dtype, or with ``eager``
@@ -1015,16 +1014,8 @@ def _eager_gain(scale: jax.Array, spec: NormSpec) -> tuple[jax.Array, jnp.dtype]
 
 
 def _forward(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-    eager: bool,
-    saved: bool = False,
-) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Plain | None]:
+    plan: _Plan, inputs: _Inputs, eager: bool, saved: bool = False
+) -> tuple[_Output, _Plain | None]:
     """The output (``y``, or ``(y, h)`` with a residual) and the common program's statistics
     (`_plain`; None for DyT, and with ``eager``, which runs the careful program throughout).
 
@@ -1032,6 +1023,7 @@ def _forward(
     recomputed by the careful program, inside a branch the common case skips (`_patched`).
     Where XLA would fuse the statistics and ``y`` into one pass (`_fused_apart`) and they are
     not ``saved`` for the backward pass, the flags read statistics of their own (`_flagged`)."""
+    x, residual, _, scale, bias, alpha, mask = inputs
     v, h = _added(plan, x, residual, eager)
     spec = plan.spec
     plain = None
@@ -1061,6 +1053,7 @@ def _forward(
             y = _patched(careful, _affine(plan, y_hat, scale, bias, eager), fix)
     return (y if h is None else (y, h)), plain
 
+
 def _tanh_slope_times(u: jax.Array, d: jax.Array) -> jax.Array:
     """``d sech(u)^2``, DyT's slope from ``e^-2|u|`` (`normkit._dyt`: ``1 - tanh(u)^2`` is 0 in
     float32 from |u| = 9 on), times ``d`` before its unit, so that a normal result stays one
@@ -1083,21 +1076,12 @@ def _tanh_jvp(
     return jnp.tanh(primals[0]), _tanh_slope_times(primals[0], tangents[0])
 
 
-def _run(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    gate: None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The XLA program of a spec without a gate or groups (`_dispatched`'s arguments): the
-    custom VJP, or with ``backward="autograd"`` the eager program JAX differentiates."""
+def _run(plan: _Plan, inputs: _Inputs) -> _Output:
+    """The XLA program of a spec without a gate or groups: the custom VJP, or with
+    ``backward="autograd"`` the eager program JAX differentiates."""
     if plan.spec.backward == "autograd":
-        return _forward(plan, x, residual, scale, bias, alpha, mask, eager=True)[0]
-    return _norm(plan, x, residual, scale, bias, alpha, mask)
+        return _forward(plan, inputs, eager=True)[0]
+    return _norm(plan, inputs)
 
 
 # --- the custom_vjp ---------------------------------------------------------------------------
@@ -1113,28 +1097,13 @@ _Saved = tuple[
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _norm(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    return _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)[0]
+def _norm(plan: _Plan, inputs: _Inputs) -> _Output:
+    return _forward(plan, inputs, eager=False)[0]
 
 
-def _norm_fwd(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, plain = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False, saved=True)
+def _norm_fwd(plan: _Plan, inputs: _Inputs) -> tuple[_Output, _Saved]:
+    out, plain = _forward(plan, inputs, eager=False, saved=True)
+    x, residual, _, scale, bias, alpha, mask = inputs
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
@@ -1157,9 +1126,7 @@ class _Terms(NamedTuple):
     y_hat: jax.Array
 
 
-def _norm_bwd(
-    plan: _Plan, saved: _Saved, cotangent: jax.Array | tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array | None, ...]:
+def _norm_bwd(plan: _Plan, saved: _Saved, cotangent: _Output) -> tuple[_Inputs]:
     """`normkit.reference.add_normalize_vjp` / `normalize_vjp`: the norm's input gradient
     (`_input_grad`), plus ``dh`` with a residual, rounded once to x's and the residual's dtypes;
     the parameters' gradients summed in the compute dtype; none for the mask. DyT
@@ -1178,7 +1145,7 @@ def _norm_bwd(
     else:
         dx, dresidual, dscale, dyf_bias = _common_grads(bwd, prepared, s_saved)
     dbias = None if bias is None else jnp.sum(dyf_bias, axis=bwd.batch).astype(bias.dtype)
-    return dx, dresidual, dscale, dbias, dalpha, None
+    return (_Inputs(dx, dresidual, None, dscale, dbias, dalpha, None),)
 
 
 _Prepared = tuple[jax.Array, jax.Array, jax.Array]
@@ -1352,6 +1319,7 @@ def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) 
     them (unscaled)."""
     one = jnp.ones((), v.dtype)
     return _Scaled(_plain_centered(v, mean), s, jnp.full_like(s, eps), one, one)
+
 
 def _input_grad(
     plan: _Plan,
