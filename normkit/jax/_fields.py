@@ -15,6 +15,7 @@ from normkit.jax import functional
 from normkit.spec import Kind, NormSpec, OutputDtype, Variance
 
 Axes: TypeAlias = int | Sequence[int]
+Initializer: TypeAlias = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
 #: A module's ``(scale, bias, alpha)``, each None where the spec lacks it.
 Params: TypeAlias = tuple[jax.Array | None, jax.Array | None, jax.Array | None]
 

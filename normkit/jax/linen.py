@@ -19,6 +19,7 @@ from jax.typing import DTypeLike
 from normkit.jax._fields import (
     SHARED_FIELDS,
     Axes,
+    Initializer,
     Params,
     flax_axis,
     flax_spec,
@@ -43,8 +44,6 @@ from normkit.spec import (
 )
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
-
-Initializer = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
 
 
 class _Layer(nn.Module):

@@ -22,6 +22,7 @@ from jax.typing import DTypeLike
 
 from normkit.jax._fields import (
     Axes,
+    Initializer,
     Params,
     as_axes,
     flax_axis,
@@ -47,8 +48,6 @@ from normkit.spec import (
 )
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
-
-Initializer = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
 
 
 class _Norm(nnx.Module):
