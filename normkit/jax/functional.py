@@ -573,6 +573,8 @@ def _statistic(c: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
 
 
 def _r(s: jax.Array, eps: float | jax.Array, spec: NormSpec) -> jax.Array:
+    """``r(s) = 1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside): normkit.jax's
+    one definition (the Pallas kernels keep their own, `normkit._pallas_rows`)."""
     if spec.eps_placement == "inside":
         return lax.rsqrt(s + eps)
     return 1 / (jnp.sqrt(s) + eps)
@@ -1098,10 +1100,13 @@ _Saved = tuple[
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm(plan: _Plan, inputs: _Inputs) -> _Output:
+    """The forward program (`_forward`), differentiated by `_norm_bwd`."""
     return _forward(plan, inputs, eager=False)[0]
 
 
 def _norm_fwd(plan: _Plan, inputs: _Inputs) -> tuple[_Output, _Saved]:
+    """The output, and what the backward pass reads: the values normalized, ``s`` (None where
+    the careful program alone runs, and for DyT), the parameters and the mask."""
     out, plain = _forward(plan, inputs, eager=False, saved=True)
     x, residual, _, scale, bias, alpha, mask = inputs
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
