@@ -159,7 +159,10 @@ def scale_exponent(largest: jax.Array, highest: int) -> jax.Array:
 
 
 def rsqrt_or_inverse(s: jax.Array, eps: jax.Array, outside: bool) -> jax.Array:
-    """``r(s)``: ``1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside)."""
+    """``r(s)``: ``1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside).
+
+    The kernels' own copy of `normkit.jax.functional._r` (as `_input_grad` is of its closed
+    form), earned by speed: a kernel computes a tile in registers, with the ops Pallas lowers."""
     return 1 / (jnp.sqrt(s) + eps) if outside else lax.rsqrt(s + eps)
 
 

@@ -1,10 +1,10 @@
-"""The translation between a `NormSpec` and the modules' keyword arguments (normkit's and
-Flax's), the layout of Flax's parameters over its feature axes, and what the linen and NNX
-modules do on a call: the check of the residual argument against the spec, then the norm."""
+"""What the linen and NNX modules share: the translation between a `NormSpec` and their
+keyword arguments (normkit's and Flax's, both ways), the layout of Flax's parameters over its
+feature axes, and what a module does on a call (`module_output`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax
@@ -12,9 +12,12 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from normkit.jax import functional
-from normkit.spec import NormSpec, OutputDtype, Variance
+from normkit.spec import Kind, NormSpec, OutputDtype, Variance
 
 Axes: TypeAlias = int | Sequence[int]
+Initializer: TypeAlias = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
+#: A module's ``(scale, bias, alpha)``, each None where the spec lacks it.
+Params: TypeAlias = tuple[jax.Array | None, jax.Array | None, jax.Array | None]
 
 
 # The spec fields every module takes as they are, by the module's name for each (Flax's
@@ -46,6 +49,53 @@ def module_kwargs(spec: NormSpec) -> dict[str, Any]:
     if spec.kind == "layer":
         kwargs["variance"] = spec.variance
     return kwargs
+
+
+def flax_spec(
+    kind: Kind,
+    *,
+    axis: int | tuple[int, ...],
+    output_dtype: OutputDtype | None,
+    dtype: DTypeLike | None,
+    **fields: Any,
+) -> NormSpec:
+    """The spec a linen or NNX module of ``kind`` computes, from its fields by the modules'
+    names (the inverse of `module_kwargs`): `SHARED_FIELDS`, the kind's own fields by the spec's
+    names and, for the normalization kinds, ``epsilon``, Flax's ``use_fast_variance``
+    (`flax_variance`) and ``axis_index_groups`` (only None); ``axis`` is the spec's
+    (`flax_axis`), ``output_dtype`` follows Flax's rule (`flax_output_dtype`)."""
+    if kind != "dyt":
+        check_axis_index_groups(fields.pop("axis_index_groups"))
+        fields["eps"] = fields.pop("epsilon")
+        variance = fields.pop("variance", None)
+        fields["variance"] = flax_variance(kind, variance, fields.pop("use_fast_variance"))
+    named = {SHARED_FIELDS.get(name, name): value for name, value in fields.items()}
+    return NormSpec(
+        kind=kind, axis=axis, output_dtype=flax_output_dtype(output_dtype, dtype), **named
+    )
+
+
+def module_output(
+    module: object,
+    spec: NormSpec,
+    x: jax.Array,
+    residual: jax.Array | None,
+    feature_axes: tuple[int, ...],
+    params: Callable[[jax.Array, tuple[int, ...]], Params],
+    **call: Any,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """A module's call: the residual checked against the spec (`check_residual`), ``x`` as an
+    array, the parameters ``params(x, features)`` (``scale`` and ``bias`` in Flax's layout over
+    the feature axes, `feature_positions`, and DyT's ``alpha``) spread to the spec's shape
+    (`spread`), and the norm (`normalize_or_add`, which takes the keyword arguments ``call``:
+    ``gate``, ``mask``, ``dtype``, ``axis_name``, ``implementation``)."""
+    layer = type(module).__name__
+    check_residual(layer, spec, residual)
+    x = functional.as_array("x", x)
+    features = feature_positions(spec, feature_axes, x.ndim)
+    scale, bias, alpha = params(x, features)
+    scale, bias = (None if p is None else spread(p, spec, features, x.shape) for p in (scale, bias))
+    return normalize_or_add(layer, spec, x, residual, scale, bias, alpha, **call)
 
 
 def check_residual(layer: str, spec: NormSpec, residual: object) -> None:

@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypedDict, TypeVar, Unpack, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from normkit import _jax_exact as _exact
 from normkit import _pallas as pallas
 from normkit._jax_rounding import offset_in_dtype, round_to
 from normkit.jax import _gated
-from normkit.spec import DEFAULT_EPS, Cast, EpsPlacement, NormSpec
+from normkit.spec import Cast, EpsPlacement, Kind, NormSpec
 
 __all__ = ["normalize", "add_norm", "rms_norm", "partial_rms_norm", "layer_norm",
            "Implementation", "IMPLEMENTATIONS"]
@@ -129,39 +129,15 @@ def normalize(
         residual, or a ``mask`` is given for partial RMS, DyT or with ``axis_name``, or does
         not broadcast to ``x``, or ``implementation`` is none of the above.
     """
-    if spec.residual is not None:
-        raise ValueError(
-            f"normalize: the spec has residual={spec.residual!r}, which adds a residual before "
-            "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
-        )
+    _check_residual_kind(spec, add=False)
     kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     gate = _checked_gate(gate, x, spec)
     if spec.gate is not None or spec.group_size is not None:
-        if axis_name is not None or mask is not None:
-            raise ValueError(
-                "normalize: a gated or grouped spec (gate, group_size) takes neither axis_name "
-                "nor mask"
-            )
-        spec.group_count(math.prod(x.shape[a] for a in plan.axes))
-
-        def gated(x: jax.Array, _: None, gate: jax.Array | None, scale: jax.Array | None,
-                  bias: jax.Array | None, alpha: None, mask: None) -> jax.Array:
-            rows = functools.partial(normalize, implementation="xla")
-            return _gated.gated_or_grouped(x, gate, spec, scale, bias, plan.out, rows)
-
-        y = _dispatched(kernels, gated, plan, x, None, gate, scale, bias, None)
-        return cast(jax.Array, y)
+        return _gated_or_grouped(kernels, plan, x, gate, scale, bias, mask)
     checked = None if mask is None else _checked_mask(mask, x, plan)
-
-    def xla(x: jax.Array, _: None, gate: None, scale: jax.Array | None, bias: jax.Array | None,
-            alpha: jax.Array | None, mask: jax.Array | None
-            ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return _run(plan, x, None, scale, bias, alpha, mask)
-
-    y = _dispatched(kernels, xla, plan, x, None, None, scale, bias, _alpha(plan, alpha),
-                    checked)
-    return cast(jax.Array, y)
+    inputs = _Inputs(x, scale=scale, bias=bias, alpha=_alpha(plan, alpha), mask=checked)
+    return cast(jax.Array, _dispatched(kernels, functools.partial(_run, plan), plan, inputs))
 
 
 def add_norm(
@@ -204,66 +180,99 @@ def add_norm(
       ValueError: the spec has no residual, the residual's shape is not ``x``'s (or see
         `normalize`).
     """
-    if spec.residual is None:
-        raise ValueError(
-            "add_norm needs a spec with a residual rounding (residual='rounded', 'float32' or "
-            "'float32_normalized'), got residual=None; use normalize"
-        )
-    if spec.group_size is not None:
-        raise ValueError(
-            f"add_norm: normkit.jax does not compute a residual with group_size={spec.group_size}"
-            " (normkit.torch does); add the residual and use normalize"
-        )
+    _check_residual_kind(spec, add=True)
     kernels = pallas.selected(implementation)
     x, plan = _prepare(x, spec, scale, bias, alpha, dtype, axis_name)
     residual = _checked_residual(residual, x, plan, cast=dtype is not None)
     plan = dataclasses.replace(plan, residual_dtype=jnp.dtype(residual.dtype))
 
-    def xla(x: jax.Array, residual: jax.Array | None, gate: None, scale: jax.Array | None,
-            bias: jax.Array | None, alpha: jax.Array | None, mask: None
-            ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        return _run(plan, x, residual, scale, bias, alpha)
-
-    pair = _dispatched(kernels, xla, plan, x, residual, None, scale, bias, _alpha(plan, alpha))
+    inputs = _Inputs(x, residual, scale=scale, bias=bias, alpha=_alpha(plan, alpha))
+    pair = _dispatched(kernels, functools.partial(_run, plan), plan, inputs)
     return cast(tuple[jax.Array, jax.Array], pair)
 
 
 # --- the choice of program ---------------------------------------------------------------------
 
-_Program = Callable[..., "jax.Array | tuple[jax.Array, jax.Array]"]
+
+class _Inputs(NamedTuple):
+    """A call's arrays, None where it has none: what a program takes (`_dispatched`), the
+    custom VJP differentiates and the Pallas kernels read (`normkit._pallas.run`)."""
+
+    x: jax.Array
+    residual: jax.Array | None = None
+    gate: jax.Array | None = None
+    scale: jax.Array | None = None
+    bias: jax.Array | None = None
+    alpha: jax.Array | None = None
+    mask: jax.Array | None = None
 
 
-def _dispatched(
-    kernels: bool,
-    xla: _Program,
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    gate: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """``xla(x, residual, gate, scale, bias, alpha, mask)``, or where the ``kernels`` are asked
-    for and compute the call, `lax.platform_dependent` between them (CUDA) and ``xla`` (every
-    other platform): the choice is made when the program is lowered, and XLA compiles only the
-    platform's own (inside `normkit._pallas.interpreted`: the kernels, interpreted)."""
-    args = (x, residual, gate, scale, bias, alpha, mask)
+_Output = jax.Array | tuple[jax.Array, jax.Array]
+_Program = Callable[[_Inputs], _Output]
+
+
+def _dispatched(kernels: bool, xla: _Program, plan: _Plan, inputs: _Inputs) -> _Output:
+    """``xla(inputs)``, or where the ``kernels`` are asked for and compute the call,
+    `lax.platform_dependent` between them (CUDA) and ``xla`` (every other platform): the choice
+    is made when the program is lowered, and XLA compiles only the platform's own (inside
+    `normkit._pallas.interpreted`: the kernels, interpreted)."""
     if not kernels or plan.axis_name is not None or not pallas.supports(
-        x, plan.spec, plan.axes, args[1:6]
+        inputs.x, plan.spec, plan.axes, inputs[1:6]
     ):
-        return xla(*args)
+        return xla(inputs)
 
-    def on_gpu(x: jax.Array, residual: jax.Array | None, gate: jax.Array | None,
-               scale: jax.Array | None, bias: jax.Array | None, alpha: jax.Array | None,
-               mask: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def on_gpu(inputs: _Inputs) -> _Output:
+        x, residual, gate, scale, bias, alpha, mask = inputs
         return pallas.run(x, residual, plan.spec, scale, bias, gate, alpha, plan.out, mask,
                           interpret=pallas.interpreting())
 
     if pallas.interpreting():
-        return on_gpu(*args)
-    return lax.platform_dependent(*args, cuda=on_gpu, default=xla)
+        return on_gpu(inputs)
+    return cast(_Output, lax.platform_dependent(inputs, cuda=on_gpu, default=xla))
+
+
+def _gated_or_grouped(
+    kernels: bool, plan: _Plan, x: jax.Array, gate: jax.Array | None,
+    scale: jax.Array | None, bias: jax.Array | None, mask: jax.Array | None,
+) -> jax.Array:
+    """`normalize` of a gated or grouped spec (`normkit.jax._gated`: ``y(x * a(z))``, ``y(x) *
+    a(z)``, each group of ``group_size`` features normalized alone), whose rows the XLA
+    program computes; neither ``axis_name`` nor ``mask``."""
+    if plan.axis_name is not None or mask is not None:
+        raise ValueError(
+            "normalize: a gated or grouped spec (gate, group_size) takes neither axis_name "
+            "nor mask"
+        )
+    plan.spec.group_count(math.prod(x.shape[a] for a in plan.axes))
+
+    def gated(inputs: _Inputs) -> jax.Array:
+        rows = functools.partial(normalize, implementation="xla")
+        return _gated.gated_or_grouped(
+            inputs.x, inputs.gate, plan.spec, inputs.scale, inputs.bias, plan.out, rows
+        )
+
+    inputs = _Inputs(x, gate=gate, scale=scale, bias=bias)
+    return cast(jax.Array, _dispatched(kernels, gated, plan, inputs))
+
+
+def _check_residual_kind(spec: NormSpec, add: bool) -> None:
+    """`add_norm` (``add``) computes the specs with a residual, but not grouped ones;
+    `normalize` those without."""
+    if not add and spec.residual is not None:
+        raise ValueError(
+            f"normalize: the spec has residual={spec.residual!r}, which adds a residual before "
+            "the norm; use add_norm(x, residual, spec, ...), which returns (y, h)"
+        )
+    if add and spec.residual is None:
+        raise ValueError(
+            "add_norm needs a spec with a residual rounding (residual='rounded', 'float32' or "
+            "'float32_normalized'), got residual=None; use normalize"
+        )
+    if add and spec.group_size is not None:
+        raise ValueError(
+            f"add_norm: normkit.jax does not compute a residual with group_size={spec.group_size}"
+            " (normkit.torch does); add the residual and use normalize"
+        )
 
 
 def _prepare(
@@ -413,83 +422,67 @@ def _alpha(plan: _Plan, alpha: jax.Array | None) -> jax.Array | None:
     return jnp.asarray(alpha)
 
 
-def rms_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
-) -> jax.Array:
-    """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from these arguments.
+class NormOptions(TypedDict, total=False):
+    """The keyword arguments of `rms_norm`, `partial_rms_norm` and `layer_norm`: the `NormSpec`
+    fields ``eps``, ``eps_placement``, ``axis``, ``scale_offset`` and ``cast``, with their
+    NormSpec meaning and defaults, and `normalize`'s ``dtype``, ``axis_name`` and
+    ``implementation``."""
 
-    The `NormSpec` fields have their NormSpec meaning and defaults (the spec has a bias when
-    ``bias`` is given); ``scale``, ``bias``, ``dtype``, ``axis_name`` and ``implementation``
-    are `normalize`'s.
-    """
-    spec = NormSpec(
-        kind="rms", eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    eps: float
+    eps_placement: EpsPlacement
+    axis: int | tuple[int, ...]
+    scale_offset: float
+    cast: Cast
+    dtype: DTypeLike | None
+    axis_name: str | None
+    implementation: Implementation | None
+
+
+_SPEC_OPTIONS = ("eps", "eps_placement", "axis", "scale_offset", "cast")
+
+
+def rms_norm(
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
+    **options: Unpack[NormOptions],
+) -> jax.Array:
+    """RMSNorm: `normalize` with ``NormSpec(kind="rms", ...)`` built from ``options``
+    (`NormOptions`); the spec has a bias when ``bias`` is given."""
+    return _shorthand("rms", None, x, scale, bias, options)
 
 
 def partial_rms_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    p: float,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *, p: float,
+    **options: Unpack[NormOptions],
 ) -> jax.Array:
     """Partial RMSNorm (statistic over the first ``spec.stat_size(n)`` elements of a row).
 
     `normalize` with ``NormSpec(kind="partial_rms", p=p, ...)``; arguments as in `rms_norm`.
     """
-    spec = NormSpec(
-        kind="partial_rms", p=p, eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    return _shorthand("partial_rms", p, x, scale, bias, options)
 
 
 def layer_norm(
-    x: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    eps: float = DEFAULT_EPS,
-    eps_placement: EpsPlacement = "inside",
-    axis: int | tuple[int, ...] = -1,
-    scale_offset: float = 0.0,
-    cast: Cast = "after_scale",
-    dtype: DTypeLike | None = None,
-    axis_name: str | None = None,
-    implementation: Implementation | None = None,
+    x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
+    **options: Unpack[NormOptions],
 ) -> jax.Array:
     """LayerNorm: `normalize` with ``NormSpec(kind="layer", ...)``; arguments as in `rms_norm`."""
-    spec = NormSpec(
-        kind="layer", eps=eps, eps_placement=eps_placement, axis=axis,
-        scale_offset=scale_offset, bias=bias is not None, cast=cast,
-    )
-    return normalize(x, spec, scale, bias, dtype=dtype, axis_name=axis_name,
-                     implementation=implementation)
+    return _shorthand("layer", None, x, scale, bias, options)
 
+
+def _shorthand(
+    kind: Kind, p: float | None, x: jax.Array, scale: jax.Array | None,
+    bias: jax.Array | None, options: NormOptions,
+) -> jax.Array:
+    """`normalize` with the spec of ``kind`` the shorthands' ``options`` give."""
+    unknown = sorted(set(options) - set(NormOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}; expected those of "
+                        f"NormOptions: {', '.join(NormOptions.__annotations__)}")
+    fields: dict[str, Any] = {k: v for k, v in options.items() if k in _SPEC_OPTIONS}
+    spec = NormSpec(kind=kind, p=p, bias=bias is not None, **fields)
+    return normalize(x, spec, scale, bias, dtype=options.get("dtype"),
+                     axis_name=options.get("axis_name"),
+                     implementation=options.get("implementation"))
 
 
 # --- the computation ------------------------------------------------------------------------
@@ -520,14 +513,14 @@ class _Reads(NamedTuple):
     prefix: int | None = None
 
 
-def _reads(x: jax.Array, plan: _Plan, n: int, mask: jax.Array | None) -> _Reads:
+def _reads(x: jax.Array, plan: _Plan, mask: jax.Array | None) -> _Reads:
     """The call's ``mask`` (with its count per row), partial RMS's first k, or every element."""
     if mask is not None:
         return _Reads(mask, jnp.sum(mask, axis=plan.axes, keepdims=True, dtype=x.dtype))
     if plan.spec.kind == "partial_rms":
         single = len(plan.axes) == 1 and plan.axis_name is None
-        return _Reads(*_partial_mask(x, plan, n), prefix=plan.axes[0] if single else None)
-    return _Reads(None, n)
+        return _Reads(*_partial_mask(x, plan), prefix=plan.axes[0] if single else None)
+    return _Reads(None, _row_size(x, plan))
 
 
 def _row_sum(value: jax.Array, plan: _Plan, where: jax.Array | None = None) -> jax.Array:
@@ -547,9 +540,9 @@ def _read_mean(value: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
     return _row_sum(value, plan, reads.where) / reads.size
 
 
-def _partial_mask(x: jax.Array, plan: _Plan, n: int) -> tuple[jax.Array, int]:
+def _partial_mask(x: jax.Array, plan: _Plan) -> tuple[jax.Array, int]:
     """The elements the partial statistic reads (broadcastable to x), and their count k."""
-    k = plan.spec.stat_size(n)
+    k = plan.spec.stat_size(_row_size(x, plan))
     shape = [x.shape[a] if a in plan.axes else 1 for a in range(x.ndim)]
     local = lax.broadcasted_iota(jnp.int32, shape, plan.axes[0])
     for a in plan.axes[1:]:
@@ -565,7 +558,7 @@ def _centered(xf: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
     again, recovering what the rounding of a large mean loses."""
     if plan.spec.kind != "layer":
         return xf
-    if reads.where is None and reads.size == 2 and plan.axis_name is None:
+    if _careful_only(plan, reads):
         # x - mean(x) = (x - x_other) / 2 (flipping the normalized axes swaps the two elements):
         # one rounding, relative to the centered values; the mean's rounding is relative to |x|,
         # which at n = 2 can dwarf them.
@@ -580,6 +573,8 @@ def _statistic(c: jax.Array, plan: _Plan, reads: _Reads) -> jax.Array:
 
 
 def _r(s: jax.Array, eps: float | jax.Array, spec: NormSpec) -> jax.Array:
+    """``r(s) = 1 / sqrt(s + eps)`` (inside) or ``1 / (sqrt(s) + eps)`` (outside): normkit.jax's
+    one definition (the Pallas kernels keep their own, `normkit._pallas_rows`)."""
     if spec.eps_placement == "inside":
         return lax.rsqrt(s + eps)
     return 1 / (jnp.sqrt(s) + eps)
@@ -838,7 +833,8 @@ def _large_mean(mean: jax.Array, s: jax.Array) -> jax.Array:
 def _flagged(plan: _Plan, x: jax.Array, residual: jax.Array | None, reads: _Reads) -> jax.Array:
     """`_plain`'s ``careful`` from reductions of their own, each reading the inputs alone, so
     that XLA fuses each with the conversion of a half input: LayerNorm's test ``mean^2 > s`` as
-    ``2 mean^2 > mean(x^2)`` (`_large_mean`), and the range of ``r`` from ``s = max(0, mean(x^2) - mean^2)``.
+    ``2 mean^2 > mean(x^2)`` (`_large_mean`), and the range of ``r`` from
+    ``s = max(0, mean(x^2) - mean^2)``.
     Where they differ from the two-pass values (by roundings relative to ``mean(x^2)``),
     ``mean^2`` and ``s`` are within a few ulps of each other, where the plain program is
     accurate too."""
@@ -953,12 +949,9 @@ def _careful_y_hat(plan: _Plan, v: jax.Array, reads: _Reads) -> jax.Array:
     rows = _rows(v, plan, reads)
     return rows.c * _r(rows.s, rows.eps, spec)
 
+
 def _affine(
-    plan: _Plan,
-    y_hat: jax.Array,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    eager: bool,
+    plan: _Plan, y_hat: jax.Array, scale: jax.Array | None, bias: jax.Array | None, eager: bool
 ) -> jax.Array:
     """``y_hat * g + b`` in the output dtype. ``cast="before_scale"`` rounds ``y_hat`` to a
     half input's dtype first; then the affine step runs in the compute dtype, or with ``eager``
@@ -1023,16 +1016,8 @@ def _eager_gain(scale: jax.Array, spec: NormSpec) -> tuple[jax.Array, jnp.dtype]
 
 
 def _forward(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-    eager: bool,
-    saved: bool = False,
-) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Plain | None]:
+    plan: _Plan, inputs: _Inputs, eager: bool, saved: bool = False
+) -> tuple[_Output, _Plain | None]:
     """The output (``y``, or ``(y, h)`` with a residual) and the common program's statistics
     (`_plain`; None for DyT, and with ``eager``, which runs the careful program throughout).
 
@@ -1040,6 +1025,7 @@ def _forward(
     recomputed by the careful program, inside a branch the common case skips (`_patched`).
     Where XLA would fuse the statistics and ``y`` into one pass (`_fused_apart`) and they are
     not ``saved`` for the backward pass, the flags read statistics of their own (`_flagged`)."""
+    x, residual, _, scale, bias, alpha, mask = inputs
     v, h = _added(plan, x, residual, eager)
     spec = plan.spec
     plain = None
@@ -1047,7 +1033,7 @@ def _forward(
         y = _affine(plan, _tanh(alpha.astype(v.dtype).reshape(()) * v), scale, bias, eager)
     else:
         assert spec.eps is not None
-        reads = _reads(v, plan, _row_size(v, plan), mask)
+        reads = _reads(v, plan, mask)
         if eager or _careful_only(plan, reads):
             y = _affine(plan, _careful_y_hat(plan, v, reads), scale, bias, eager)
         else:
@@ -1063,11 +1049,12 @@ def _forward(
             def fix(y: jax.Array) -> jax.Array:
                 # From the inputs again: a value the branch captured would be materialized.
                 again = _added(plan, x, residual)[0]
-                y_hat = _careful_y_hat(plan, again, _reads(again, plan, _row_size(v, plan), mask))
+                y_hat = _careful_y_hat(plan, again, _reads(again, plan, mask))
                 return jnp.where(careful, _affine(plan, y_hat, scale, bias, eager), y)
 
             y = _patched(careful, _affine(plan, y_hat, scale, bias, eager), fix)
     return (y if h is None else (y, h)), plain
+
 
 def _tanh_slope_times(u: jax.Array, d: jax.Array) -> jax.Array:
     """``d sech(u)^2``, DyT's slope from ``e^-2|u|`` (`normkit._dyt`: ``1 - tanh(u)^2`` is 0 in
@@ -1091,18 +1078,12 @@ def _tanh_jvp(
     return jnp.tanh(primals[0]), _tanh_slope_times(primals[0], tangents[0])
 
 
-def _run(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _run(plan: _Plan, inputs: _Inputs) -> _Output:
+    """The XLA program of a spec without a gate or groups: the custom VJP, or with
+    ``backward="autograd"`` the eager program JAX differentiates."""
     if plan.spec.backward == "autograd":
-        return _forward(plan, x, residual, scale, bias, alpha, mask, eager=True)[0]
-    return _norm(plan, x, residual, scale, bias, alpha, mask)
+        return _forward(plan, inputs, eager=True)[0]
+    return _norm(plan, inputs)
 
 
 # --- the custom_vjp ---------------------------------------------------------------------------
@@ -1118,28 +1099,16 @@ _Saved = tuple[
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _norm(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    return _forward(plan, x, residual, scale, bias, alpha, mask, eager=False)[0]
+def _norm(plan: _Plan, inputs: _Inputs) -> _Output:
+    """The forward program (`_forward`), differentiated by `_norm_bwd`."""
+    return _forward(plan, inputs, eager=False)[0]
 
 
-def _norm_fwd(
-    plan: _Plan,
-    x: jax.Array,
-    residual: jax.Array | None,
-    scale: jax.Array | None,
-    bias: jax.Array | None,
-    alpha: jax.Array | None,
-    mask: jax.Array | None,
-) -> tuple[jax.Array | tuple[jax.Array, jax.Array], _Saved]:
-    out, plain = _forward(plan, x, residual, scale, bias, alpha, mask, eager=False, saved=True)
+def _norm_fwd(plan: _Plan, inputs: _Inputs) -> tuple[_Output, _Saved]:
+    """The output, and what the backward pass reads: the values normalized, ``s`` (None where
+    the careful program alone runs, and for DyT), the parameters and the mask."""
+    out, plain = _forward(plan, inputs, eager=False, saved=True)
+    x, residual, _, scale, bias, alpha, mask = inputs
     # The values normalized, in the narrowest dtype that holds them: x itself, or h, or the
     # float32 sum of the float32 residual modes.
     if residual is None:
@@ -1162,122 +1131,176 @@ class _Terms(NamedTuple):
     y_hat: jax.Array
 
 
-def _norm_bwd(
-    plan: _Plan, saved: _Saved, cotangent: jax.Array | tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array | None, ...]:
+def _norm_bwd(plan: _Plan, saved: _Saved, cotangent: _Output) -> tuple[_Inputs]:
     """`normkit.reference.add_normalize_vjp` / `normalize_vjp`: the norm's input gradient
     (`_input_grad`), plus ``dh`` with a residual, rounded once to x's and the residual's dtypes;
-    the parameters' gradients summed in the compute dtype; none for the mask."""
+    the parameters' gradients summed in the compute dtype; none for the mask. DyT
+    (`_dyt_grads`), rows of two (the careful program, `_careful_grads`) and the common program
+    (`_common_grads`) each compute ``(dx, dresidual, dscale)``."""
     normalized, s_saved, scale, bias, alpha, mask = saved
     dy, dh = cotangent if plan.residual_dtype is not None else (cotangent, None)
-    dy = cast(jax.Array, dy)
-    compute = _stat_dtype(plan.dtype)
-    batch = tuple(a for a in range(normalized.ndim) if a not in plan.axes)
+    bwd = _Backward(plan, normalized, cast(jax.Array, dy), dh, scale, mask)
+    prepared = bwd.prepared(normalized, bwd.dy, scale)
+    dalpha = None
+    dyf_bias = prepared[1]
+    if alpha is not None:
+        dx, dresidual, dscale, dalpha = _dyt_grads(bwd, prepared, alpha)
+    elif s_saved is None:  # rows of two: the careful program only
+        dx, dresidual, dscale = _careful_grads(bwd, prepared)
+    else:
+        dx, dresidual, dscale, dyf_bias = _common_grads(bwd, prepared, s_saved)
+    dbias = None if bias is None else jnp.sum(dyf_bias, axis=bwd.batch).astype(bias.dtype)
+    return (_Inputs(dx, dresidual, None, dscale, dbias, dalpha, None),)
+
+
+_Prepared = tuple[jax.Array, jax.Array, jax.Array]
+_Grads = tuple[jax.Array, jax.Array | None, jax.Array | None]
+
+
+class _Backward(NamedTuple):
+    """The backward pass's inputs: the values normalized (x, or h), the cotangents ``dy`` and
+    ``dh`` (None without a residual), the scale and the mask."""
+
+    plan: _Plan
+    normalized: jax.Array
+    dy: jax.Array
+    dh: jax.Array | None
+    scale: jax.Array | None
+    mask: jax.Array | None
+
+    @property
+    def compute(self) -> jnp.dtype:
+        return _stat_dtype(self.plan.dtype)
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        """The axes the parameters' gradients are summed over."""
+        return tuple(a for a in range(self.normalized.ndim) if a not in self.plan.axes)
 
     def prepared(
-        normalized: jax.Array = normalized, dy: jax.Array = dy, scale: jax.Array | None = scale
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(v, dy, d)`` in the compute dtype, from the residuals, the cotangent and the scale
-        (these or, given, copies of them)."""
-        v = normalized.astype(compute)
-        dyf = dy.astype(compute)
-        g = _gain(v, scale, plan, compute)
+        self, normalized: jax.Array, dy: jax.Array, scale: jax.Array | None
+    ) -> _Prepared:
+        """``(v, dy, d)`` in the compute dtype, ``d = dy (scale_offset + w)``, from the values
+        normalized, the cotangent and the scale (these or copies of them)."""
+        v = normalized.astype(self.compute)
+        dyf = dy.astype(self.compute)
+        g = _gain(v, scale, self.plan, self.compute)
         return v, dyf, (dyf if g is None else dyf * g)
 
-    def terms(
-        prepared: tuple[jax.Array, jax.Array, jax.Array], mean: jax.Array | None, s: jax.Array
-    ) -> _Terms:
+    def terms(self, prepared: _Prepared, mean: jax.Array | None, s: jax.Array) -> _Terms:
         """What the common program's sums and input gradient read (`_Terms`), from `prepared`'s
         values and the row statistics (or copies of them)."""
-        assert plan.spec.eps is not None
-        rows = _plain_rows(prepared[0], mean, s, plan.spec.eps)
-        return _Terms(*prepared, rows, rows.c * _r(s, plan.spec.eps, plan.spec))
+        eps = self.plan.spec.eps
+        assert eps is not None
+        rows = _plain_rows(prepared[0], mean, s, eps)
+        return _Terms(*prepared, rows, rows.c * _r(s, eps, self.plan.spec))
 
-    def scale_grad(dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
-        return None if scale is None else jnp.sum(dyf * y_hat, axis=batch).astype(scale.dtype)
+    def scale_grad(self, dyf: jax.Array, y_hat: jax.Array) -> jax.Array | None:
+        """``dw = sum dy y_hat`` over the batch axes (None without a scale)."""
+        if self.scale is None:
+            return None
+        return jnp.sum(dyf * y_hat, axis=self.batch).astype(self.scale.dtype)
 
-    def rounded(dv: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def rounded(self, dv: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """``(dx, dresidual)`` in their dtypes: the norm's gradient ``dv``, plus ``dh`` with a
         residual, rounded once (elementwise, so a branch may round before it picks rows)."""
-        if plan.residual_dtype is None:
-            return dv.astype(plan.dtype), None
-        total = dv + dh.astype(compute)  # type: ignore[union-attr]
-        return total.astype(plan.dtype), total.astype(plan.residual_dtype)
+        if self.plan.residual_dtype is None:
+            return dv.astype(self.plan.dtype), None
+        assert self.dh is not None
+        total = dv + self.dh.astype(self.compute)
+        return total.astype(self.plan.dtype), total.astype(self.plan.residual_dtype)
 
-    v, dyf, d = prepared()
-    dalpha = None
-    dyf_bias = dyf
-    if alpha is not None:  # dyt: y_hat = tanh(alpha v), whose slope is sech(alpha v)^2
-        a = alpha.astype(compute).reshape(())
-        u = a * v
-        y_hat = jnp.tanh(u)
-        sloped = _tanh_slope_times(u, d)
-        dx, dresidual = rounded(a * sloped)
-        dalpha = jnp.sum(sloped * v).reshape(alpha.shape).astype(alpha.dtype)
-        dscale = scale_grad(dyf, y_hat)
-    elif s_saved is None:  # rows of two: the careful program only
-        reads = _reads(v, plan, _row_size(v, plan), mask)
-        dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
-        dx, dresidual = rounded(dv)
-        dscale = scale_grad(dyf, y_hat)
+    def careful_input_grad(self, v: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(dv, y_hat)`` of the careful program: the rows rescaled where the gradient needs
+        it (`_rows`), the sums in units of ``d``'s size (`_input_grad`)."""
+        reads = _reads(v, self.plan, self.mask)
+        return _input_grad(self.plan, _rows(v, self.plan, reads, gradient=True), d, reads)
+
+
+def _dyt_grads(
+    bwd: _Backward, prepared: _Prepared, alpha: jax.Array
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
+    """DyT: ``y_hat = tanh(alpha v)``, whose slope is ``sech(alpha v)^2``: ``dv = alpha d
+    sech^2``, ``dalpha = sum d sech^2 v``; and ``dscale``."""
+    v, dyf, d = prepared
+    a = alpha.astype(bwd.compute).reshape(())
+    u = a * v
+    y_hat = jnp.tanh(u)
+    sloped = _tanh_slope_times(u, d)
+    dx, dresidual = bwd.rounded(a * sloped)
+    dalpha = jnp.sum(sloped * v).reshape(alpha.shape).astype(alpha.dtype)
+    return dx, dresidual, bwd.scale_grad(dyf, y_hat), dalpha
+
+
+def _careful_grads(bwd: _Backward, prepared: _Prepared) -> _Grads:
+    """Every row through the careful program (`_Backward.careful_input_grad`)."""
+    v, dyf, d = prepared
+    dv, y_hat = bwd.careful_input_grad(v, d)
+    return (*bwd.rounded(dv), bwd.scale_grad(dyf, y_hat))
+
+
+def _common_grads(
+    bwd: _Backward, prepared: _Prepared, s_saved: jax.Array
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
+    """The common program's ``(dx, dresidual, dscale)`` and the ``dy`` the bias's gradient
+    sums, from the saved ``s`` (LayerNorm's mean computed again): the row sums
+    (`_row_projection`), the input gradient (`_input_grad`), and the rows they cannot serve
+    recomputed by the careful program inside a branch the common case skips (`_patched`)."""
+    plan = bwd.plan
+    v, dyf, d = prepared
+    reads = _reads(v, plan, bwd.mask)
+    copies = _separate_sums(bwd.dy)
+    # LayerNorm's mean computed again (from a copy of its own, as each sum below reads one).
+    layer = plan.spec.kind == "layer"
+    mean_copy = [_barrier(bwd.normalized, 1)[0].astype(bwd.compute)] if copies and layer else []
+    plain = _plain(v, plan, reads, s_saved, copies=mean_copy)
+    # Rows the statistics cannot serve: those the forward flagged, and with eps outside
+    # those whose s is too small for the gradient.
+    careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
+    # The four sums over the rows and columns (the projection, LayerNorm's sum of d, the
+    # scale's and the bias's gradients) and the input gradient each read copies of their own
+    # of the residuals, the cotangent, the scale and the statistics where
+    # `_separate_sums` says so.
+    if copies:
+        inputs = (bwd.normalized, bwd.dy, bwd.scale, plain.mean, plain.s)
+        each = [bwd.terms(bwd.prepared(*c[:3]), *c[3:]) for c in _barrier(inputs, 5)]
     else:
-        eps = plan.spec.eps
-        assert eps is not None
-        reads = _reads(v, plan, _row_size(v, plan), mask)
-        copies = _separate_sums(dy)
-        # LayerNorm's mean computed again (from a copy of its own, as each sum below reads one).
-        layer = plan.spec.kind == "layer"
-        mean_copy = [_barrier(normalized, 1)[0].astype(compute)] if copies and layer else []
-        plain = _plain(v, plan, reads, s_saved, copies=mean_copy)
-        # Rows the statistics cannot serve: those the forward flagged, and with eps outside
-        # those whose s is too small for the gradient.
-        careful = plain.careful | _needs_scaling(plain.s, plan, gradient=True)
-        r = _r(plain.s, eps, plan.spec)
-        # The four sums over the rows and columns (the projection, LayerNorm's sum of d, the
-        # scale's and the bias's gradients) and the input gradient each read copies of their own
-        # of the residuals, the cotangent, the scale and the statistics where
-        # `_separate_sums` says so.
-        if copies:
-            inputs = (normalized, dy, scale, plain.mean, plain.s)
-            each = [terms(prepared(*c[:3]), *c[3:]) for c in _barrier(inputs, 5)]
-        else:
-            each = [terms((v, dyf, d), plain.mean, plain.s)] * 5
-        projected, d_summed, scaled, biased, applied = each
-        d_sum = None
-        if plain.mean is None:
-            # RMS kinds: sum_j d_j y_hat_j as r sum_j d_j x_j.
-            projection = r * _row_sum(projected.d * projected.v, plan)
-        else:
-            projection = _row_sum(projected.d * projected.y_hat, plan)
-            d_sum = _row_sum(d_summed.d, plan)
-        # Rows where it overflows (|x| and dy both large; a huge value a mask leaves out,
-        # unbounded by the row's scale), or where its products by y_hat_i may, go to the
-        # careful program, which sums it in units of d's size.
-        careful |= ~(jnp.abs(projection) < _PROJECTION_LIMIT)
-        dv, _ = _input_grad(plan, applied.rows, applied.d, reads, projection, d_sum)
-        dyf_bias = biased.dyf
+        each = [bwd.terms(prepared, plain.mean, plain.s)] * 5
+    projected, d_summed, scaled, biased, applied = each
+    projection, d_sum = _row_projection(plan, plain, projected, d_summed)
+    # Rows where it overflows (|x| and dy both large; a huge value a mask leaves out,
+    # unbounded by the row's scale), or where its products by y_hat_i may, go to the
+    # careful program, which sums it in units of d's size.
+    careful |= ~(jnp.abs(projection) < _PROJECTION_LIMIT)
+    dv, _ = _input_grad(plan, applied.rows, applied.d, reads, projection, d_sum)
 
-        def fix(
-            grads: tuple[jax.Array, jax.Array | None, jax.Array | None],
-        ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-            # From the residuals again: a value the branch captured would be materialized.
-            v, dyf, d = prepared()
-            reads = _reads(v, plan, _row_size(v, plan), mask)
-            dv, y_hat = _input_grad(plan, _rows(v, plan, reads, gradient=True), d, reads)
-            y_hat_plain = terms((v, dyf, d), plain.mean, plain.s).y_hat
-            dscale = scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
-            dx, dresidual = rounded(dv)
-            plain_dx, plain_dresidual = grads[:2]
-            if dresidual is not None and plain_dresidual is not None:
-                dresidual = jnp.where(careful, dresidual, plain_dresidual)
-            return jnp.where(careful, dx, plain_dx), dresidual, dscale
+    def fix(grads: _Grads) -> _Grads:
+        # From the residuals again: a value the branch captured would be materialized.
+        v, dyf, d = bwd.prepared(bwd.normalized, bwd.dy, bwd.scale)
+        dv, y_hat = bwd.careful_input_grad(v, d)
+        y_hat_plain = bwd.terms((v, dyf, d), plain.mean, plain.s).y_hat
+        dscale = bwd.scale_grad(dyf, jnp.where(careful, y_hat, y_hat_plain))
+        dx, dresidual = bwd.rounded(dv)
+        plain_dx, plain_dresidual = grads[:2]
+        if dresidual is not None and plain_dresidual is not None:
+            dresidual = jnp.where(careful, dresidual, plain_dresidual)
+        return jnp.where(careful, dx, plain_dx), dresidual, dscale
 
-        # The gradients pass the branch in their own dtypes: rounding after it is a pass more.
-        dx, dresidual, dscale = _patched(
-            careful, (*rounded(dv), scale_grad(scaled.dyf, scaled.y_hat)), fix
-        )
-    dbias = None if bias is None else jnp.sum(dyf_bias, axis=batch).astype(bias.dtype)
-    return dx, dresidual, dscale, dbias, dalpha, None
+    # The gradients pass the branch in their own dtypes: rounding after it is a pass more.
+    grads = _patched(careful, (*bwd.rounded(dv), bwd.scale_grad(scaled.dyf, scaled.y_hat)), fix)
+    return (*grads, biased.dyf)
+
+
+def _row_projection(
+    plan: _Plan, plain: _Plain, projected: _Terms, d_summed: _Terms
+) -> tuple[jax.Array, jax.Array | None]:
+    """Per row, ``sum_j d_j y_hat_j`` (RMS kinds: as ``r sum_j d_j x_j``) and LayerNorm's
+    ``sum_j d_j`` (None for the RMS kinds), each from its own `_Terms`."""
+    if plain.mean is None:
+        assert plan.spec.eps is not None
+        r = _r(plain.s, plan.spec.eps, plan.spec)
+        return r * _row_sum(projected.d * projected.v, plan), None
+    return _row_sum(projected.d * projected.y_hat, plan), _row_sum(d_summed.d, plan)
 
 
 # The largest projection sum_j d_j y_hat_j the common program uses: its products by y_hat_i
@@ -1301,6 +1324,7 @@ def _plain_rows(v: jax.Array, mean: jax.Array | None, s: jax.Array, eps: float) 
     them (unscaled)."""
     one = jnp.ones((), v.dtype)
     return _Scaled(_plain_centered(v, mean), s, jnp.full_like(s, eps), one, one)
+
 
 def _input_grad(
     plan: _Plan,
@@ -1336,13 +1360,7 @@ def _input_grad(
     if projection is None:
         unit = _cotangent_unit(d, plan, _row_size(d, plan))
         d = d * unit
-    if spec.eps_placement == "outside":
-        positive = rows.s > 0
-        z = rows.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, rows.s, 1)), 0)
-        rest = rows.eps * r
-    else:
-        z = y_hat
-        rest = rows.eps * r * r
+    z, rest = _slope_terms(rows, r, y_hat, spec)
     layer = spec.kind == "layer"
 
     def projected(where: jax.Array | None = None) -> jax.Array:
@@ -1382,5 +1400,18 @@ def _input_grad(
         inner = inner * (1 / unit)
     return r * inner * rows.sigma * rows.pre, y_hat
 
+
+
+def _slope_terms(
+    rows: _Scaled, r: jax.Array, y_hat: jax.Array, spec: NormSpec
+) -> tuple[jax.Array, jax.Array]:
+    """``(z, rest)`` of `_input_grad`: ``z = y_hat`` (inside) or ``c / sqrt(s)`` (outside, 0
+    where s = 0), what the projection is applied with, and the closed form of ``rest = 1 - z_i
+    y_hat_i`` on a row of one element read: ``eps r**2`` (inside) or ``eps r`` (outside)."""
+    if spec.eps_placement == "outside":
+        positive = rows.s > 0
+        z = rows.c * jnp.where(positive, 1 / jnp.sqrt(jnp.where(positive, rows.s, 1)), 0)
+        return z, rows.eps * r
+    return y_hat, rows.eps * r * r
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

@@ -16,19 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from normkit.jax import functional
 from normkit.jax._fields import (
     SHARED_FIELDS,
     Axes,
-    check_axis_index_groups,
-    check_residual,
-    feature_positions,
+    Initializer,
+    Params,
     flax_axis,
-    flax_output_dtype,
-    flax_variance,
+    flax_spec,
     module_kwargs,
-    normalize_or_add,
-    spread,
+    module_output,
 )
 from normkit.jax.functional import Implementation
 from normkit.spec import (
@@ -48,8 +44,6 @@ from normkit.spec import (
 )
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
-
-Initializer = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
 
 
 class _Layer(nn.Module):
@@ -83,13 +77,11 @@ class _Layer(nn.Module):
         return axis, (axis,) if isinstance(axis, int) else tuple(axis)
 
     def _spec(self, **fields: Any) -> NormSpec:
-        """The `NormSpec` of the fields every module here has, and ``fields`` (its kind's)."""
-        return NormSpec(
-            kind=self.kind,
-            axis=self._axes()[0],
-            output_dtype=flax_output_dtype(self.output_dtype, self.dtype),
-            **{field: getattr(self, name) for name, field in SHARED_FIELDS.items()},
-            **fields,
+        """The `NormSpec` of the fields every module here has, and ``fields`` (its kind's, by
+        the modules' names: `flax_spec`)."""
+        return flax_spec(
+            self.kind, axis=self._axes()[0], output_dtype=self.output_dtype, dtype=self.dtype,
+            **{name: getattr(self, name) for name in SHARED_FIELDS}, **fields,
         )
 
     def _param(
@@ -112,20 +104,17 @@ class _Layer(nn.Module):
         initializer = nn.initializers.constant(value) if init is None else init
         return self.param(name, initializer, shape, self.param_dtype)
 
-    def _params(
-        self, spec: NormSpec, x: jax.Array
-    ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-        """``scale`` and ``bias`` (Flax's, over the feature axes, spread to the spec's shape)
-        and DyT's ``alpha``."""
-        features = feature_positions(spec, self._axes()[1], x.ndim)
+    def _params(self, x: jax.Array, features: tuple[int, ...]) -> Params:
+        """``scale`` and ``bias`` (Flax's, over the feature axes) and DyT's ``alpha``, after
+        checking x's dtype against Flax's ``dtype`` (`_check_flax_dtype`)."""
+        self._check_flax_dtype(x)
+        spec = self.spec
         shape = tuple(x.shape[a] for a in features)
         scale = bias = alpha = None
         if spec.scale:
             scale = self._param("scale", self.scale_init, shape, spec.scale_init, x)
-            scale = spread(scale, spec, features, x.shape)
         if spec.bias:
             bias = self._param("bias", self.bias_init, shape, 0.0, x)
-            bias = spread(bias, spec, features, x.shape)
         if spec.kind == "dyt":
             assert spec.alpha_init is not None
             alpha = self._param("alpha", None, (1,), spec.alpha_init, x)
@@ -161,13 +150,8 @@ class _Layer(nn.Module):
         the elements where it is True (`normkit.jax.functional.normalize`). ``y`` has Flax's
         dtype: ``dtype`` when set, else ``result_type(x, params)`` (``output_dtype``
         overrides)."""
-        spec = self.spec
-        check_residual(type(self).__name__, spec, residual)
-        x = functional.as_array("x", x)
-        self._check_flax_dtype(x)
-        scale, bias, alpha = self._params(spec, x)
-        return normalize_or_add(
-            type(self).__name__, spec, x, residual, scale, bias, alpha, gate=gate, mask=mask,
+        return module_output(
+            self, self.spec, x, residual, self._axes()[1], self._params, gate=gate, mask=mask,
             dtype=self.dtype, axis_name=getattr(self, "axis_name", None),
             implementation=self.implementation,
         )
@@ -193,14 +177,13 @@ class _Norm(_Layer):
     @property
     def spec(self) -> NormSpec:
         """The `NormSpec` this module computes."""
-        check_axis_index_groups(self.axis_index_groups)
         return self._spec(
-            eps=self.epsilon,
+            epsilon=self.epsilon,
             eps_placement=self.eps_placement,
             p=getattr(self, "p", None),
-            variance=flax_variance(
-                self.kind, getattr(self, "variance", None), self.use_fast_variance
-            ),
+            variance=getattr(self, "variance", None),
+            use_fast_variance=self.use_fast_variance,
+            axis_index_groups=self.axis_index_groups,
             gate=self.gate,
             gate_activation=self.gate_activation,
             group_size=self.group_size,

@@ -13,26 +13,22 @@ it refines (a contradicting pair is a ValueError).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from normkit.jax import functional
 from normkit.jax._fields import (
     Axes,
+    Initializer,
+    Params,
     as_axes,
-    check_axis_index_groups,
-    check_residual,
-    feature_positions,
     flax_axis,
-    flax_output_dtype,
-    flax_variance,
+    flax_spec,
     module_kwargs,
-    normalize_or_add,
-    spread,
+    module_output,
 )
 from normkit.jax.functional import Implementation
 from normkit.spec import (
@@ -52,8 +48,6 @@ from normkit.spec import (
 )
 
 __all__ = ["RMSNorm", "PartialRMSNorm", "LayerNorm", "DyT", "from_spec"]
-
-Initializer = Any  # a jax.nn.initializers function: (key, shape, dtype) -> array
 
 
 class _Norm(nnx.Module):
@@ -139,9 +133,14 @@ class _Norm(nnx.Module):
         ``dtype``, x and the parameters are cast to it first (Flax's ``promote_dtype``) and
         ``y`` has it; without, ``y`` has ``result_type(x, params)`` (``output_dtype``
         overrides)."""
-        check_residual(type(self).__name__, self.spec, residual)
-        x = functional.as_array("x", x)
-        features = feature_positions(self.spec, as_axes(self.feature_axes), x.ndim)
+        return module_output(
+            self, self.spec, x, residual, as_axes(self.feature_axes), self._params, gate=gate,
+            mask=mask, dtype=self.dtype, axis_name=self.axis_name,
+            implementation=self.implementation,
+        )
+
+    def _params(self, x: jax.Array, features: tuple[int, ...]) -> Params:
+        """``scale``, ``bias`` and ``alpha``; cast to Flax's ``dtype`` where it applies."""
         scale, bias, alpha = (
             None if p is None else p[...] for p in (self.scale, self.bias, self.alpha)
         )
@@ -149,62 +148,60 @@ class _Norm(nnx.Module):
             scale, bias, alpha = (
                 None if p is None else p.astype(self.dtype) for p in (scale, bias, alpha)
             )
-        scale, bias = (
-            None if p is None else spread(p, self.spec, features, x.shape) for p in (scale, bias)
-        )
-        return normalize_or_add(
-            type(self).__name__, self.spec, x, residual, scale, bias, alpha, gate=gate,
-            mask=mask, dtype=self.dtype, axis_name=self.axis_name,
-            implementation=self.implementation,
-        )
+        return scale, bias, alpha
 
 
 class _Statistic(_Norm):
-    """The normalization kinds: Flax's arguments mapped onto the spec."""
+    """The normalization kinds, Flax's arguments mapped onto the spec (`flax_spec`); the public
+    classes below fix ``kind`` and document the arguments (`RMSNorm`). ``use_bias`` None is the
+    kind's Flax default: True for LayerNorm, else False; ``p`` is partial RMS's and
+    ``variance`` LayerNorm's (the spec refuses ``p`` and ``variance="fast"`` elsewhere)."""
+
+    kind: ClassVar[Kind]
 
     def __init__(
         self,
-        kind: Kind,
         num_features: int | Sequence[int],
         *,
         p: float | None = None,
-        epsilon: float,
-        dtype: DTypeLike | None,
-        param_dtype: DTypeLike,
-        use_bias: bool,
-        use_scale: bool,
-        bias_init: Initializer | None,
-        scale_init: Initializer | None,
-        reduction_axes: Axes,
-        feature_axes: Axes,
-        axis_name: str | None,
-        axis_index_groups: Any,
-        use_fast_variance: bool,
-        rngs: nnx.Rngs | None,
-        axis: int | tuple[int, ...] | None,
-        eps_placement: EpsPlacement,
-        scale_offset: float,
-        cast: Cast,
-        variance: Variance | None,
-        residual: Residual | None,
-        offset_dtype: OffsetDtype,
-        output_dtype: OutputDtype | None,
-        backward: Backward,
-        gate: Gate | None,
-        gate_activation: GateActivation | None,
-        group_size: int | None,
-        implementation: Implementation | None,
+        epsilon: float = DEFAULT_EPS,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        use_scale: bool = True,
+        use_bias: bool | None = None,
+        scale_init: Initializer | None = None,
+        bias_init: Initializer | None = None,
+        reduction_axes: Axes = -1,
+        feature_axes: Axes = -1,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        rngs: nnx.Rngs | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        eps_placement: EpsPlacement = "inside",
+        scale_offset: float = 0.0,
+        cast: Cast = "after_scale",
+        variance: Variance | None = None,
+        residual: Residual | None = None,
+        offset_dtype: OffsetDtype = "float32",
+        output_dtype: OutputDtype | None = None,
+        backward: Backward = "exact",
+        gate: Gate | None = None,
+        gate_activation: GateActivation | None = None,
+        group_size: int | None = None,
+        implementation: Implementation | None = None,
     ) -> None:
-        check_axis_index_groups(axis_index_groups)
         spec_axis = flax_axis(axis, reduction_axes, feature_axes)[0]
         if axis is not None:
             reduction_axes = feature_axes = axis
-        spec = NormSpec(
-            kind=kind, p=p, eps=epsilon, eps_placement=eps_placement, axis=spec_axis,
-            scale=use_scale, scale_offset=scale_offset, bias=use_bias, cast=cast,
-            variance=flax_variance(kind, variance, use_fast_variance), residual=residual,
-            offset_dtype=offset_dtype, output_dtype=flax_output_dtype(output_dtype, dtype),
-            backward=backward, gate=gate, gate_activation=gate_activation, group_size=group_size,
+        spec = flax_spec(
+            self.kind, axis=spec_axis, output_dtype=output_dtype, dtype=dtype, p=p,
+            epsilon=epsilon, eps_placement=eps_placement, variance=variance,
+            use_fast_variance=use_fast_variance, axis_index_groups=axis_index_groups,
+            use_scale=use_scale, scale_offset=scale_offset,
+            use_bias=self.kind == "layer" if use_bias is None else use_bias, cast=cast,
+            residual=residual, offset_dtype=offset_dtype, backward=backward, gate=gate,
+            gate_activation=gate_activation, group_size=group_size,
         )
         super().__init__(
             spec, num_features, feature_axes=feature_axes, dtype=dtype, param_dtype=param_dtype,
@@ -272,47 +269,7 @@ class RMSNorm(_Statistic):
       [0.8485, 1.1314]
     """
 
-    def __init__(
-        self,
-        num_features: int | Sequence[int],
-        *,
-        epsilon: float = DEFAULT_EPS,
-        dtype: DTypeLike | None = None,
-        param_dtype: DTypeLike = jnp.float32,
-        use_scale: bool = True,
-        use_bias: bool = False,
-        scale_init: Initializer | None = None,
-        bias_init: Initializer | None = None,
-        reduction_axes: Axes = -1,
-        feature_axes: Axes = -1,
-        axis_name: str | None = None,
-        axis_index_groups: Any = None,
-        use_fast_variance: bool = True,
-        rngs: nnx.Rngs | None = None,
-        axis: int | tuple[int, ...] | None = None,
-        eps_placement: EpsPlacement = "inside",
-        scale_offset: float = 0.0,
-        cast: Cast = "after_scale",
-        residual: Residual | None = None,
-        offset_dtype: OffsetDtype = "float32",
-        output_dtype: OutputDtype | None = None,
-        backward: Backward = "exact",
-        gate: Gate | None = None,
-        gate_activation: GateActivation | None = None,
-        group_size: int | None = None,
-        implementation: Implementation | None = None,
-    ) -> None:
-        super().__init__(
-            "rms", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-            use_bias=use_bias, use_scale=use_scale, bias_init=bias_init, scale_init=scale_init,
-            reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
-            axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance, rngs=rngs,
-            axis=axis, eps_placement=eps_placement, scale_offset=scale_offset, cast=cast,
-            variance=None, residual=residual, offset_dtype=offset_dtype,
-            output_dtype=output_dtype, backward=backward, gate=gate,
-            gate_activation=gate_activation, group_size=group_size,
-            implementation=implementation,
-        )
+    kind: ClassVar[Kind] = "rms"
 
 
 class PartialRMSNorm(_Statistic):
@@ -325,48 +282,7 @@ class PartialRMSNorm(_Statistic):
       are read (a single normalized axis only). No ``mask``.
     """
 
-    def __init__(
-        self,
-        num_features: int | Sequence[int],
-        *,
-        p: float,
-        epsilon: float = DEFAULT_EPS,
-        dtype: DTypeLike | None = None,
-        param_dtype: DTypeLike = jnp.float32,
-        use_scale: bool = True,
-        use_bias: bool = False,
-        scale_init: Initializer | None = None,
-        bias_init: Initializer | None = None,
-        reduction_axes: Axes = -1,
-        feature_axes: Axes = -1,
-        axis_name: str | None = None,
-        axis_index_groups: Any = None,
-        use_fast_variance: bool = True,
-        rngs: nnx.Rngs | None = None,
-        axis: int | tuple[int, ...] | None = None,
-        eps_placement: EpsPlacement = "inside",
-        scale_offset: float = 0.0,
-        cast: Cast = "after_scale",
-        residual: Residual | None = None,
-        offset_dtype: OffsetDtype = "float32",
-        output_dtype: OutputDtype | None = None,
-        backward: Backward = "exact",
-        gate: Gate | None = None,
-        gate_activation: GateActivation | None = None,
-        group_size: int | None = None,
-        implementation: Implementation | None = None,
-    ) -> None:
-        super().__init__(
-            "partial_rms", num_features, p=p, epsilon=epsilon, dtype=dtype,
-            param_dtype=param_dtype, use_bias=use_bias, use_scale=use_scale,
-            bias_init=bias_init, scale_init=scale_init, reduction_axes=reduction_axes,
-            feature_axes=feature_axes, axis_name=axis_name, axis_index_groups=axis_index_groups,
-            use_fast_variance=use_fast_variance, rngs=rngs, axis=axis,
-            eps_placement=eps_placement, scale_offset=scale_offset, cast=cast, variance=None,
-            residual=residual, offset_dtype=offset_dtype, output_dtype=output_dtype,
-            backward=backward, gate=gate, gate_activation=gate_activation, group_size=group_size,
-            implementation=implementation,
-        )
+    kind: ClassVar[Kind] = "partial_rms"
 
 
 class LayerNorm(_Statistic):
@@ -384,48 +300,7 @@ class LayerNorm(_Statistic):
       The other arguments are `RMSNorm`'s; ``use_bias`` defaults to True.
     """
 
-    def __init__(
-        self,
-        num_features: int | Sequence[int],
-        *,
-        epsilon: float = DEFAULT_EPS,
-        dtype: DTypeLike | None = None,
-        param_dtype: DTypeLike = jnp.float32,
-        use_bias: bool = True,
-        use_scale: bool = True,
-        bias_init: Initializer | None = None,
-        scale_init: Initializer | None = None,
-        reduction_axes: Axes = -1,
-        feature_axes: Axes = -1,
-        axis_name: str | None = None,
-        axis_index_groups: Any = None,
-        use_fast_variance: bool = True,
-        rngs: nnx.Rngs | None = None,
-        axis: int | tuple[int, ...] | None = None,
-        eps_placement: EpsPlacement = "inside",
-        scale_offset: float = 0.0,
-        cast: Cast = "after_scale",
-        variance: Variance | None = None,
-        residual: Residual | None = None,
-        offset_dtype: OffsetDtype = "float32",
-        output_dtype: OutputDtype | None = None,
-        backward: Backward = "exact",
-        gate: Gate | None = None,
-        gate_activation: GateActivation | None = None,
-        group_size: int | None = None,
-        implementation: Implementation | None = None,
-    ) -> None:
-        super().__init__(
-            "layer", num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-            use_bias=use_bias, use_scale=use_scale, bias_init=bias_init, scale_init=scale_init,
-            reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
-            axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance, rngs=rngs,
-            axis=axis, eps_placement=eps_placement, scale_offset=scale_offset, cast=cast,
-            variance=variance, residual=residual, offset_dtype=offset_dtype,
-            output_dtype=output_dtype, backward=backward, gate=gate,
-            gate_activation=gate_activation, group_size=group_size,
-            implementation=implementation,
-        )
+    kind: ClassVar[Kind] = "layer"
 
 
 class DyT(_Norm):
@@ -472,11 +347,10 @@ class DyT(_Norm):
         rngs: nnx.Rngs | None = None,
         implementation: Implementation | None = None,
     ) -> None:
-        spec = NormSpec(
-            kind="dyt", alpha_init=alpha_init, axis=axis, scale=use_scale,
-            scale_offset=scale_offset, bias=use_bias, cast=cast, residual=residual,
-            offset_dtype=offset_dtype, output_dtype=flax_output_dtype(output_dtype, dtype),
-            backward=backward,
+        spec = flax_spec(
+            "dyt", axis=axis, output_dtype=output_dtype, dtype=dtype, alpha_init=alpha_init,
+            use_scale=use_scale, scale_offset=scale_offset, use_bias=use_bias, cast=cast,
+            residual=residual, offset_dtype=offset_dtype, backward=backward,
         )
         super().__init__(
             spec, num_features, feature_axes=spec.axis, dtype=dtype, param_dtype=param_dtype,

@@ -172,6 +172,16 @@ def test_shorthands_build_the_spec() -> None:
         tolerances.assert_close(y, reference.normalize(x, spec, scale, bias), what=str(spec))
 
 
+def test_shorthands_refuse_an_unknown_keyword() -> None:
+    x = jnp.ones((2, 4))
+    with pytest.raises(TypeError, match="'epsilon'"):
+        F.rms_norm(x, epsilon=1e-5)
+    with pytest.raises(TypeError, match="'mask'"):
+        F.layer_norm(x, mask=x > 0)
+    with pytest.raises(TypeError, match="p"):
+        F.partial_rms_norm(x)  # type: ignore[call-arg]
+    assert F.rms_norm(x, dtype=jnp.bfloat16, axis_name=None, implementation="xla").dtype == jnp.bfloat16
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),

@@ -62,6 +62,19 @@ def test_constructors_follow_the_spec_defaults() -> None:
     )
 
 
+
+def test_nnx_modules_take_the_kind_defaults_and_refuse_another_kind_s_fields() -> None:
+    # Flax's use_bias defaults: False for the RMS kinds, True for LayerNorm; p is partial RMS's.
+    assert nkjax.nnx.RMSNorm(8).bias is None and nkjax.nnx.PartialRMSNorm(8, p=0.5).bias is None
+    assert nkjax.nnx.LayerNorm(8).bias is not None
+    assert nkjax.nnx.LayerNorm(8, use_bias=False).bias is None
+    with pytest.raises((TypeError, ValueError), match="p"):
+        nkjax.nnx.PartialRMSNorm(8)
+    with pytest.raises((TypeError, ValueError), match="p"):
+        nkjax.nnx.RMSNorm(8, p=0.5)
+    with pytest.raises((TypeError, ValueError), match="variance"):
+        nkjax.nnx.RMSNorm(8, variance="fast")
+
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16], ids=str)
 def test_no_silent_promotion_unlike_flax(dtype: np.dtype) -> None:
     """Half input with float32 params: with output_dtype="input" normkit returns the input
