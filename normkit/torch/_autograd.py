@@ -145,36 +145,33 @@ def _largest_exponent(eps: float, outside: bool, dtype: torch.dtype) -> int:
 def _mean_square(head: torch.Tensor) -> torch.Tensor:
     """``mean(head**2)`` per row, (rows, 1), of rows scaled so that no square overflows.
 
-    In eager code it is the square of torch's 2-norm, which reads a row once without writing
-    its squares (8192 x 4096 float32: 4 ms, where ``vecdot`` took 44 ms) and gives a row the
-    same bits in a batch of any size (``sum`` and ``vecdot`` on the CPU sum a row of 40000 in
-    another order in a batch of 16 than alone). Its error grows with the row's length (2.8e-5 of
-    the sum on rows of 2**20): a row of more than `_NORM_BLOCK` elements is taken in blocks of
-    it, the norm of the blocks' norms. Compiled, the ops are those Inductor fuses; for the CPU
-    summed in float64 (its CPU code sums a row into a few running float32 totals, whose
-    roundings add up to 2e-6 to 3e-5 of the sum on rows of 4096)."""
+    In eager code ``vecdot(head, head) / k``: on the CPU the same products and the same
+    inner-dim reduction as Hugging Face's and torch's ``x.pow(2).mean(-1)``, so that a swapped
+    norm keeps their bits (tests/port); torch's 2-norm reads a row 35 times faster on the CPU
+    (8192 x 4096 float32) but sums it in another order. A row of more than `_NORM_BLOCK`
+    elements is taken in blocks of it, then the blocks' sums: torch's CPU reductions split such
+    a row among threads in some batch sizes and not in others (a row of 40000 alone and in a
+    batch of 16), which changed its bits; a block is always summed on one thread. Compiled, the
+    ops are those Inductor fuses; for the CPU summed in float64 (its CPU code sums a row into a
+    few running float32 totals, whose roundings add up to 2e-6 to 3e-5 of the sum on rows of
+    4096)."""
     k = head.shape[-1]
-    if _traced():
-        if head.device.type == "cpu" and head.dtype == torch.float32:
-            total = (head * head).sum(dim=-1, keepdim=True, dtype=torch.float64).to(head.dtype)
-        else:
-            total = torch.linalg.vecdot(head, head).unsqueeze(-1)
-        return total / k
-    if k <= _NORM_BLOCK:
-        norm = torch.linalg.vector_norm(head, dim=-1, keepdim=True)
+    if _traced() and head.device.type == "cpu" and head.dtype == torch.float32:
+        total = (head * head).sum(dim=-1, keepdim=True, dtype=torch.float64).to(head.dtype)
+    elif _traced() or k <= _NORM_BLOCK:
+        total = torch.linalg.vecdot(head, head).unsqueeze(-1)
     else:
         whole = k // _NORM_BLOCK * _NORM_BLOCK
-        parts = torch.linalg.vector_norm(head[:, :whole].reshape(head.shape[0], -1, _NORM_BLOCK),
-                                         dim=-1)
+        blocks = head[:, :whole].reshape(head.shape[0], -1, _NORM_BLOCK)
+        parts = torch.linalg.vecdot(blocks, blocks)
         if whole < k:
-            parts = torch.cat([parts, torch.linalg.vector_norm(head[:, whole:], dim=-1,
-                                                               keepdim=True)], dim=-1)
-        norm = torch.linalg.vector_norm(parts, dim=-1, keepdim=True)
-    return norm.square().div_(k)
+            tail = head[:, whole:]
+            parts = torch.cat([parts, torch.linalg.vecdot(tail, tail).unsqueeze(-1)], dim=-1)
+        total = parts.sum(dim=-1, keepdim=True)
+    return total / k
 
 
-#: The longest row `_mean_square` and `_row_sum` take in one piece (the 2-norm's error there:
-#: 2.7e-7 of the sum).
+#: The longest row `_mean_square` and `_row_sum` sum in one piece.
 _NORM_BLOCK = 4096
 
 
