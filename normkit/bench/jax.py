@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import normkit.jax as nkjax
-from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups, time_group
+from normkit.bench.core import EPS, Group, Sweep, backend_main, plan_groups
+from normkit.bench.jax_timing import time_on_jax
 from normkit.bridges import JaxBridge
 
 __all__ = ["measure", "plan", "versions"]
@@ -102,21 +103,15 @@ def devices() -> list[str]:
 
 def measure(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """Time one group: the six modules, interleaved with a jitted copy of the same bytes."""
-    device = _BRIDGE.device(group.device)
     dtype = jnp.dtype(group.dtype)
-    with jax.default_device(device):  # drawn on the device: no copy of 32M values
-        keys = jax.random.split(jax.random.key(0), 3)
-        x, dy = (jax.random.normal(k, group.shape).astype(dtype) for k in keys[:2])
-        buffer = jax.random.normal(keys[2], (group.copy_elements,)).astype(dtype)
-    candidates = {
-        k: _task(apply, params, x, dy, group.backward)
-        for k, (apply, params) in _layers(dtype, x).items()
-    }
-    copy = jax.jit(jnp.copy)
-    return time_group(
-        group, sweep, candidates, ("copy (jnp.copy)", lambda: copy(buffer)),
-        wait=jax.block_until_ready,
-    )
+
+    def tasks(x: jax.Array, dy: jax.Array) -> dict[str, Callable[[], object]]:
+        return {
+            k: _task(apply, params, x, dy, group.backward)
+            for k, (apply, params) in _layers(dtype, x).items()
+        }
+
+    return time_on_jax(group, sweep, _BRIDGE.device(group.device), tasks)
 
 
 if __name__ == "__main__":

@@ -180,23 +180,15 @@ def _peak_bytes(fn: Callable[[], object], name: str) -> int:
 
 def _measure_jax(group: Group, sweep: Sweep) -> list[dict[str, Any]]:
     """`measure` on Keras' JAX backend: the arrays on the group's device, a jitted copy."""
-    import jax
-    import jax.numpy as jnp
+    from normkit.bench.jax_timing import time_on_jax
 
-    device = JaxBridge().device(group.device)
-    with jax.default_device(device):  # drawn on the device: no copy of 32M values
-        keys = jax.random.split(jax.random.key(0), 3)
-        x, dy = (jax.random.normal(k, group.shape).astype(group.dtype) for k in keys[:2])
-        buffer = jax.random.normal(keys[2], (group.copy_elements,)).astype(group.dtype)
-        candidates = {
+    def tasks(x: Any, dy: Any) -> dict[str, Callable[[], object]]:
+        return {
             k: _jax_task(layer, x, dy, group.backward, group.mode == JAX_JIT)
             for k, layer in _layers_built(group.dtype, group.shape).items()
         }
-        copy = jax.jit(jnp.copy)
-        return time_group(
-            group, sweep, candidates, ("copy (jnp.copy)", lambda: copy(buffer)),
-            wait=jax.block_until_ready,
-        )
+
+    return time_on_jax(group, sweep, JaxBridge().device(group.device), tasks)
 
 
 if __name__ == "__main__":

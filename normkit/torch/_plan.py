@@ -82,49 +82,54 @@ def _check_alpha(alpha: torch.Tensor | None, spec: NormSpec) -> None:
         )
 
 
+def _given_as_the_spec_asks(
+    x: torch.Tensor, tensor: torch.Tensor | None, name: str, field: object, *, unasked: str,
+    missing: str,
+) -> bool:
+    """Whether ``tensor`` (the argument ``name``) is given, which it must be exactly when the
+    spec's field ``field`` is set (else ValueError ``unasked`` or ``missing``); a given one must
+    be a float tensor of x's shape."""
+    if field is None:
+        if tensor is not None:
+            raise ValueError(unasked)
+        return False
+    if tensor is None:
+        raise ValueError(missing)
+    check_tensor(tensor, name)
+    if tensor.shape != x.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)}, expected the shape of x, {tuple(x.shape)}"
+        )
+    return True
+
+
 def _check_gate(x: torch.Tensor, gate: torch.Tensor | None, spec: NormSpec) -> None:
     """A gate exactly when ``spec.gate`` is set: a float tensor of x's shape and device."""
-    if spec.gate is None:
-        if gate is not None:
-            raise ValueError(
-                "normalize: a gate was given but the spec has gate=None; build the spec with "
-                "gate='before' or 'after' to gate the norm"
-            )
-        return
-    if gate is None:
-        raise ValueError(
-            f"normalize: the spec has gate={spec.gate!r}, which needs the gate tensor: "
-            "normalize(x, spec, weight, bias, gate=z)"
-        )
-    check_tensor(gate, "gate")
-    if gate.shape != x.shape:
-        raise ValueError(f"gate has shape {tuple(gate.shape)}, x has {tuple(x.shape)}")
-    if gate.device != x.device:
-        raise ValueError(f"gate is on {gate.device}, x on {x.device}")
+    if _given_as_the_spec_asks(
+        x, gate, "gate", spec.gate,
+        unasked="normalize: a gate was given but the spec has gate=None; build the spec with "
+        "gate='before' or 'after' to gate the norm",
+        missing=f"normalize: the spec has gate={spec.gate!r}, which needs the gate tensor: "
+        "normalize(x, spec, weight, bias, gate=z)",
+    ):
+        assert gate is not None
+        if gate.device != x.device:
+            raise ValueError(f"gate is on {gate.device}, x on {x.device}")
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor | None, spec: NormSpec) -> None:
     """TypeError/ValueError unless ``residual`` fits ``x`` for ``spec.residual``: given exactly
     when the spec has one, of x's shape, and x's dtype (or the compute dtype, for
     ``"float32"``)."""
-    if spec.residual is None:
-        if residual is not None:
-            raise ValueError(
-                "a residual was given but the spec has residual=None: build it with "
-                "residual='rounded', 'float32' or 'float32_normalized' to add one"
-            )
+    if not _given_as_the_spec_asks(
+        x, residual, "residual", spec.residual,
+        unasked="a residual was given but the spec has residual=None: build it with "
+        "residual='rounded', 'float32' or 'float32_normalized' to add one",
+        missing=f"the spec has residual={spec.residual!r}: add_norm(x, residual, spec, ...) (a "
+        "module: module(x, residual)), which returns (y, h)",
+    ):
         return
-    if residual is None:
-        raise ValueError(
-            f"the spec has residual={spec.residual!r}: add_norm(x, residual, spec, ...) "
-            "(a module: module(x, residual)), which returns (y, h)"
-        )
-    check_tensor(residual, "residual")
-    if residual.shape != x.shape:
-        raise ValueError(
-            f"residual has shape {tuple(residual.shape)}, expected the shape of x, "
-            f"{tuple(x.shape)}"
-        )
+    assert residual is not None
     allowed = {x.dtype}
     if spec.residual == "float32":
         allowed.add(_acc_dtype(x.dtype))

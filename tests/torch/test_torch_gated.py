@@ -93,7 +93,8 @@ def test_gate_missing_or_unexpected_is_refused():
         normalize(x, NormSpec(gate="after"))
     with pytest.raises(ValueError, match="spec has gate=None"):
         normalize(x, NormSpec(), gate=x)
-    with pytest.raises(ValueError, match="gate has shape"):
+    # The reference's words for a companion of the wrong shape, as for a residual.
+    with pytest.raises(ValueError, match=r"gate has shape \(2, 4\), expected the shape of x, \(2, 8\)"):
         normalize(x, NormSpec(gate="after"), gate=torch.randn(2, 4))
     with pytest.raises(TypeError, match="gate"):
         normalize(x, NormSpec(gate="after"), gate=torch.ones(2, 8, dtype=torch.int32))
