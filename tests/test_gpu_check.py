@@ -12,7 +12,7 @@ import pytest
 
 import normkit
 from normkit.conformance.targets import select
-from tests.helpers import fake_gpu as fake_gpu_tools
+from tests.helpers import fake_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
@@ -47,7 +47,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path):
 
 
 def test_check_alone_runs_nothing_even_with_a_gpu(tmp_path):
-    fake_gpu(tmp_path)
+    fake_gpu.install(tmp_path)
     done = gpu_check("--check", "--out", str(tmp_path / "out"), path=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("gpu-check: --check: nothing run; found normkit")
@@ -62,10 +62,6 @@ def test_a_tree_without_normkit_is_an_error_naming_what_is_missing(tmp_path):
     [line] = done.stdout.splitlines()
     assert "missing: test files ['tests/torch/test_torch_triton_kernel.py'" in line
     assert f"normkit in {tmp_path}" in line
-
-
-def fake_gpu(folder):
-    fake_gpu_tools.install(folder)
 
 
 #: What each step's command writes when stopped, as normkit writes what it finished on SIGTERM.
@@ -83,11 +79,11 @@ def test_a_step_past_its_time_is_stopped_and_recorded_with_what_it_wrote(tmp_pat
     # Every `python -m normkit bench` or `conformance` the step starts sleeps past its limit,
     # however fast the machine (a run on a fake GPU would otherwise fail at once, or not, by how
     # fast it starts), and on SIGTERM writes a report of one row or case.
-    slow = fake_gpu_tools.install(tmp_path, [(["-m", step], STOPPED_REPORTS[step])])
+    slow = fake_gpu.install(tmp_path, [(["-m", step], STOPPED_REPORTS[step])])
     done = gpu_check("--only", step, "--budget", "20", "--out", str(out), path=path, pythonpath=slow)
     assert done.returncode == 1, done.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["gpu"] == fake_gpu_tools.GPU_NAME and summary["device"] == "cuda:0"
+    assert summary["gpu"] == fake_gpu.GPU_NAME and summary["device"] == "cuda:0"
     [record] = summary["steps"]
     assert record["step"] == step and record["status"] == "timeout" and record["log"] == f"{step}.log"
     assert record["interrupted"] is True
